@@ -1,0 +1,1 @@
+//! kvroute.wasm: the proxy-wasm filter. Host calls live here; logic in kvroute-core.
