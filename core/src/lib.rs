@@ -2,3 +2,5 @@
 //! natively and shared by the filter, the indexer and the simulator.
 
 pub mod hash;
+pub mod events;
+pub mod feed;
