@@ -1,0 +1,501 @@
+//! Plugin configuration: parsed from the plugin's JSON, validated into a
+//! runtime [`Config`]. Every error names the offending field, because Envoy
+//! only shows the operator a log line.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// A configuration the filter refuses, with the field that is wrong.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid kvroute config: {}", self.message)
+        } else {
+            write!(
+                f,
+                "invalid kvroute config: field `{}`: {}",
+                self.field, self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// Which root context this plugin instance runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// HTTP filter in every worker: parses, scores, routes.
+    Filter,
+    /// Bootstrap `wasm_service` on the main thread: polls the indexer.
+    Singleton,
+}
+
+/// Cost weights (design.md, Dynamo's KV-router form).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Weights {
+    /// Per uncached prompt block (prefill work the pod would redo).
+    pub prefill: f64,
+    /// Per prompt block in flight on the pod (its decode load).
+    pub decode: f64,
+    /// Per request waiting in the pod's queue (pod-reported).
+    pub queue: f64,
+    /// Per unit of KV usage, scaled by the pod's capacity in blocks (pod-reported).
+    pub kv_usage: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            prefill: 1.0,
+            decode: 1.0,
+            queue: 0.0,
+            kv_usage: 0.0,
+        }
+    }
+}
+
+/// Credit of a block held in a lower cache tier, relative to GPU (1.0).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierDiscount {
+    pub cpu: f64,
+    pub disk: f64,
+}
+
+impl Default for TierDiscount {
+    fn default() -> Self {
+        TierDiscount {
+            cpu: 0.5,
+            disk: 0.25,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexSettings {
+    /// Learned (approximate) entries older than this are not matched.
+    pub ttl_seconds: u32,
+    /// How often the snapshot for newly started VMs is refreshed.
+    pub snapshot_interval_ms: u32,
+}
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        IndexSettings {
+            ttl_seconds: 600,
+            snapshot_interval_ms: 2000,
+        }
+    }
+}
+
+/// A pod the filter may route to.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// `ip:port`, exactly as the override_host LB knows the host.
+    pub address: String,
+    /// KV-cache capacity in blocks; `default_capacity_blocks` when absent.
+    #[serde(default)]
+    pub capacity_blocks: Option<u32>,
+    /// Models served; empty means every model.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// An HTTP call-out target (an Envoy cluster).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexerSettings {
+    pub cluster: String,
+    #[serde(default = "IndexerSettings::default_authority")]
+    pub authority: String,
+    #[serde(default = "IndexerSettings::default_feed_path")]
+    pub feed_path: String,
+    #[serde(default = "IndexerSettings::default_learned_path")]
+    pub learned_path: String,
+    #[serde(default = "IndexerSettings::default_poll_ms")]
+    pub poll_ms: u32,
+    #[serde(default = "IndexerSettings::default_timeout_ms")]
+    pub timeout_ms: u32,
+}
+
+impl IndexerSettings {
+    fn default_authority() -> String {
+        "kvroute-indexer".into()
+    }
+    fn default_feed_path() -> String {
+        "/v1/feed".into()
+    }
+    fn default_learned_path() -> String {
+        "/v1/learned".into()
+    }
+    fn default_poll_ms() -> u32 {
+        100
+    }
+    fn default_timeout_ms() -> u32 {
+        1000
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerSettings {
+    pub cluster: String,
+    #[serde(default = "TokenizerSettings::default_authority")]
+    pub authority: String,
+    #[serde(default = "TokenizerSettings::default_path")]
+    pub path: String,
+    #[serde(default = "TokenizerSettings::default_timeout_ms")]
+    pub timeout_ms: u32,
+}
+
+impl TokenizerSettings {
+    fn default_authority() -> String {
+        "tokenizer".into()
+    }
+    fn default_path() -> String {
+        "/tokenize".into()
+    }
+    fn default_timeout_ms() -> u32 {
+        50
+    }
+}
+
+/// The plugin configuration as written by the operator.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub role: Role,
+    pub paths: Vec<String>,
+    pub max_body_bytes: usize,
+    pub block_size: usize,
+    pub chunk_bytes: usize,
+    pub max_blocks: usize,
+    pub destination_header: String,
+    pub fallback_endpoints: usize,
+    pub decision_header: String,
+    pub weights: Weights,
+    pub tier_discount: TierDiscount,
+    pub index: IndexSettings,
+    pub default_capacity_blocks: u32,
+    pub endpoints: Vec<Endpoint>,
+    /// LoRA adapter name → base model, so adapter requests hash in the
+    /// adapter's scope and go to pods serving the base model.
+    pub adapters: BTreeMap<String, String>,
+    pub indexer: Option<IndexerSettings>,
+    pub tokenizer: Option<TokenizerSettings>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            role: Role::Filter,
+            paths: vec!["/v1/chat/completions".into(), "/v1/completions".into()],
+            max_body_bytes: 4 << 20,
+            block_size: 16,
+            chunk_bytes: 64,
+            max_blocks: 4096,
+            destination_header: "x-gateway-destination-endpoint".into(),
+            fallback_endpoints: 2,
+            decision_header: "x-kvroute-decision".into(),
+            weights: Weights::default(),
+            tier_discount: TierDiscount::default(),
+            index: IndexSettings::default(),
+            default_capacity_blocks: 16384,
+            endpoints: Vec::new(),
+            adapters: BTreeMap::new(),
+            indexer: None,
+            tokenizer: None,
+        }
+    }
+}
+
+/// Bounds that keep a typo from turning into a memory or CPU bomb.
+const MAX_CAPACITY_BLOCKS: u32 = 1 << 24;
+const MAX_BLOCKS_PER_REQUEST: usize = 1 << 16;
+
+impl Config {
+    /// Parses and validates the plugin configuration. An empty input means
+    /// all defaults.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let trimmed = bytes.iter().all(|b| b.is_ascii_whitespace());
+        let config: Config = if trimmed {
+            Config::default()
+        } else {
+            serde_json::from_slice(bytes)
+                .map_err(|e| invalid(field_of_serde_error(&e), e.to_string()))?
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.paths.is_empty() {
+            return Err(invalid("paths", "must list at least one path"));
+        }
+        for (i, path) in self.paths.iter().enumerate() {
+            if !path.starts_with('/') {
+                return Err(invalid(format!("paths[{i}]"), "must start with '/'"));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            return Err(invalid("max_body_bytes", "must be > 0"));
+        }
+        if self.block_size == 0 || self.block_size > 1024 {
+            return Err(invalid("block_size", "must be between 1 and 1024"));
+        }
+        if self.chunk_bytes == 0 || self.chunk_bytes > 65536 {
+            return Err(invalid("chunk_bytes", "must be between 1 and 65536"));
+        }
+        if self.max_blocks == 0 || self.max_blocks > MAX_BLOCKS_PER_REQUEST {
+            return Err(invalid(
+                "max_blocks",
+                format!("must be between 1 and {MAX_BLOCKS_PER_REQUEST}"),
+            ));
+        }
+        if !is_header_name(&self.destination_header) {
+            return Err(invalid(
+                "destination_header",
+                "must be a lower-case HTTP header name",
+            ));
+        }
+        if !self.decision_header.is_empty() && !is_header_name(&self.decision_header) {
+            return Err(invalid(
+                "decision_header",
+                "must be a lower-case HTTP header name or empty",
+            ));
+        }
+        let w = &self.weights;
+        for (name, value) in [
+            ("prefill", w.prefill),
+            ("decode", w.decode),
+            ("queue", w.queue),
+            ("kv_usage", w.kv_usage),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(invalid(
+                    format!("weights.{name}"),
+                    "must be a finite number >= 0",
+                ));
+            }
+        }
+        for (name, value) in [
+            ("cpu", self.tier_discount.cpu),
+            ("disk", self.tier_discount.disk),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(invalid(
+                    format!("tier_discount.{name}"),
+                    "must be between 0 and 1",
+                ));
+            }
+        }
+        if self.index.ttl_seconds == 0 {
+            return Err(invalid("index.ttl_seconds", "must be > 0"));
+        }
+        if self.index.snapshot_interval_ms < 100 {
+            return Err(invalid("index.snapshot_interval_ms", "must be >= 100"));
+        }
+        check_capacity(
+            "default_capacity_blocks",
+            Some(self.default_capacity_blocks),
+        )?;
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, endpoint) in self.endpoints.iter().enumerate() {
+            if !is_host_port(&endpoint.address) {
+                return Err(invalid(
+                    format!("endpoints[{i}].address"),
+                    "must be ip:port",
+                ));
+            }
+            if !seen.insert(endpoint.address.as_str()) {
+                return Err(invalid(
+                    format!("endpoints[{i}].address"),
+                    "is listed twice",
+                ));
+            }
+            check_capacity(
+                &format!("endpoints[{i}].capacity_blocks"),
+                endpoint.capacity_blocks,
+            )?;
+        }
+        if let Some(indexer) = &self.indexer {
+            check_callout("indexer", &indexer.cluster, indexer.timeout_ms)?;
+            if indexer.poll_ms < 10 {
+                return Err(invalid("indexer.poll_ms", "must be >= 10"));
+            }
+            for (name, path) in [
+                ("feed_path", &indexer.feed_path),
+                ("learned_path", &indexer.learned_path),
+            ] {
+                if !path.starts_with('/') {
+                    return Err(invalid(format!("indexer.{name}"), "must start with '/'"));
+                }
+            }
+        }
+        if let Some(tokenizer) = &self.tokenizer {
+            check_callout("tokenizer", &tokenizer.cluster, tokenizer.timeout_ms)?;
+            if !tokenizer.path.starts_with('/') {
+                return Err(invalid("tokenizer.path", "must start with '/'"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Capacity of an endpoint, with the configured default.
+    pub fn capacity_of(&self, endpoint: &Endpoint) -> u32 {
+        endpoint
+            .capacity_blocks
+            .unwrap_or(self.default_capacity_blocks)
+    }
+
+    /// True when requests on this path are routed.
+    pub fn routes_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or(path);
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+fn check_capacity(field: &str, capacity: Option<u32>) -> Result<(), ConfigError> {
+    match capacity {
+        Some(0) => Err(invalid(field, "must be > 0")),
+        Some(c) if c > MAX_CAPACITY_BLOCKS => {
+            Err(invalid(field, format!("must be <= {MAX_CAPACITY_BLOCKS}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_callout(section: &str, cluster: &str, timeout_ms: u32) -> Result<(), ConfigError> {
+    if cluster.is_empty() {
+        return Err(invalid(
+            format!("{section}.cluster"),
+            "must name an Envoy cluster",
+        ));
+    }
+    if timeout_ms == 0 || timeout_ms > 60_000 {
+        return Err(invalid(
+            format!("{section}.timeout_ms"),
+            "must be between 1 and 60000",
+        ));
+    }
+    Ok(())
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.'
+        })
+}
+
+fn is_host_port(address: &str) -> bool {
+    match address.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
+    }
+}
+
+/// serde_json names unknown fields in its message but not the path of a type
+/// error; pull the backticked field name out when there is one.
+fn field_of_serde_error(error: &serde_json::Error) -> String {
+    let text = error.to_string();
+    let mut parts = text.split('`');
+    match (parts.next(), parts.next()) {
+        (Some(_), Some(field))
+            if text.starts_with("unknown field") || text.starts_with("missing field") =>
+        {
+            field.to_string()
+        }
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(json: &str) -> ConfigError {
+        Config::from_json(json.as_bytes()).unwrap_err()
+    }
+
+    #[test]
+    fn empty_config_means_defaults() {
+        assert_eq!(Config::from_json(b"").unwrap(), Config::default());
+        assert_eq!(Config::from_json(b"{}").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = Config::from_json(
+            br#"{"weights":{"prefill":2,"decode":0.5},"endpoints":[{"address":"10.0.0.1:8000","capacity_blocks":19208,"models":["m"]}],
+                "indexer":{"cluster":"idx"},"tokenizer":{"cluster":"tok","timeout_ms":20},"adapters":{"sql-lora":"m"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.weights.prefill, 2.0);
+        assert_eq!(c.weights.queue, 0.0);
+        assert_eq!(c.capacity_of(&c.endpoints[0]), 19208);
+        assert_eq!(c.indexer.unwrap().poll_ms, 100);
+        assert_eq!(c.tokenizer.unwrap().path, "/tokenize");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(err(r#"{"wieghts":{}}"#).field, "wieghts");
+        assert_eq!(err(r#"{"weights":{"prefil":1}}"#).field, "prefil");
+        assert_eq!(err(r#"{"weights":{"decode":-1}}"#).field, "weights.decode");
+        assert_eq!(err(r#"{"block_size":0}"#).field, "block_size");
+        assert_eq!(
+            err(r#"{"endpoints":[{"address":"nope"}]}"#).field,
+            "endpoints[0].address"
+        );
+        assert_eq!(
+            err(r#"{"endpoints":[{"address":"a:1"},{"address":"a:1"}]}"#).field,
+            "endpoints[1].address"
+        );
+        assert_eq!(
+            err(r#"{"endpoints":[{"capacity_blocks":3}]}"#).field,
+            "address"
+        );
+        assert_eq!(
+            err(r#"{"indexer":{"cluster":""}}"#).field,
+            "indexer.cluster"
+        );
+        assert_eq!(
+            err(r#"{"destination_header":"X-Bad"}"#).field,
+            "destination_header"
+        );
+        assert_eq!(err(r#"{"paths":["v1"]}"#).field, "paths[0]");
+        assert!(err(r#"{"max_blocks":"many"}"#)
+            .to_string()
+            .contains("invalid type"));
+        assert!(err("not json")
+            .to_string()
+            .starts_with("invalid kvroute config"));
+    }
+
+    #[test]
+    fn path_matching_ignores_query() {
+        let c = Config::default();
+        assert!(c.routes_path("/v1/completions?x=1"));
+        assert!(!c.routes_path("/v1/embeddings"));
+    }
+}

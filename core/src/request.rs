@@ -1,0 +1,382 @@
+//! OpenAI-style request bodies → the prompt kvroute hashes.
+//!
+//! Prompt sources, in order: pretokenized ids (`prompt` as an int array or an
+//! array of int arrays for completions, `prompt_token_ids` for chat), else a
+//! canonical byte rendering of `messages` or of a string `prompt`. Only the
+//! first prompt of a batch is used: it decides where the batch goes.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::fmt;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Separates a message's role from its content in the rendering.
+const ROLE_END: u8 = 0x1f;
+/// Ends a message in the rendering.
+const MESSAGE_END: u8 = 0x1e;
+/// Brackets the digest of a non-text part.
+const PART_MARK: u8 = 0x1d;
+
+/// What the filter hashes for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Token ids from the client (or a tokenizer call-out).
+    Tokens(Vec<u32>),
+    /// Canonical rendering of the prompt text (byte fallback).
+    Text(Vec<u8>),
+}
+
+/// A parsed request: the model that scopes its hashes and its prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptRequest {
+    pub model: String,
+    pub prompt: Prompt,
+}
+
+/// Why a body yields no prompt. Each maps to a fail-open counter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParseError {
+    /// Not JSON, or JSON of the wrong shape.
+    Malformed(String),
+    /// No `model` string.
+    NoModel,
+    /// Neither `messages`, `prompt` nor token ids.
+    NoPrompt,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParseError::Malformed(why) => write!(f, "malformed request body: {why}"),
+            ParseError::NoModel => write!(f, "request has no model"),
+            ParseError::NoPrompt => write!(f, "request has no prompt"),
+        }
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+impl From<serde_json::Error> for ParseError {
+    fn from(e: serde_json::Error) -> Self {
+        ParseError::Malformed(e.to_string())
+    }
+}
+
+#[derive(Deserialize)]
+struct RawRequest<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<RawMessage<'a>>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Deserialize)]
+struct RawMessage<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct RawPart<'a> {
+    #[serde(borrow, rename = "type")]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+/// Parses a chat or completion body. Unknown fields are ignored, as an
+/// OpenAI-compatible server does.
+pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
+    let raw: RawRequest = serde_json::from_slice(body)?;
+    let model = match raw.model {
+        Some(m) if !m.is_empty() => m.into_owned(),
+        _ => return Err(ParseError::NoModel),
+    };
+    let prompt = if let Some(tokens) = raw.prompt_token_ids {
+        Prompt::Tokens(tokens)
+    } else if let Some(prompt) = raw.prompt {
+        parse_prompt(prompt)?
+    } else if let Some(messages) = raw.messages {
+        Prompt::Text(render_messages(&messages)?)
+    } else {
+        return Err(ParseError::NoPrompt);
+    };
+    Ok(PromptRequest { model, prompt })
+}
+
+/// `prompt` of a completion: a string, an array of strings, an array of
+/// token ids or an array of such arrays. Dispatch on the first bytes so the
+/// body is not buffered twice (serde's untagged enums would).
+fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
+    let text = raw.get().trim_start();
+    match text.as_bytes().first() {
+        Some(b'"') => Ok(Prompt::Text(
+            serde_json::from_str::<Cow<str>>(text)?
+                .into_owned()
+                .into_bytes(),
+        )),
+        Some(b'[') => match text[1..].trim_start().as_bytes().first() {
+            Some(b'"') => {
+                let batch: Vec<Cow<str>> = serde_json::from_str(text)?;
+                first_of(batch).map(|s| Prompt::Text(s.into_owned().into_bytes()))
+            }
+            Some(b'[') => {
+                let batch: Vec<Vec<u32>> = serde_json::from_str(text)?;
+                first_of(batch).map(Prompt::Tokens)
+            }
+            Some(b']') => Err(ParseError::NoPrompt),
+            _ => Ok(Prompt::Tokens(serde_json::from_str(text)?)),
+        },
+        Some(b'n') => Err(ParseError::NoPrompt),
+        _ => Err(ParseError::Malformed(
+            "prompt must be a string, token ids or an array of them".into(),
+        )),
+    }
+}
+
+fn first_of<T>(batch: Vec<T>) -> Result<T, ParseError> {
+    batch.into_iter().next().ok_or(ParseError::NoPrompt)
+}
+
+/// Canonical rendering of chat messages: for each message
+/// `role[:name] 0x1F content 0x1E`, where content is the text (string content
+/// or the text parts in order) and each non-text part is `0x1D type:digest 0x1D`
+/// with the XXH3 digest of its canonical JSON (keys sorted). Earlier messages
+/// render the same whatever follows, so conversations share prefixes.
+fn render_messages(messages: &[RawMessage]) -> Result<Vec<u8>, ParseError> {
+    if messages.is_empty() {
+        return Err(ParseError::NoPrompt);
+    }
+    let mut out = Vec::with_capacity(
+        messages
+            .iter()
+            .map(|m| m.content.map_or(0, |c| c.get().len()))
+            .sum::<usize>()
+            + 16,
+    );
+    for message in messages {
+        out.extend_from_slice(message.role.as_bytes());
+        if let Some(name) = &message.name {
+            out.push(b':');
+            out.extend_from_slice(name.as_bytes());
+        }
+        out.push(ROLE_END);
+        if let Some(content) = message.content {
+            render_content(content, &mut out)?;
+        }
+        if let Some(calls) = message.tool_calls {
+            push_digest("tool_calls", calls, &mut out)?;
+        }
+        out.push(MESSAGE_END);
+    }
+    Ok(out)
+}
+
+fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    let text = content.get().trim_start();
+    match text.as_bytes().first() {
+        Some(b'"') => out.extend_from_slice(serde_json::from_str::<Cow<str>>(text)?.as_bytes()),
+        Some(b'[') => {
+            let parts: Vec<&RawValue> = serde_json::from_str(text)?;
+            for part in parts {
+                let parsed: RawPart = serde_json::from_str(part.get())?;
+                match (parsed.kind.as_ref(), parsed.text) {
+                    ("text", Some(t)) => out.extend_from_slice(t.as_bytes()),
+                    (kind, _) => push_digest(kind, part, out)?,
+                }
+            }
+        }
+        Some(b'n') => {}
+        _ => {
+            return Err(ParseError::Malformed(
+                "message content must be a string, parts or null".into(),
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    // Canonical JSON (serde_json's map is sorted) so key order and spacing of
+    // the client do not change the digest.
+    let canonical = serde_json::from_str::<serde_json::Value>(raw.get())?.to_string();
+    out.push(PART_MARK);
+    out.extend_from_slice(kind.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(format!("{:016x}", xxh3_64(canonical.as_bytes())).as_bytes());
+    out.push(PART_MARK);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(body: &str) -> Vec<u8> {
+        match parse_request(body.as_bytes()).unwrap().prompt {
+            Prompt::Text(t) => t,
+            other => panic!("expected text, got {other:?}"),
+        }
+    }
+
+    fn tokens(body: &str) -> Vec<u32> {
+        match parse_request(body.as_bytes()).unwrap().prompt {
+            Prompt::Tokens(t) => t,
+            other => panic!("expected tokens, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn chat_messages_render_canonically() {
+        let rendered = text(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","name":"ann","content":"Hi \u00e9"}]}"#,
+        );
+        assert_eq!(
+            rendered,
+            "system\u{1f}Be brief.\u{1e}user:ann\u{1f}Hi é\u{1e}".as_bytes()
+        );
+    }
+
+    #[test]
+    fn earlier_messages_render_the_same_whatever_follows() {
+        let one = text(r#"{"model":"m","messages":[{"role":"system","content":"S"}]}"#);
+        let two = text(
+            r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"Q"}]}"#,
+        );
+        assert!(two.starts_with(&one));
+    }
+
+    #[test]
+    fn text_parts_concatenate_and_other_parts_digest_stably() {
+        let a = text(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look "},{"type":"image_url","image_url":{"url":"data:x","detail":"low"}}]}]}"#,
+        );
+        let b = text(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look "},{"image_url":{"detail":"low","url":"data:x"},"type":"image_url"}]}]}"#,
+        );
+        let c = text(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look "},{"type":"image_url","image_url":{"url":"data:y"}}]}]}"#,
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(a.starts_with(b"user\x1flook \x1dimage_url:"));
+    }
+
+    #[test]
+    fn tool_calls_and_null_content() {
+        let r = text(
+            r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}"#,
+        );
+        assert!(r.starts_with(b"assistant\x1f\x1dtool_calls:"));
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        assert_eq!(text(r#"{"model":"m","prompt":"hello"}"#), b"hello");
+        assert_eq!(
+            text(r#"{"model":"m","prompt":["first","second"]}"#),
+            b"first"
+        );
+        assert_eq!(tokens(r#"{"model":"m","prompt":[1,2,3]}"#), vec![1, 2, 3]);
+        assert_eq!(
+            tokens(r#"{"model":"m","prompt":[ [4,5], [6] ]}"#),
+            vec![4, 5]
+        );
+    }
+
+    #[test]
+    fn chat_token_ids_win_over_messages() {
+        assert_eq!(
+            tokens(
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_token_ids":[9,8]}"#
+            ),
+            vec![9, 8]
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let r = parse_request(
+            br#"{"model":"m","prompt":"p","stream":true,"extra":{"deep":[1,2]},"max_tokens":5}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "m");
+    }
+
+    #[test]
+    fn bad_bodies_give_typed_errors() {
+        let cases: &[(&[u8], fn(&ParseError) -> bool)] = &[
+            (b"", |e| matches!(e, ParseError::Malformed(_))),
+            (b"{", |e| matches!(e, ParseError::Malformed(_))),
+            (b"[1,2]", |e| matches!(e, ParseError::Malformed(_))),
+            (b"\xff\xfe{}", |e| matches!(e, ParseError::Malformed(_))),
+            (br#"{"prompt":"p"}"#, |e| *e == ParseError::NoModel),
+            (br#"{"model":"","prompt":"p"}"#, |e| {
+                *e == ParseError::NoModel
+            }),
+            (br#"{"model":"m"}"#, |e| *e == ParseError::NoPrompt),
+            (br#"{"model":"m","messages":[]}"#, |e| {
+                *e == ParseError::NoPrompt
+            }),
+            (br#"{"model":"m","prompt":[]}"#, |e| {
+                *e == ParseError::NoPrompt
+            }),
+            (br#"{"model":"m","prompt":null}"#, |e| {
+                *e == ParseError::NoPrompt
+            }),
+            (br#"{"model":"m","prompt":[-1]}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":"m","prompt":[1.5]}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":"m","prompt":7}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":7,"prompt":"p"}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":"m","messages":[{"content":"x"}]}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+                |e| matches!(e, ParseError::Malformed(_)),
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":[{"text":"no type"}]}]}"#,
+                |e| matches!(e, ParseError::Malformed(_)),
+            ),
+        ];
+        for (body, check) in cases {
+            let e = parse_request(body).unwrap_err();
+            assert!(check(&e), "{:?} gave {e:?}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn deep_nesting_is_an_error_not_a_crash() {
+        let deep = format!("{}1{}", "[".repeat(100_000), "]".repeat(100_000));
+        let ignored = format!(r#"{{"model":"m","x":{deep},"prompt":"p"}}"#);
+        assert_eq!(
+            parse_request(ignored.as_bytes()).unwrap().prompt,
+            Prompt::Text(b"p".to_vec())
+        );
+        let in_prompt = format!(r#"{{"model":"m","prompt":{deep}}}"#);
+        assert!(matches!(
+            parse_request(in_prompt.as_bytes()),
+            Err(ParseError::Malformed(_))
+        ));
+    }
+}
