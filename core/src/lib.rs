@@ -1,6 +1,10 @@
 //! kvroute's pure logic, free of proxy-wasm calls so that it is unit-tested
 //! natively and shared by the filter, the indexer and the simulator.
 
-pub mod hash;
+pub mod config;
 pub mod events;
 pub mod feed;
+pub mod hash;
+pub mod index;
+pub mod request;
+pub mod score;
