@@ -7,4 +7,6 @@ pub mod feed;
 pub mod hash;
 pub mod index;
 pub mod request;
+pub mod router;
 pub mod score;
+pub mod wire;

@@ -316,7 +316,8 @@ mod tests {
 
     #[test]
     fn bad_bodies_give_typed_errors() {
-        let cases: &[(&[u8], fn(&ParseError) -> bool)] = &[
+        type Check = fn(&ParseError) -> bool;
+        let cases: &[(&[u8], Check)] = &[
             (b"", |e| matches!(e, ParseError::Malformed(_))),
             (b"{", |e| matches!(e, ParseError::Malformed(_))),
             (b"[1,2]", |e| matches!(e, ParseError::Malformed(_))),

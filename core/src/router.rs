@@ -1,0 +1,639 @@
+//! The routing state of one VM and the decision for one request: pods with
+//! their block tables and load, longest-prefix lookup, scoring, learning.
+
+use crate::config::{Config, Endpoint};
+use crate::feed::{BlockOp, FeedUpdate, Tier};
+use crate::hash::{byte_chunk_hashes, root_hash, token_block_hashes, Domain};
+use crate::index::{MatchRules, PodTable};
+use crate::request::{Prompt, PromptRequest};
+use crate::score::{rank, CostTerms, PodSignals};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+/// A pod as discovery states it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodSpec {
+    pub address: String,
+    pub models: Vec<String>,
+    pub capacity_blocks: u32,
+}
+
+/// Load the pod reports about itself (vLLM `/metrics`, via the indexer).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ReportedLoad {
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f32,
+}
+
+#[derive(Debug, Clone)]
+struct Pod {
+    spec: PodSpec,
+    table: PodTable,
+    inflight_requests: u32,
+    inflight_blocks: u64,
+    reported: ReportedLoad,
+}
+
+impl Pod {
+    fn new(spec: PodSpec) -> Pod {
+        Pod {
+            table: PodTable::new(spec.capacity_blocks as usize),
+            spec,
+            inflight_requests: 0,
+            inflight_blocks: 0,
+            reported: ReportedLoad::default(),
+        }
+    }
+
+    fn serves(&self, model: &str) -> bool {
+        self.spec.models.is_empty() || self.spec.models.iter().any(|m| m == model)
+    }
+}
+
+/// A request's prompt as block hashes in its model's scope.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HashedPrompt {
+    /// The model pods must serve (the base model for a LoRA adapter).
+    pub serving_model: String,
+    pub domain: Domain,
+    pub hashes: Vec<u64>,
+}
+
+/// Hashes a parsed request per the configuration (block size, chunk size,
+/// cap, adapter scoping).
+pub fn hash_prompt(config: &Config, request: &PromptRequest) -> HashedPrompt {
+    let (serving_model, lora) = match config.adapters.get(&request.model) {
+        Some(base) => (base.clone(), Some(request.model.as_str())),
+        None => (request.model.clone(), None),
+    };
+    let (domain, hashes) = match &request.prompt {
+        Prompt::Tokens(tokens) => {
+            let root = root_hash(Domain::Tokens, &serving_model, lora);
+            (
+                Domain::Tokens,
+                token_block_hashes(root, tokens, config.block_size, config.max_blocks),
+            )
+        }
+        Prompt::Text(text) => {
+            let root = root_hash(Domain::Bytes, &serving_model, lora);
+            (
+                Domain::Bytes,
+                byte_chunk_hashes(root, text, config.chunk_bytes, config.max_blocks),
+            )
+        }
+    };
+    HashedPrompt {
+        serving_model,
+        domain,
+        hashes,
+    }
+}
+
+/// Why no pod could be chosen (the request then fails open to Envoy's LB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRoute {
+    NoEndpoints,
+    NoEndpointForModel,
+}
+
+/// A routing decision with everything that explains it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub pod: String,
+    /// Next best pods, in order, for the override_host fallback list.
+    pub fallbacks: Vec<String>,
+    pub matched_blocks: usize,
+    pub total_blocks: usize,
+    pub domain: Domain,
+    pub terms: CostTerms,
+    pub signals: PodSignals,
+    pub candidates: usize,
+}
+
+impl Decision {
+    /// The `x-gateway-destination-endpoint` value: pod, then fallbacks.
+    pub fn destination(&self) -> String {
+        let mut out = self.pod.clone();
+        for fallback in &self.fallbacks {
+            out.push(',');
+            out.push_str(fallback);
+        }
+        out
+    }
+
+    /// One line that explains the decision (debug header and logs).
+    pub fn explain(&self) -> String {
+        let domain = match self.domain {
+            Domain::Tokens => "tokens",
+            Domain::Bytes => "bytes",
+        };
+        let mut out = String::with_capacity(160);
+        let _ = write!(
+            out,
+            "pod={}; matched={}/{} {}; cost={:.1} (prefill={:.1} decode={:.1} queue={:.1} kv={:.1}); inflight={} req/{} blocks; candidates={}",
+            self.pod,
+            self.matched_blocks,
+            self.total_blocks,
+            domain,
+            self.terms.total(),
+            self.terms.prefill,
+            self.terms.decode,
+            self.terms.queue,
+            self.terms.kv,
+            self.signals.inflight_requests,
+            self.signals.inflight_blocks,
+            self.candidates,
+        );
+        out
+    }
+}
+
+/// The pods one VM routes to, with their tables and load.
+#[derive(Debug, Clone, Default)]
+pub struct Cluster {
+    pods: Vec<Pod>,
+    by_address: HashMap<String, usize>,
+    /// True once the indexer feed has named the pods: it then owns the set.
+    discovered: bool,
+    /// Precise entries are trusted until this second (feed freshness).
+    precise_until_s: u32,
+}
+
+impl Cluster {
+    /// Pods from the plugin configuration; ignored once the indexer feed has
+    /// named the pods (discovery then owns the set).
+    pub fn set_configured(&mut self, config: &Config) {
+        if self.discovered {
+            return;
+        }
+        let specs = config.endpoints.iter().map(|e: &Endpoint| PodSpec {
+            address: e.address.clone(),
+            models: e.models.clone(),
+            capacity_blocks: config.capacity_of(e),
+        });
+        self.set_pods(specs.collect());
+    }
+
+    /// Replaces the pod set, keeping the table and load of every pod that
+    /// stays with the same capacity.
+    pub fn set_pods(&mut self, specs: Vec<PodSpec>) {
+        let mut old: HashMap<String, Pod> = self
+            .pods
+            .drain(..)
+            .map(|p| (p.spec.address.clone(), p))
+            .collect();
+        self.by_address.clear();
+        for spec in specs {
+            if self.by_address.contains_key(&spec.address) {
+                continue;
+            }
+            let pod = match old.remove(&spec.address) {
+                Some(mut kept) if kept.spec.capacity_blocks == spec.capacity_blocks => {
+                    kept.spec = spec;
+                    kept
+                }
+                _ => Pod::new(spec),
+            };
+            self.by_address
+                .insert(pod.spec.address.clone(), self.pods.len());
+            self.pods.push(pod);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+
+    /// Cached blocks over all pods, and the bytes their tables hold.
+    pub fn index_size(&self) -> (usize, usize) {
+        self.pods.iter().fold((0, 0), |(n, b), p| {
+            (n + p.table.len(), b + p.table.memory_bytes())
+        })
+    }
+
+    /// Picks the pod for a hashed prompt.
+    pub fn decide(
+        &self,
+        config: &Config,
+        prompt: &HashedPrompt,
+        now_s: u32,
+        tie_seed: u64,
+    ) -> Result<Decision, NoRoute> {
+        if self.pods.is_empty() {
+            return Err(NoRoute::NoEndpoints);
+        }
+        let trust_precise = now_s < self.precise_until_s;
+        let mut candidates = Vec::with_capacity(self.pods.len());
+        let mut signals = Vec::with_capacity(self.pods.len());
+        let mut matched = Vec::with_capacity(self.pods.len());
+        for (i, pod) in self
+            .pods
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.serves(&prompt.serving_model))
+        {
+            let rules = MatchRules {
+                learned_cutoff: pod.table.learned_cutoff(now_s, config.index.ttl_seconds),
+                trust_precise,
+                cpu_credit: config.tier_discount.cpu,
+                disk_credit: config.tier_discount.disk,
+            };
+            let m = pod.table.prefix_match(&prompt.hashes, &rules);
+            candidates.push(i);
+            matched.push(m.blocks);
+            signals.push(PodSignals {
+                cached_credit: m.credit,
+                inflight_blocks: pod.inflight_blocks,
+                inflight_requests: pod.inflight_requests,
+                waiting: pod.reported.waiting,
+                kv_usage: pod.reported.kv_usage,
+                capacity_blocks: pod.spec.capacity_blocks,
+            });
+        }
+        let ranked = rank(prompt.hashes.len(), &signals, &config.weights, tie_seed);
+        let Some(&(best, terms)) = ranked.first() else {
+            return Err(NoRoute::NoEndpointForModel);
+        };
+        Ok(Decision {
+            pod: self.pods[candidates[best]].spec.address.clone(),
+            fallbacks: ranked
+                .iter()
+                .skip(1)
+                .take(config.fallback_endpoints)
+                .map(|&(i, _)| self.pods[candidates[i]].spec.address.clone())
+                .collect(),
+            matched_blocks: matched[best],
+            total_blocks: prompt.hashes.len(),
+            domain: prompt.domain,
+            terms,
+            signals: signals[best],
+            candidates: candidates.len(),
+        })
+    }
+
+    /// A request went to `address`: count its load and learn its blocks.
+    pub fn record_routed(&mut self, address: &str, prompt_blocks: u32, hashes: &[u64], now_s: u32) {
+        if let Some(pod) = self.pod_mut(address) {
+            pod.inflight_requests = pod.inflight_requests.saturating_add(1);
+            pod.inflight_blocks = pod.inflight_blocks.saturating_add(u64::from(prompt_blocks));
+            pod.table.touch_chain(hashes, Tier::Learned, now_s);
+        }
+    }
+
+    /// A request routed to `address` ended.
+    pub fn record_finished(&mut self, address: &str, prompt_blocks: u32) {
+        if let Some(pod) = self.pod_mut(address) {
+            pod.inflight_requests = pod.inflight_requests.saturating_sub(1);
+            pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+        }
+    }
+
+    /// Applies an indexer feed update: the pod set and load it states, then
+    /// its block operations. Precise entries are trusted for `trust_for_s`.
+    pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
+        if !update.pods.is_empty() || self.discovered {
+            self.discovered = true;
+            let specs = update.pods.iter().map(|p| PodSpec {
+                address: p.address.clone(),
+                models: p.models.clone(),
+                capacity_blocks: p.capacity_blocks.max(1),
+            });
+            self.set_pods(specs.collect());
+        }
+        if update.snapshot {
+            for pod in &mut self.pods {
+                pod.table.clear();
+            }
+        }
+        for info in &update.pods {
+            if let Some(pod) = self.pod_mut(&info.address) {
+                pod.reported = ReportedLoad {
+                    waiting: info.waiting,
+                    running: info.running,
+                    kv_usage: info.kv_usage,
+                };
+            }
+        }
+        for op in &update.ops {
+            let Some(info) = update.pods.get(op.pod() as usize) else {
+                continue;
+            };
+            let Some(pod) = self.pod_mut(&info.address) else {
+                continue;
+            };
+            match op {
+                BlockOp::Stored { tier, hashes, .. } => pod.table.touch_chain(hashes, *tier, now_s),
+                BlockOp::Removed { hashes, .. } => pod.table.remove(hashes),
+                BlockOp::Cleared { .. } => pod.table.clear(),
+            }
+        }
+        self.precise_until_s = now_s.saturating_add(trust_for_s);
+    }
+
+    /// The whole index as a feed snapshot, for VMs that start later.
+    pub fn snapshot(&self) -> FeedUpdate {
+        let pods = self
+            .pods
+            .iter()
+            .map(|p| crate::feed::PodInfo {
+                address: p.spec.address.clone(),
+                models: p.spec.models.clone(),
+                capacity_blocks: p.spec.capacity_blocks,
+                waiting: p.reported.waiting,
+                running: p.reported.running,
+                kv_usage: p.reported.kv_usage,
+            })
+            .collect();
+        let mut ops = Vec::new();
+        for (i, pod) in self.pods.iter().enumerate() {
+            // Oldest first, one op per run of equal tier, so replay restores
+            // the LRU order.
+            let mut run: Option<(Tier, Vec<u64>)> = None;
+            for (hash, tier) in pod.table.entries_oldest_first() {
+                match &mut run {
+                    Some((t, hashes)) if *t == tier => hashes.push(hash),
+                    _ => {
+                        if let Some((t, hashes)) = run.take() {
+                            ops.push(BlockOp::Stored {
+                                pod: i as u32,
+                                tier: t,
+                                hashes,
+                            });
+                        }
+                        run = Some((tier, vec![hash]));
+                    }
+                }
+            }
+            if let Some((t, hashes)) = run {
+                ops.push(BlockOp::Stored {
+                    pod: i as u32,
+                    tier: t,
+                    hashes,
+                });
+            }
+        }
+        FeedUpdate {
+            epoch: 0,
+            cursor: 0,
+            snapshot: true,
+            pods,
+            ops,
+        }
+    }
+
+    fn pod_mut(&mut self, address: &str) -> Option<&mut Pod> {
+        let i = *self.by_address.get(address)?;
+        self.pods.get_mut(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::feed::PodInfo;
+    use crate::request::parse_request;
+
+    fn config(endpoints: &str) -> Config {
+        Config::from_json(format!(r#"{{"endpoints":{endpoints}}}"#).as_bytes()).unwrap()
+    }
+
+    fn four_pods() -> (Config, Cluster) {
+        let c = config(
+            r#"[{"address":"a:1"},{"address":"b:1"},{"address":"c:1"},{"address":"d:1","models":["other"]}]"#,
+        );
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&c);
+        (c, cluster)
+    }
+
+    fn chat(system: &str, question: &str) -> PromptRequest {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{question}"}}]}}"#
+        );
+        parse_request(body.as_bytes()).unwrap()
+    }
+
+    fn route(
+        config: &Config,
+        cluster: &mut Cluster,
+        request: &PromptRequest,
+        seed: u64,
+    ) -> Decision {
+        let hashed = hash_prompt(config, request);
+        let d = cluster.decide(config, &hashed, 10, seed).unwrap();
+        cluster.record_routed(&d.pod, hashed.hashes.len() as u32, &hashed.hashes, 10);
+        d
+    }
+
+    #[test]
+    fn shared_prefix_sticks_and_finished_load_is_released() {
+        let (c, mut cluster) = four_pods();
+        let system = "You are a helpful assistant. ".repeat(40);
+        let first = route(&c, &mut cluster, &chat(&system, "one"), 1);
+        cluster.record_finished(&first.pod, first.total_blocks as u32);
+        for seed in 2..10 {
+            let d = route(
+                &c,
+                &mut cluster,
+                &chat(&system, &format!("question {seed}")),
+                seed,
+            );
+            assert_eq!(d.pod, first.pod);
+            assert!(d.matched_blocks >= 18, "{}", d.explain());
+            cluster.record_finished(&d.pod, d.total_blocks as u32);
+        }
+    }
+
+    #[test]
+    fn pods_not_serving_the_model_are_never_chosen() {
+        let (c, mut cluster) = four_pods();
+        for seed in 0..50 {
+            let d = route(&c, &mut cluster, &chat(&format!("s{seed}"), "q"), seed);
+            assert_ne!(d.pod, "d:1");
+            assert!(!d.fallbacks.contains(&"d:1".to_string()));
+            assert_eq!(d.candidates, 3);
+        }
+        let other = PromptRequest {
+            model: "nobody".into(),
+            prompt: Prompt::Text(b"x".to_vec()),
+        };
+        let only_other = config(r#"[{"address":"d:1","models":["other"]}]"#);
+        let mut cl = Cluster::default();
+        cl.set_configured(&only_other);
+        assert_eq!(
+            cl.decide(&only_other, &hash_prompt(&only_other, &other), 0, 0),
+            Err(NoRoute::NoEndpointForModel)
+        );
+        assert_eq!(
+            Cluster::default().decide(&c, &hash_prompt(&c, &other), 0, 0),
+            Err(NoRoute::NoEndpoints)
+        );
+    }
+
+    #[test]
+    fn hot_pod_sheds_new_prefixes() {
+        let (c, mut cluster) = four_pods();
+        let hot = route(&c, &mut cluster, &chat(&"x".repeat(4000), "q"), 1);
+        for seed in 0..6 {
+            let d = route(
+                &c,
+                &mut cluster,
+                &chat(&format!("fresh {seed} {}", "y".repeat(500)), "q"),
+                seed,
+            );
+            assert_ne!(
+                d.pod, hot.pod,
+                "a new prefix avoids the pod with {} blocks in flight",
+                hot.total_blocks
+            );
+        }
+    }
+
+    #[test]
+    fn destination_and_explanation() {
+        let (c, mut cluster) = four_pods();
+        let d = route(&c, &mut cluster, &chat("s", "q"), 3);
+        assert_eq!(d.fallbacks.len(), 2);
+        assert_eq!(d.destination().split(',').count(), 3);
+        assert!(d
+            .explain()
+            .starts_with(&format!("pod={}; matched=0/", d.pod)));
+    }
+
+    #[test]
+    fn adapters_scope_hashes_and_route_to_base_model_pods() {
+        let c = Config::from_json(br#"{"adapters":{"sql-lora":"base"},"endpoints":[{"address":"a:1","models":["base"]}]}"#).unwrap();
+        let tokens: Vec<u32> = (0..64).collect();
+        let lora = hash_prompt(
+            &c,
+            &PromptRequest {
+                model: "sql-lora".into(),
+                prompt: Prompt::Tokens(tokens.clone()),
+            },
+        );
+        let base = hash_prompt(
+            &c,
+            &PromptRequest {
+                model: "base".into(),
+                prompt: Prompt::Tokens(tokens),
+            },
+        );
+        assert_eq!(lora.serving_model, "base");
+        assert_eq!(lora.hashes.len(), 4);
+        assert_ne!(lora.hashes, base.hashes);
+        assert_eq!(
+            lora.hashes[0],
+            token_block_hashes(
+                root_hash(Domain::Tokens, "base", Some("sql-lora")),
+                &(0..16).collect::<Vec<_>>(),
+                16,
+                1
+            )[0]
+        );
+    }
+
+    #[test]
+    fn feed_owns_pods_and_precise_entries_route() {
+        let (c, mut cluster) = four_pods();
+        let tokens: Vec<u32> = (0..160).collect();
+        let hashed = hash_prompt(
+            &c,
+            &PromptRequest {
+                model: "m".into(),
+                prompt: Prompt::Tokens(tokens),
+            },
+        );
+        let pod = |address: &str| PodInfo {
+            address: address.into(),
+            models: vec![],
+            capacity_blocks: 100,
+            waiting: 0,
+            running: 0,
+            kv_usage: 0.0,
+        };
+        let update = FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: true,
+            pods: vec![pod("x:1"), pod("y:1")],
+            ops: vec![BlockOp::Stored {
+                pod: 1,
+                tier: Tier::Gpu,
+                hashes: hashed.hashes[..8].to_vec(),
+            }],
+        };
+        cluster.apply_feed(&update, 100, 5);
+        assert_eq!(cluster.len(), 2);
+        cluster.set_configured(&c);
+        assert_eq!(
+            cluster.len(),
+            2,
+            "configured endpoints do not override discovery"
+        );
+        let d = cluster.decide(&c, &hashed, 101, 0).unwrap();
+        assert_eq!((d.pod.as_str(), d.matched_blocks), ("y:1", 8));
+        let stale = cluster.decide(&c, &hashed, 200, 0).unwrap();
+        assert_eq!(
+            stale.matched_blocks, 0,
+            "precise entries are ignored once the feed is stale"
+        );
+        let removal = FeedUpdate {
+            snapshot: false,
+            ops: vec![BlockOp::Removed {
+                pod: 1,
+                hashes: hashed.hashes[4..8].to_vec(),
+            }],
+            ..update.clone()
+        };
+        cluster.apply_feed(&removal, 300, 5);
+        assert_eq!(
+            cluster.decide(&c, &hashed, 301, 0).unwrap().matched_blocks,
+            4
+        );
+    }
+
+    #[test]
+    fn snapshot_restores_the_index() {
+        let (c, mut cluster) = four_pods();
+        let request = chat(&"z".repeat(2000), "q");
+        let first = route(&c, &mut cluster, &request, 1);
+        let mut fresh = Cluster::default();
+        fresh.set_configured(&c);
+        let snap = cluster.snapshot();
+        let bytes = crate::feed::encode(&snap);
+        fresh.apply_feed(&crate::feed::decode(&bytes).unwrap(), 10, 0);
+        let d = fresh
+            .decide(&c, &hash_prompt(&c, &request), 10, 99)
+            .unwrap();
+        assert_eq!(d.pod, first.pod);
+        assert_eq!(d.matched_blocks, first.total_blocks);
+    }
+
+    #[test]
+    fn reconfiguring_keeps_tables_of_pods_that_stay() {
+        let (c, mut cluster) = four_pods();
+        let request = chat(&"w".repeat(2000), "q");
+        let first = route(&c, &mut cluster, &request, 1);
+        cluster.record_finished(&first.pod, first.total_blocks as u32);
+        let mut endpoints: Vec<String> = ["a:1", "b:1", "c:1", "e:1"]
+            .iter()
+            .map(|a| format!(r#"{{"address":"{a}"}}"#))
+            .collect();
+        endpoints.sort();
+        let c2 = config(&format!("[{}]", endpoints.join(",")));
+        cluster.set_configured(&c2);
+        assert_eq!(cluster.len(), 4);
+        let d = cluster
+            .decide(&c2, &hash_prompt(&c2, &request), 10, 5)
+            .unwrap();
+        assert_eq!(
+            (d.pod.clone(), d.matched_blocks),
+            (first.pod, first.total_blocks)
+        );
+    }
+}
