@@ -1,1 +1,278 @@
-fn main() {}
+//! vllm-sim: one process serving N simulated vLLM pods. See README.md.
+
+mod api;
+mod engine;
+mod events;
+mod hash;
+mod kv;
+mod metrics;
+mod tokenize;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use tokio::sync::Notify;
+
+use crate::api::Pod;
+use crate::engine::{CostModel, Engine, EngineConfig};
+use crate::events::Publisher;
+use crate::tokenize::Tokenizer;
+
+/// Simulated vLLM pod(s): OpenAI API, paged KV cache with prefix caching, KV events.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "vllm-sim", version)]
+struct Args {
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// HTTP port of the first pod; pod i listens on port + i.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Number of pods served by this process (each its own engine, KV cache and publisher).
+    #[arg(long, default_value_t = 1)]
+    pods: u16,
+    #[arg(long, default_value = "Qwen/Qwen3-32B")]
+    model: String,
+    /// Names accepted in the `model` field (default: --model). Repeatable.
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV blocks per pod (19,208 × 16 = 307,328 tokens: Qwen3-32B on 2×H100, llm-d's reference).
+    #[arg(long, default_value_t = 19_208)]
+    num_gpu_blocks: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 40_960)]
+    max_model_len: usize,
+    /// HuggingFace tokenizer.json; without it a deterministic fallback tokenizer is used.
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// ZMQ endpoint for KV events (vLLM's rule: '*', '::', ipc:// bind; anything else connects).
+    #[arg(long)]
+    kv_events_endpoint: Option<String>,
+    #[arg(long, default_value = "kv@{host}:{port}@{model}")]
+    kv_events_topic_template: String,
+    /// ROUTER replay socket port of pod 0; pod i binds port + i.
+    #[arg(long)]
+    kv_events_replay_port: Option<u16>,
+    /// Wall seconds per simulated second (< 1 runs faster than real time).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Output tokens per streamed chunk after the first (coarse chunks keep CPU low).
+    #[arg(long, default_value_t = 16)]
+    stream_interval: usize,
+    /// max_tokens when a request does not set it (capped by max_model_len - prompt).
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Cost model: fixed cost per step, the weight read (ms).
+    #[arg(long, default_value_t = CostModel::default().step_overhead_ms)]
+    step_overhead_ms: f64,
+    /// Cost model: prefill cost per prompt token (µs).
+    #[arg(long, default_value_t = CostModel::default().prefill_us_per_token)]
+    prefill_us_per_token: f64,
+    /// Cost model: prefill attention per (new token × context token) pair (ns).
+    #[arg(long, default_value_t = CostModel::default().attn_ns_per_pair)]
+    attn_ns_per_pair: f64,
+    /// Cost model: decode KV read per context token per running sequence (ns).
+    #[arg(long, default_value_t = CostModel::default().kv_read_ns_per_token)]
+    kv_read_ns_per_token: f64,
+}
+
+#[derive(Debug)]
+enum SimError {
+    Config(String),
+    Io(String, std::io::Error),
+    Zmq(String, zeromq::ZmqError),
+}
+
+impl std::fmt::Display for SimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SimError::Config(s) => write!(f, "{s}"),
+            SimError::Io(what, e) => write!(f, "{what}: {e}"),
+            SimError::Zmq(what, e) => write!(f, "{what}: {e}"),
+        }
+    }
+}
+
+fn validate(a: &Args) -> Result<(), SimError> {
+    let bad = |s: &str| Err(SimError::Config(s.to_string()));
+    if a.pods == 0 {
+        return bad("--pods must be at least 1");
+    }
+    if a.block_size == 0
+        || a.num_gpu_blocks == 0
+        || a.max_num_seqs == 0
+        || a.max_num_batched_tokens == 0
+    {
+        return bad("--block-size, --num-gpu-blocks, --max-num-seqs and --max-num-batched-tokens must be positive");
+    }
+    if a.max_model_len < 2 {
+        return bad("--max-model-len must be at least 2");
+    }
+    if !(a.time_scale > 0.0 && a.time_scale.is_finite()) {
+        return bad("--time-scale must be a positive number");
+    }
+    if a.stream_interval == 0 {
+        return bad("--stream-interval must be at least 1");
+    }
+    if u32::from(a.port) + u32::from(a.pods) > 65_536 {
+        return bad("--port + --pods exceeds 65535");
+    }
+    Ok(())
+}
+
+/// The engine loop of one pod: schedule, wait the step's simulated time, commit, publish.
+async fn engine_loop(pod: Arc<Pod>, time_scale: f64) {
+    loop {
+        let plan = pod.engine().schedule();
+        if plan.items.is_empty() {
+            {
+                let mut e = pod.engine();
+                pod.publish_pending(&mut e);
+            }
+            pod.notify.notified().await;
+            continue;
+        }
+        tokio::time::sleep(Duration::from_secs_f64(plan.seconds * time_scale)).await;
+        let mut e = pod.engine();
+        e.complete(&plan, Instant::now());
+        pod.publish_pending(&mut e);
+    }
+}
+
+async fn start_pod(
+    a: &Args,
+    i: u16,
+    tokenizer: Arc<Tokenizer>,
+    vocab: Arc<HashMap<u32, String>>,
+    output_ids: Vec<u32>,
+) -> Result<(), SimError> {
+    let port = a.port + i;
+    let addr = format!("{}:{}", a.host, port);
+    let served = if a.served_model_name.is_empty() {
+        vec![a.model.clone()]
+    } else {
+        a.served_model_name.clone()
+    };
+    let first_name = served.first().cloned().unwrap_or_default();
+    let topic = a
+        .kv_events_topic_template
+        .replace("{host}", &a.host)
+        .replace("{port}", &port.to_string())
+        .replace("{model}", &first_name);
+    let publisher = match &a.kv_events_endpoint {
+        Some(ep) => {
+            let ep = events::pod_endpoint(ep, i);
+            events::start_publisher(ep.clone(), &topic)
+                .await
+                .map_err(|e| SimError::Zmq(format!("kv events endpoint {ep}"), e))?
+        }
+        None => Publisher::detached(&topic),
+    };
+    if let Some(rp) = a.kv_events_replay_port {
+        let ep = format!("tcp://{}:{}", a.host, u32::from(rp) + u32::from(i));
+        events::start_replay(ep.clone(), topic.clone(), publisher.replay_buffer())
+            .await
+            .map_err(|e| SimError::Zmq(format!("kv events replay {ep}"), e))?;
+    }
+    let cfg = EngineConfig {
+        block_size: a.block_size,
+        num_gpu_blocks: a.num_gpu_blocks,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        max_model_len: a.max_model_len,
+        stream_interval: a.stream_interval,
+        cost: CostModel {
+            step_overhead_ms: a.step_overhead_ms,
+            prefill_us_per_token: a.prefill_us_per_token,
+            attn_ns_per_pair: a.attn_ns_per_pair,
+            kv_read_ns_per_token: a.kv_read_ns_per_token,
+        },
+        time_scale: a.time_scale,
+    };
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let pod = Arc::new(Pod {
+        addr: addr.clone(),
+        served_names: served,
+        model: a.model.clone(),
+        engine: Mutex::new(Engine::new(cfg, output_ids)),
+        notify: Notify::new(),
+        publisher: Mutex::new(publisher),
+        tokenizer,
+        vocab,
+        default_max_tokens: a.default_max_tokens,
+        created,
+        counter: AtomicU64::new(0),
+    });
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| SimError::Io(format!("bind {addr}"), e))?;
+    tokio::spawn(engine_loop(pod.clone(), a.time_scale));
+    let app = api::router(pod);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("vllm-sim: server {addr} stopped: {e}");
+        }
+    });
+    Ok(())
+}
+
+async fn run(a: Args) -> Result<(), SimError> {
+    validate(&a)?;
+    let tokenizer =
+        Arc::new(Tokenizer::load(a.tokenizer.as_deref()).map_err(|e| SimError::Config(e.0))?);
+    let out = tokenizer.output_vocab();
+    let output_ids: Vec<u32> = out.iter().map(|(id, _)| *id).collect();
+    let vocab: Arc<HashMap<u32, String>> = Arc::new(out.into_iter().collect());
+    for i in 0..a.pods {
+        start_pod(&a, i, tokenizer.clone(), vocab.clone(), output_ids.clone()).await?;
+    }
+    eprintln!(
+        "vllm-sim: {} pod(s) on {}:{}..{} model {} ({} blocks × {} tokens, time scale {})",
+        a.pods,
+        a.host,
+        a.port,
+        u32::from(a.port) + u32::from(a.pods) - 1,
+        a.model,
+        a.num_gpu_blocks,
+        a.block_size,
+        a.time_scale
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| SimError::Io("signal".into(), e))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vllm-sim: cannot start runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vllm-sim: {e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,516 @@
+//! KV-cache events as vLLM (>= 0.26) publishes them, and the ZMQ publisher.
+//!
+//! Wire format (see ../shared/vllm-kv-events.md and vllm-golden/):
+//! one ZMQ message per engine step with 3 frames `[topic, seq (u64 BE), payload]`;
+//! payload = msgpack array `[ts (f64), [event...], data_parallel_rank]`.
+//! Events are msgpack maps whose first key is `"type"`, fields in vLLM's
+//! order. vLLM encodes them with msgspec, which writes a `map16` header for
+//! structs that have more than 15 fields (BlockStored) and a fixmap for the
+//! others; we reproduce that byte for byte.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use rmp::encode as enc;
+use tokio::sync::mpsc;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// One KV-cache event (the fields the simulator sets).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u32>,
+        lora_name: Option<String>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+    },
+    AllBlocksCleared,
+}
+
+/// Medium of every block the simulator holds (vLLM's `MEDIUM_GPU`).
+pub const MEDIUM_GPU: &str = "GPU";
+/// vLLM's replay buffer size (`buffer_steps` default).
+pub const REPLAY_BUFFER_STEPS: usize = 10_000;
+/// Sequence number of the replay end marker.
+pub const REPLAY_END_SEQ: u64 = u64::MAX;
+
+type W = Vec<u8>;
+
+fn str_(w: &mut W, s: &str) {
+    // Writing into a Vec cannot fail.
+    let _ = enc::write_str(w, s);
+}
+
+fn nil(w: &mut W) {
+    let _ = enc::write_nil(w);
+}
+
+fn uint(w: &mut W, v: u64) {
+    let _ = enc::write_uint(w, v);
+}
+
+/// Hash values: msgspec writes non-negative ints in the smallest unsigned form.
+fn hashes(w: &mut W, hs: &[u64]) {
+    let _ = enc::write_array_len(w, hs.len() as u32);
+    for h in hs {
+        uint(w, *h);
+    }
+}
+
+fn encode_event(w: &mut W, ev: &KvEvent) {
+    match ev {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            lora_name,
+        } => {
+            // type, block_hashes, parent_block_hash, token_ids, block_size,
+            // lora_id, medium, lora_name, group_idx = 9 fields written; the
+            // struct has > 15 fields so msgspec uses a map16 header.
+            w.push(0xde);
+            w.extend_from_slice(&9u16.to_be_bytes());
+            str_(w, "type");
+            str_(w, "BlockStored");
+            str_(w, "block_hashes");
+            hashes(w, block_hashes);
+            str_(w, "parent_block_hash");
+            match parent_block_hash {
+                Some(p) => uint(w, *p),
+                None => nil(w),
+            }
+            str_(w, "token_ids");
+            let _ = enc::write_array_len(w, token_ids.len() as u32);
+            for t in token_ids {
+                uint(w, u64::from(*t));
+            }
+            str_(w, "block_size");
+            uint(w, u64::from(*block_size));
+            str_(w, "lora_id");
+            match lora_id {
+                Some(id) => uint(w, u64::from(*id)),
+                None => nil(w),
+            }
+            str_(w, "medium");
+            str_(w, MEDIUM_GPU);
+            str_(w, "lora_name");
+            match lora_name {
+                Some(n) => str_(w, n),
+                None => nil(w),
+            }
+            str_(w, "group_idx");
+            uint(w, 0);
+        }
+        KvEvent::BlockRemoved { block_hashes } => {
+            let _ = enc::write_map_len(w, 4);
+            str_(w, "type");
+            str_(w, "BlockRemoved");
+            str_(w, "block_hashes");
+            hashes(w, block_hashes);
+            str_(w, "medium");
+            str_(w, MEDIUM_GPU);
+            str_(w, "group_idx");
+            uint(w, 0);
+        }
+        KvEvent::AllBlocksCleared => {
+            let _ = enc::write_map_len(w, 1);
+            str_(w, "type");
+            str_(w, "AllBlocksCleared");
+        }
+    }
+}
+
+/// Encodes one batch `[ts, events, data_parallel_rank]`.
+pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u8> {
+    let mut w = Vec::with_capacity(64 + events.len() * 64);
+    let _ = enc::write_array_len(&mut w, 3);
+    let _ = enc::write_f64(&mut w, ts);
+    let _ = enc::write_array_len(&mut w, events.len() as u32);
+    for ev in events {
+        encode_event(&mut w, ev);
+    }
+    uint(&mut w, u64::from(dp_rank));
+    let _ = w.flush();
+    w
+}
+
+/// vLLM's rule: the publisher binds when the endpoint contains `*` or `::`
+/// or is `ipc://` / `inproc://`; otherwise it connects.
+pub fn should_bind(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// The endpoint pod `i` of this process uses. Connecting pods share the
+/// endpoint (the subscriber binds); binding pods cannot share a port, so pod i
+/// binds port + i (like vLLM's data-parallel rank offset), or `path-i` for ipc.
+pub fn pod_endpoint(endpoint: &str, i: u16) -> String {
+    if i == 0 || !should_bind(endpoint) {
+        return endpoint.to_string();
+    }
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        return format!("ipc://{path}-{i}");
+    }
+    if let Some(pos) = endpoint.rfind(':') {
+        if let Ok(port) = endpoint[pos + 1..].parse::<u32>() {
+            return format!("{}:{}", &endpoint[..pos], port + u32::from(i));
+        }
+    }
+    endpoint.to_string()
+}
+
+/// Converts a bind endpoint in vLLM syntax for the zeromq crate (`*` → 0.0.0.0).
+fn bind_addr(endpoint: &str) -> String {
+    endpoint.replace("tcp://*:", "tcp://0.0.0.0:")
+}
+
+/// Shared replay ring: `(seq, payload)` of the last REPLAY_BUFFER_STEPS batches.
+pub type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+/// Per-pod publisher state held by the engine: assigns sequence numbers,
+/// keeps the replay buffer and hands encoded frames to the socket task.
+pub struct Publisher {
+    topic: Bytes,
+    seq: u64,
+    tx: Option<mpsc::UnboundedSender<ZmqMessage>>,
+    replay: ReplayBuffer,
+}
+
+impl Publisher {
+    /// A publisher that only numbers batches (no socket): used when events are disabled and in tests.
+    pub fn detached(topic: &str) -> Self {
+        Self {
+            topic: Bytes::copy_from_slice(topic.as_bytes()),
+            seq: 0,
+            tx: None,
+            replay: Arc::default(),
+        }
+    }
+
+    pub fn replay_buffer(&self) -> ReplayBuffer {
+        self.replay.clone()
+    }
+
+    /// Publishes one engine step's events (nothing when empty, as vLLM).
+    pub fn publish(&mut self, events: Vec<KvEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let payload = Bytes::from(encode_batch(ts, &events, 0));
+        let seq = self.seq;
+        self.seq += 1;
+        {
+            let mut buf = self.replay.lock().unwrap_or_else(|e| e.into_inner());
+            if buf.len() >= REPLAY_BUFFER_STEPS {
+                buf.pop_front();
+            }
+            buf.push_back((seq, payload.clone()));
+        }
+        if let Some(tx) = &self.tx {
+            let frames = vec![
+                self.topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            if let Ok(msg) = ZmqMessage::try_from(frames) {
+                let _ = tx.send(msg);
+            }
+        }
+    }
+}
+
+/// Starts the PUB socket task (bind or connect by vLLM's rule) and returns the publisher.
+/// Connecting never blocks the pod: batches queue until the peer is reached.
+pub async fn start_publisher(endpoint: String, topic: &str) -> Result<Publisher, zeromq::ZmqError> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<ZmqMessage>();
+    let mut opts = zeromq::SocketOptions::default();
+    opts.no_connect_timeout();
+    let mut sock = zeromq::PubSocket::with_options(opts);
+    let bind = should_bind(&endpoint);
+    if bind {
+        sock.bind(&bind_addr(&endpoint)).await?;
+    }
+    tokio::spawn(async move {
+        if !bind {
+            if let Err(e) = sock.connect(&endpoint).await {
+                eprintln!("vllm-sim: kv-events connect to {endpoint} failed: {e}");
+                return;
+            }
+        }
+        while let Some(msg) = rx.recv().await {
+            if let Err(e) = sock.send(msg).await {
+                eprintln!("vllm-sim: kv-events send failed: {e}");
+            }
+        }
+    });
+    Ok(Publisher {
+        topic: Bytes::copy_from_slice(topic.as_bytes()),
+        seq: 0,
+        tx: Some(tx),
+        replay: Arc::default(),
+    })
+}
+
+/// Serves vLLM's replay protocol on a ROUTER socket: a DEALER sends
+/// `["", start_seq (8 B BE)]`; the answer is `["", topic, seq, payload]` for every
+/// buffered batch with seq >= start, then `["", "", 0xFFFF_FFFF_FFFF_FFFF, ""]`.
+pub async fn start_replay(
+    endpoint: String,
+    topic: String,
+    replay: ReplayBuffer,
+) -> Result<(), zeromq::ZmqError> {
+    let mut sock = zeromq::RouterSocket::new();
+    sock.bind(&bind_addr(&endpoint)).await?;
+    tokio::spawn(async move {
+        loop {
+            let msg = match sock.recv().await {
+                Ok(m) => m,
+                Err(zeromq::ZmqError::NoMessage) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let frames = msg.into_vec();
+            // [identity, "", start_seq]
+            if frames.len() < 3 || frames[2].len() != 8 {
+                continue;
+            }
+            let identity = frames[0].clone();
+            let mut be = [0u8; 8];
+            be.copy_from_slice(&frames[2]);
+            let start = u64::from_be_bytes(be);
+            let batches: Vec<(u64, Bytes)> = {
+                let buf = replay.lock().unwrap_or_else(|e| e.into_inner());
+                buf.iter().filter(|(s, _)| *s >= start).cloned().collect()
+            };
+            let topic_b = Bytes::copy_from_slice(topic.as_bytes());
+            for (seq, payload) in batches {
+                let frames = vec![
+                    identity.clone(),
+                    Bytes::new(),
+                    topic_b.clone(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ];
+                if let Ok(m) = ZmqMessage::try_from(frames) {
+                    let _ = sock.send(m).await;
+                }
+            }
+            let end = vec![
+                identity,
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&REPLAY_END_SEQ.to_be_bytes()),
+                Bytes::new(),
+            ];
+            if let Ok(m) = ZmqMessage::try_from(end) {
+                let _ = sock.send(m).await;
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden(name: &str) -> Vec<u8> {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/vllm-golden/frames")
+            .join(name);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+    }
+
+    const TS: f64 = 1_700_000_000.5;
+    const H: [u64; 4] = [
+        3262291359910021016,
+        7142137847444424233,
+        11309060389865205804,
+        4393453693117533255,
+    ];
+
+    #[test]
+    fn stored_from_root_matches_golden_bytes() {
+        let ev = KvEvent::BlockStored {
+            block_hashes: H.to_vec(),
+            parent_block_hash: None,
+            token_ids: (0..64).collect(),
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+        };
+        assert_eq!(
+            encode_batch(TS, &[ev], 0),
+            golden("int_00_stored_4blocks_root.payload.msgpack")
+        );
+    }
+
+    #[test]
+    fn stored_with_parent_matches_golden_bytes() {
+        let g = golden("int_01_stored_2blocks_with_parent.payload.msgpack");
+        let v = rmpv::decode::read_value(&mut &g[..]).unwrap();
+        let ev = &v[1][0];
+        let hs: Vec<u64> = ev["block_hashes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let toks: Vec<u32> = ev["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let ours = KvEvent::BlockStored {
+            block_hashes: hs,
+            parent_block_hash: ev["parent_block_hash"].as_u64(),
+            token_ids: toks,
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+        };
+        assert_eq!(encode_batch(TS, &[ours], 0), g);
+    }
+
+    #[test]
+    fn removed_cleared_and_mixed_match_golden_bytes() {
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![H[3]],
+        };
+        assert_eq!(
+            encode_batch(TS, std::slice::from_ref(&removed), 0),
+            golden("int_03_removed_gpu.payload.msgpack")
+        );
+        assert_eq!(
+            encode_batch(TS, &[KvEvent::AllBlocksCleared], 0),
+            golden("int_05_all_cleared.payload.msgpack")
+        );
+        let stored = KvEvent::BlockStored {
+            block_hashes: vec![H[2], H[3]],
+            parent_block_hash: Some(H[1]),
+            token_ids: (32..64).collect(),
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+        };
+        let mixed = encode_batch(TS, &[stored, removed, KvEvent::AllBlocksCleared], 0);
+        assert_eq!(
+            mixed,
+            golden("int_06_mixed_stored_removed_cleared.payload.msgpack")
+        );
+    }
+
+    #[test]
+    fn lora_event_has_vllm_field_order() {
+        // Golden 02 carries extra fields we never set (extra_keys, session_id);
+        // check that the fields we write appear in the golden's order with its values.
+        let g = golden("int_02_stored_lora_extrakeys_session.payload.msgpack");
+        let gv = rmpv::decode::read_value(&mut &g[..]).unwrap();
+        let ours = encode_batch(
+            TS,
+            &[KvEvent::BlockStored {
+                block_hashes: vec![H[0]],
+                parent_block_hash: None,
+                token_ids: (0..16).collect(),
+                block_size: 16,
+                lora_id: Some(7),
+                lora_name: Some("my-lora".into()),
+            }],
+            0,
+        );
+        let ov = rmpv::decode::read_value(&mut &ours[..]).unwrap();
+        let gm = gv[1][0].as_map().unwrap();
+        let om = ov[1][0].as_map().unwrap();
+        let golden_keys: Vec<&str> = gm.iter().map(|(k, _)| k.as_str().unwrap()).collect();
+        let our_keys: Vec<&str> = om.iter().map(|(k, _)| k.as_str().unwrap()).collect();
+        let filtered: Vec<&str> = golden_keys
+            .iter()
+            .copied()
+            .filter(|k| our_keys.contains(k))
+            .collect();
+        assert_eq!(filtered, our_keys);
+        for (k, v) in om {
+            let gvv = gm.iter().find(|(gk, _)| gk == k).map(|(_, v)| v).unwrap();
+            assert_eq!(gvv, v, "field {k}");
+        }
+        // Header is map16 as msgspec writes it for BlockStored.
+        assert_eq!(ours[11], 0xde);
+    }
+
+    #[test]
+    fn golden_multipart_frames_match_our_framing() {
+        // multipart.bin = per frame u32 BE length + bytes: topic, seq, payload.
+        let g = golden("int_03_removed_gpu.multipart.bin");
+        let mut frames = Vec::new();
+        let mut i = 0;
+        while i + 4 <= g.len() {
+            let n = u32::from_be_bytes([g[i], g[i + 1], g[i + 2], g[i + 3]]) as usize;
+            frames.push(g[i + 4..i + 4 + n].to_vec());
+            i += 4 + n;
+        }
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[0], b"");
+        assert_eq!(frames[1], 3u64.to_be_bytes());
+        assert_eq!(
+            frames[2],
+            encode_batch(
+                TS,
+                &[KvEvent::BlockRemoved {
+                    block_hashes: vec![H[3]]
+                }],
+                0
+            )
+        );
+    }
+
+    #[test]
+    fn bind_rule_and_pod_endpoints() {
+        assert!(should_bind("tcp://*:5557"));
+        assert!(should_bind("tcp://[::]:5557"));
+        assert!(should_bind("ipc:///tmp/kv"));
+        assert!(!should_bind("tcp://127.0.0.1:5557"));
+        assert_eq!(pod_endpoint("tcp://*:5557", 2), "tcp://*:5559");
+        assert_eq!(
+            pod_endpoint("tcp://127.0.0.1:5557", 2),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(pod_endpoint("ipc:///tmp/kv", 1), "ipc:///tmp/kv-1");
+        assert_eq!(bind_addr("tcp://*:5557"), "tcp://0.0.0.0:5557");
+    }
+
+    #[test]
+    fn publisher_numbers_batches_and_bounds_replay() {
+        let mut p = Publisher::detached("t");
+        p.publish(vec![]);
+        assert!(p.replay_buffer().lock().unwrap().is_empty());
+        for _ in 0..3 {
+            p.publish(vec![KvEvent::AllBlocksCleared]);
+        }
+        let seqs: Vec<u64> = p
+            .replay_buffer()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(s, _)| *s)
+            .collect();
+        assert_eq!(seqs, vec![0, 1, 2]);
+    }
+}
