@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
 ISTIO_DIR = ROOT / "istio"
 ENVOY_DIR = ROOT / "envoy"
+EXTRA_SCHEMAS = Path(__file__).resolve().parent / "istio-extra-schemas.yaml"
 SCHEMA_PATH = ROOT / "schema" / "plugin-config.schema.json"
 WASM_PATH = ROOT / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
 ENVOY_BIN = ROOT / ".venv" / "bin" / "envoy"
@@ -130,6 +131,9 @@ def example_plugin_configs() -> list[tuple[str, Any]]:
         rel = str(path.relative_to(ROOT))
         for i, doc in enumerate(load_yaml_docs(path)):
             found.extend(plugin_configs_in(doc, f"{rel}#{i}"))
+    for path in sorted(ISTIO_DIR.rglob("*.json")):
+        with open(path, encoding="utf-8") as f:
+            found.extend(plugin_configs_in(json.load(f), str(path.relative_to(ROOT))))
     return found
 
 
@@ -181,6 +185,17 @@ def istio_crds() -> dict[tuple[str, str], dict]:
                 schema["properties"]["metadata"] = {"type": "object"}
                 schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
                 crds[(f"{group}/{ver['name']}", kind)] = _closed(schema)
+    extra = load_yaml_docs(EXTRA_SCHEMAS)[0]
+    for item in extra["kinds"]:
+        key = (item["apiVersion"], item["kind"])
+        assert key not in crds, f"{key} is now in the shared CRDs: drop it from {EXTRA_SCHEMAS.name}"
+        schema = copy.deepcopy(item["schema"])
+        schema["properties"].update(
+            {"apiVersion": {"const": item["apiVersion"]}, "kind": {"const": item["kind"]}, "metadata": {"type": "object"}}
+        )
+        schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata"})
+        schema["$defs"] = extra["defs"]
+        crds[key] = _closed(schema)
     return crds
 
 

@@ -1,0 +1,382 @@
+"""istio/: every manifest validates (Istio CRD schemas, Kubernetes schemas), every kustomization
+builds, and the pieces agree with each other (names, ports, labels, principals, paths)."""
+
+import copy
+import json
+import re
+
+import pytest
+import yaml
+
+import meshlib
+
+OVERLAYS = ["gateway", "sidecar"]
+WASM_FILE = "/var/lib/kvroute/plugin.wasm"
+
+
+def rendered(overlay):
+    return meshlib.kustomize_objects(meshlib.ISTIO_DIR / "overlays" / overlay)
+
+
+def find(objs, kind, name=None):
+    out = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert out, f"no {kind} {name or ''}"
+    return out
+
+
+def envoyfilter_patches(objs):
+    (ef,) = find(objs, "EnvoyFilter")
+    return ef, {p["applyTo"]: p for p in ef["spec"]["configPatches"]}
+
+
+def wasm_configs(objs):
+    """(filter PluginConfig, singleton PluginConfig) of an overlay."""
+    _, patches = envoyfilter_patches(objs)
+    filt = patches["HTTP_FILTER"]["patch"]["value"]["typed_config"]["config"]
+    (cm,) = find(objs, "ConfigMap", "kvroute-bootstrap")
+    boot = json.loads(cm["data"]["custom_bootstrap.json"])
+    (ext,) = boot["bootstrap_extensions"]
+    return filt, ext["typed_config"], boot
+
+
+def plugin_json(plugin_config):
+    return json.loads(plugin_config["configuration"]["value"])
+
+
+def pod_patch(overlay):
+    name = {"gateway": "ingressgateway-pod.yaml", "sidecar": "client-pod.yaml"}[overlay]
+    (doc,) = meshlib.load_yaml_docs(meshlib.ISTIO_DIR / "overlays" / overlay / "patches" / name)
+    return doc
+
+
+# ---------------------------------------------------------------------------
+# Schemas
+
+
+def test_there_are_manifests():
+    kinds = {d["kind"] for _, d in meshlib.istio_manifests()}
+    assert {"EnvoyFilter", "Deployment", "Service", "AuthorizationPolicy", "NetworkPolicy"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("where,doc", meshlib.istio_manifests(), ids=lambda x: x if isinstance(x, str) else "")
+def test_source_manifest_validates(where, doc):
+    assert meshlib.manifest_errors(doc) == [], where
+
+
+@pytest.mark.parametrize("directory", meshlib.kustomization_dirs(), ids=lambda p: str(p.relative_to(meshlib.ROOT)))
+def test_kustomization_builds_and_every_object_validates(directory):
+    objs = meshlib.kustomize_objects(directory)
+    assert objs
+    errors = {f"{o['kind']}/{o['metadata']['name']}": meshlib.manifest_errors(o) for o in objs}
+    assert {k: v for k, v in errors.items() if v} == {}
+
+
+def test_every_yaml_under_istio_is_used():
+    """Each manifest file is a resource of some kustomization, or a documented patch."""
+    used = set()
+    for d in meshlib.kustomization_dirs():
+        (k,) = meshlib.load_yaml_docs(d / "kustomization.yaml")
+        used |= {(d / r).resolve() for r in k.get("resources", [])}
+        for gen in k.get("configMapGenerator", []):
+            used |= {(d / f.split("=")[-1]).resolve() for f in gen.get("files", [])}
+    for path in meshlib.ISTIO_DIR.rglob("*"):
+        if path.is_dir() or path.name == "kustomization.yaml" or "patches" in path.parts:
+            continue
+        assert path.resolve() in used, f"{path} is in no kustomization"
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda ef: ef["spec"]["configPatches"][0].__setitem__("applyTo", "HTTPFILTER"), "HTTPFILTER"),
+        (lambda ef: ef["spec"]["configPatches"][0]["match"].__setitem__("contxt", "GATEWAY"), "contxt"),
+        (lambda ef: ef["spec"]["configPatches"][0]["patch"].__setitem__("operation", "INSERT"), "INSERT"),
+        (lambda ef: ef["spec"].__setitem__("targetRefs", [{"kind": "Gateway", "name": "x"}]), "only one of"),
+        (lambda ef: ef["spec"]["workloadSelector"]["labels"].__setitem__("app", "*"), "wildcard"),
+    ],
+)
+def test_validator_refuses_broken_envoyfilter(mutate, needle):
+    ef = copy.deepcopy(find(rendered("gateway"), "EnvoyFilter")[0])
+    assert meshlib.manifest_errors(ef) == []
+    mutate(ef)
+    errs = meshlib.manifest_errors(ef)
+    assert any(needle in e for e in errs), errs
+
+
+def test_validator_refuses_broken_core_objects():
+    objs = rendered("gateway")
+    dep = copy.deepcopy(find(objs, "Deployment", "kvroute-indexer")[0])
+    dep["spec"]["replicas"] = "one"
+    assert meshlib.manifest_errors(dep)
+    dep = copy.deepcopy(find(objs, "Deployment", "kvroute-indexer")[0])
+    dep["spec"]["template"]["spec"]["containers"][0]["portz"] = []
+    assert meshlib.manifest_errors(dep)
+    ap = copy.deepcopy(find(objs, "AuthorizationPolicy", "kvroute-indexer-feed")[0])
+    ap["spec"]["rules"][0]["to"][0]["operation"]["path"] = ["/v1/feed"]
+    assert meshlib.manifest_errors(ap)
+
+
+# ---------------------------------------------------------------------------
+# The overlays' pieces agree
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_contents(overlay):
+    objs = rendered(overlay)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    for kind, name in [
+        ("Deployment", "kvroute-indexer"),
+        ("Service", "kvroute-indexer"),
+        ("Service", "vllm-pods"),
+        ("ServiceAccount", "kvroute-indexer"),
+        ("PeerAuthentication", "kvroute-indexer"),
+        ("AuthorizationPolicy", "kvroute-indexer-events"),
+        ("AuthorizationPolicy", "kvroute-indexer-feed"),
+        ("NetworkPolicy", "kvroute-indexer-events"),
+        ("NetworkPolicy", "kvroute-indexer-feed"),
+        ("ConfigMap", "kvroute-bootstrap"),
+        ("EnvoyFilter", f"kvroute-{overlay}"),
+    ]:
+        assert (kind, name) in names, (kind, name)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_filter_and_singleton_share_vm_and_module(overlay):
+    filt, svc, boot = wasm_configs(rendered(overlay))
+    assert svc["singleton"] is True
+    sing = svc["config"]
+    assert filt["vm_config"]["vm_id"] == sing["vm_config"]["vm_id"] == "kvroute"
+    assert filt["vm_config"]["code"] == sing["vm_config"]["code"] == {"local": {"filename": WASM_FILE}}
+    assert filt["vm_config"]["runtime"] == sing["vm_config"]["runtime"] == "envoy.wasm.runtime.v8"
+    assert filt["allow_on_headers_stop_iteration"] is True
+    assert filt["failure_policy"] == "FAIL_OPEN"
+    assert plugin_json(filt).get("role", "filter") == "filter"
+    assert plugin_json(sing)["role"] == "singleton"
+    assert plugin_json(filt)["block_size"] == plugin_json(sing)["block_size"]
+    assert set(boot) == {"bootstrap_extensions"}, "the override should only add the singleton"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_module_mounted_where_the_configs_load_it(overlay):
+    patch = pod_patch(overlay)
+    ann = patch["spec"]["template"]["metadata"]["annotations"]
+    volumes = json.loads(ann["sidecar.istio.io/userVolume"])
+    mounts = json.loads(ann["sidecar.istio.io/userVolumeMount"])
+    assert [v["name"] for v in volumes] == [m["name"] for m in mounts]
+    (mount,) = mounts
+    # compat image layer holds plugin.wasm (integration/oci_image.py COMPAT_FILE)
+    assert mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE
+    assert volumes[0]["image"]["reference"].endswith("-compat")
+    # the annotations hold valid Kubernetes Volume / VolumeMount objects: check them inside a pod
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "probe"},
+        "spec": {"volumes": volumes, "containers": [{"name": "c", "image": "x", "volumeMounts": mounts}]},
+    }
+    assert meshlib.manifest_errors(pod) == []
+    # bootstrapOverride names the generated ConfigMap, in the namespace of the patched pods
+    (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
+    assert ann["sidecar.istio.io/bootstrapOverride"] == cm["metadata"]["name"]
+    ef, _ = envoyfilter_patches(rendered(overlay))
+    assert cm["metadata"]["namespace"] == ef["metadata"]["namespace"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pod_patch_merges_into_a_valid_deployment(overlay):
+    base = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "target", "namespace": "llm"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "target"}},
+            "template": {
+                "metadata": {"labels": {"app": "target"}},
+                "spec": {"containers": [{"name": "app", "image": "app:1"}]},
+            },
+        },
+    }
+
+    def merge(a, b):
+        for k, v in b.items():
+            a[k] = merge(a.get(k, {}), v) if isinstance(v, dict) else v
+        return a
+
+    merged = merge(base, pod_patch(overlay))
+    assert meshlib.manifest_errors(merged) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_envoyfilter_selects_the_patched_proxies(overlay):
+    objs = rendered(overlay)
+    ef, patches = envoyfilter_patches(objs)
+    sel = ef["spec"]["workloadSelector"]["labels"]
+    if overlay == "gateway":
+        (gw,) = find(objs, "Gateway")
+        assert gw["spec"]["selector"] == sel
+        assert {p["match"]["context"] for p in patches.values()} == {"GATEWAY"}
+        # Istio's ingress gateway serves Gateway port 80 on listener port 8080
+        assert gw["spec"]["servers"][0]["port"]["number"] == 80
+        assert patches["LISTENER"]["match"]["listener"]["portNumber"] == 8080
+    else:
+        labels = pod_patch(overlay)["spec"]["template"]["metadata"]["labels"]
+        assert sel.items() <= labels.items()
+        assert {p["match"]["context"] for p in patches.values()} == {"SIDECAR_OUTBOUND"}
+    assert patches["HTTP_FILTER"]["match"]["listener"]["portNumber"] == patches["LISTENER"]["match"]["listener"]["portNumber"]
+    sub = patches["HTTP_FILTER"]["match"]["listener"]["filterChain"]["filter"]
+    assert sub == {"name": "envoy.filters.network.http_connection_manager", "subFilter": {"name": "envoy.filters.http.router"}}
+    assert patches["HTTP_FILTER"]["patch"]["operation"] == "INSERT_BEFORE"
+
+
+def vllm_objects():
+    return meshlib.kustomize_objects(meshlib.ISTIO_DIR / "vllm")
+
+
+def vllm_container():
+    (dep,) = find(vllm_objects(), "Deployment", "vllm")
+    return dep, dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def expand_k8s_vars(text, env):
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def arg_value(args, flag):
+    for a in args:
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{flag} not in {args}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_patch_targets_the_vllm_service(overlay):
+    _, patches = envoyfilter_patches(rendered(overlay))
+    match = patches["CLUSTER"]["match"]["cluster"]
+    (svc,) = find(vllm_objects(), "Service", "vllm")
+    assert match["service"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
+    assert match["portNumber"] in [p["port"] for p in svc["spec"]["ports"]]
+    value = patches["CLUSTER"]["patch"]["value"]
+    (pol,) = value["load_balancing_policy"]["policies"]
+    oh = pol["typed_extension_config"]
+    assert oh["name"] == "envoy.load_balancing_policies.override_host"
+    filt, _, _ = wasm_configs(rendered(overlay))
+    header = plugin_json(filt).get("destination_header", "x-gateway-destination-endpoint")
+    assert oh["typed_config"]["override_host_sources"] == [{"header": header}]
+    (fb,) = oh["typed_config"]["fallback_policy"]["policies"]
+    assert fb["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
+    # buffers hold the largest body the filter will parse
+    for p in ("CLUSTER", "LISTENER"):
+        assert patches[p]["patch"]["value"]["per_connection_buffer_limit_bytes"] >= plugin_json(filt).get("max_body_bytes", 4194304)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_plugin_configs_name_the_indexer_service(overlay):
+    objs = rendered(overlay)
+    (svc,) = find(objs, "Service", "kvroute-indexer")
+    feed_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http-feed")
+    fqdn = f"kvroute-indexer.{svc['metadata']['namespace']}.svc.cluster.local"
+    filt, svc_cfg, _ = wasm_configs(objs)
+    for cfg in (plugin_json(filt), plugin_json(svc_cfg["config"])):
+        assert cfg["indexer"]["cluster"] == f"outbound|{feed_port}||{fqdn}"  # Istio's cluster name
+        assert cfg["indexer"]["authority"] == f"{fqdn}:{feed_port}"
+
+
+def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
+    objs = rendered("gateway")
+    dep, c = vllm_container()
+    env = {e["name"]: e.get("value", f"<{e['name']}>") for e in c["env"]}
+    assert next(e for e in c["env"] if e["name"] == "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    kv = json.loads(expand_k8s_vars(arg_value(c["args"], "--kv-events-config"), {**env, "POD_IP": "10.1.2.3"}))
+    assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
+    # endpoint without '*': vLLM connects to the indexer's Service, zmq port
+    (isvc,) = find(objs, "Service", "kvroute-indexer")
+    zmq_port = next(p["port"] for p in isvc["spec"]["ports"] if p["name"] == "tcp-zmq")
+    assert kv["endpoint"] == f"tcp://kvroute-indexer.{isvc['metadata']['namespace']}.svc.cluster.local:{zmq_port}"
+    assert "*" not in kv["endpoint"]
+    # topic kv@<ip:port>@<model>, port = the port kvroute routes to
+    port = arg_value(c["args"], "--port")
+    assert kv["topic"] == f"kv@10.1.2.3:{port}@{env['MODEL_NAME']}"
+    # replay socket binds on the port the headless Service and the indexer use
+    replay_port = int(kv["replay_endpoint"].rsplit(":", 1)[1])
+    assert kv["replay_endpoint"].startswith("tcp://*:")
+    (headless,) = find(objs, "Service", "vllm-pods")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert replay_port in [p["port"] for p in headless["spec"]["ports"]]
+    assert replay_port in [p["containerPort"] for p in c["ports"]]
+    (idx,) = find(objs, "Deployment", "kvroute-indexer")
+    iargs = idx["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert int(arg_value(iargs, "--replay-port")) == replay_port
+    assert arg_value(iargs, "--pods-dns") == f"vllm-pods.{headless['metadata']['namespace']}.svc.cluster.local:{port}"
+    assert arg_value(iargs, "--zmq-bind") == f"tcp://*:{zmq_port}"
+    # block size: vLLM == indexer == filter
+    filt, _, _ = wasm_configs(objs)
+    assert arg_value(c["args"], "--block-size") == arg_value(iargs, "--block-size") == str(plugin_json(filt)["block_size"])
+    # the headless Service selects the vLLM pods, as the vllm Service does
+    (vsvc,) = find(vllm_objects(), "Service", "vllm")
+    assert headless["spec"]["selector"] == vsvc["spec"]["selector"]
+    assert vsvc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_lockdown_only_vllm_publishes_only_proxies_read(overlay):
+    objs = rendered(overlay)
+    (idx,) = find(objs, "Deployment", "kvroute-indexer")
+    idx_labels = idx["spec"]["template"]["metadata"]["labels"]
+    ns = idx["metadata"]["namespace"]
+    dep, c = vllm_container()
+    vllm_sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    ports = {p["name"]: p["containerPort"] for p in idx["spec"]["template"]["spec"]["containers"][0]["ports"]}
+
+    (pa,) = find(objs, "PeerAuthentication", "kvroute-indexer")
+    assert pa["spec"]["mtls"]["mode"] == "STRICT"
+    assert pa["spec"]["selector"]["matchLabels"].items() <= idx_labels.items()
+
+    rules = []
+    for ap in find(objs, "AuthorizationPolicy"):
+        assert ap["metadata"]["namespace"] == ns
+        assert ap["spec"]["action"] == "ALLOW"
+        assert ap["spec"]["selector"]["matchLabels"].items() <= idx_labels.items()
+        rules += ap["spec"]["rules"]
+    # who may reach the zmq port: exactly the vLLM service account
+    zmq = [r for r in rules if any(str(ports["tcp-zmq"]) in t["operation"].get("ports", []) for t in r["to"])]
+    assert [s["source"] for r in zmq for s in r["from"]] == [{"principals": [f"cluster.local/ns/{ns}/sa/{vllm_sa}"]}]
+    # who may read the feed: the proxies' principals only
+    feed = [r for r in rules if any("/v1/feed" in t["operation"].get("paths", []) for t in r["to"])]
+    principals = [p for r in feed for s in r["from"] for p in s["source"]["principals"]]
+    if overlay == "gateway":
+        assert principals == ["cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account"]
+    else:
+        sa = pod_patch(overlay)["spec"]["template"]["spec"]["serviceAccountName"]
+        ef, _ = envoyfilter_patches(objs)
+        assert principals == [f"cluster.local/ns/{ef['metadata']['namespace']}/sa/{sa}"]
+    for r in feed:
+        assert all(set(s["source"]) == {"principals"} for s in r["from"])
+    # nothing else may write: POST only on /v1/learned
+    for r in rules:
+        for t in r["to"]:
+            op = t["operation"]
+            assert "methods" in op or op.get("ports") == [str(ports["tcp-zmq"])], op
+            if "POST" in op.get("methods", []):
+                assert op["paths"] == ["/v1/learned"]
+
+    # NetworkPolicy: L4 equivalent
+    nps = find(objs, "NetworkPolicy")
+    for np in nps:
+        assert np["spec"]["podSelector"]["matchLabels"].items() <= idx_labels.items()
+        assert np["spec"]["policyTypes"] == ["Ingress"]
+    ingress = [rule for np in nps for rule in np["spec"]["ingress"]]
+    zmq_from = [rule["from"] for rule in ingress if {"protocol": "TCP", "port": ports["tcp-zmq"]} in rule.get("ports", [])]
+    assert zmq_from == [[{"podSelector": {"matchLabels": {"app": "vllm"}}}]]
+    assert {"app": "vllm"}.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    feed_from = [rule["from"] for rule in ingress if {"protocol": "TCP", "port": ports["http-feed"]} in rule.get("ports", [])]
+    assert len(feed_from) == 2  # proxies, and the monitoring namespace for /metrics
+    for rule in ingress:
+        assert "from" in rule or all(p["port"] in (15020, 15021) for p in rule["ports"]), rule
+
+
+def test_plugin_configs_in_istio_are_valid():
+    found = [(w, c) for w, c in meshlib.example_plugin_configs() if w.startswith("istio/")]
+    roles = sorted(c.get("role", "filter") for _, c in found)
+    assert roles == ["filter", "filter", "singleton", "singleton"], found
+    for where, cfg in found:
+        assert meshlib.plugin_config_errors(cfg) == [], where
