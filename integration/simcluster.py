@@ -1,0 +1,257 @@
+"""Local cluster of simulated vLLM pods (integration/vllm-sim), for tests, `make run` and the benchmark.
+
+    with SimCluster(pods=4, time_scale=0.1, kv_events_endpoint="tcp://127.0.0.1:5557") as c:
+        c.addresses   # ["127.0.0.1:P", ...]  (pod identities, as in x-vllm-sim-pod)
+        c.urls        # ["http://127.0.0.1:P", ...]
+        c.topics      # KV-event topics, "kv@127.0.0.1:P@<model>"
+
+Every keyword option becomes the binary's `--flag value` (underscores to dashes; lists repeat the
+values; None is left out), e.g. num_gpu_blocks=2000, max_num_seqs=64, tokenizer=PATH,
+served_model_name=["a", "b"]. `kv_events_replay=True` picks free replay ports
+(`.replay_ports`). Ports are chosen free at run time; the process runs in its own session and is
+stopped by its PID. The binary is $KVROUTE_SIM_BIN, else target/release/vllm-sim, built with
+`cargo build --release -p vllm-sim` when missing.
+
+Standard library only, so it runs in the test venv (3.11) and the benchmark venv (3.12).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BIN = REPO / "target" / "release" / "vllm-sim"
+
+# Offline tokenizer shipped inside the PyPI litellm wheel (see shared/design.md).
+LITELLM_VERSION = "1.110.2"
+TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
+TOKENIZER_PATH = REPO / "build" / "tokenizers" / "deepseek_tokenizer.json"
+
+
+def sim_binary(build: bool = True) -> Path:
+    """Path of the vllm-sim binary ($KVROUTE_SIM_BIN or target/release/vllm-sim, built if missing)."""
+    env = os.environ.get("KVROUTE_SIM_BIN")
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise FileNotFoundError(f"KVROUTE_SIM_BIN={env} does not exist")
+        return p
+    if not DEFAULT_BIN.is_file():
+        if not build:
+            raise FileNotFoundError(f"{DEFAULT_BIN} missing; run `make sim`")
+        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
+        subprocess.run(["cargo", "build", "--release", "-p", "vllm-sim"], cwd=REPO, env=env_build, check=True,
+                       stdin=subprocess.DEVNULL)
+    return DEFAULT_BIN
+
+
+def ensure_tokenizer() -> Path:
+    """The DeepSeek tokenizer.json from the litellm wheel (pip download, no install), cached in build/."""
+    if TOKENIZER_PATH.is_file():
+        return TOKENIZER_PATH
+    TOKENIZER_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "-d", d, f"litellm=={LITELLM_VERSION}"], check=True, stdin=subprocess.DEVNULL)
+        wheels = list(Path(d).glob("litellm-*.whl"))
+        if not wheels:
+            raise FileNotFoundError("pip download litellm produced no wheel")
+        with zipfile.ZipFile(wheels[0]) as z:
+            data = z.read(TOKENIZER_MEMBER)
+    tmp = TOKENIZER_PATH.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(TOKENIZER_PATH)
+    return TOKENIZER_PATH
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(n: int, host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    """First port of n consecutive ports that are free now (random base, so parallel suites rarely collide)."""
+    avoid = avoid or set()
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 60000 - n)
+        ports = range(base, base + n)
+        if any(p in avoid for p in ports):
+            continue
+        if all(_port_free(p, host) for p in ports):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SimCluster:
+    def __init__(self, pods: int = 1, *, host: str = "127.0.0.1", startup_timeout: float = 60.0,
+                 kv_events_replay: bool = False, **opts):
+        self.pods = pods
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self.kv_events_replay = kv_events_replay
+        self.opts = dict(opts)
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.replay_port: int | None = None
+        self.log_path: Path | None = None
+        self._log = None
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.port + i for i in range(self.pods)]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.ports]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{a}" for a in self.addresses]
+
+    @property
+    def replay_ports(self) -> list[int]:
+        return [self.replay_port + i for i in range(self.pods)] if self.replay_port else []
+
+    @property
+    def model(self) -> str:
+        names = self.opts.get("served_model_name")
+        if names:
+            return names[0] if isinstance(names, (list, tuple)) else names
+        return self.opts.get("model", "Qwen/Qwen3-32B")
+
+    @property
+    def topics(self) -> list[str]:
+        tmpl = self.opts.get("kv_events_topic_template", "kv@{host}:{port}@{model}")
+        return [tmpl.replace("{host}", self.host).replace("{port}", str(p)).replace("{model}", self.model)
+                for p in self.ports]
+
+    # ---------------------------------------------------------------- lifecycle
+    def _argv(self) -> list[str]:
+        argv = [str(sim_binary()), "--host", self.host, "--port", str(self.port), "--pods", str(self.pods)]
+        if self.replay_port:
+            argv += ["--kv-events-replay-port", str(self.replay_port)]
+        for k, v in self.opts.items():
+            if v is None:
+                continue
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, (list, tuple)):
+                argv += [flag, *[str(x) for x in v]]
+            else:
+                argv += [flag, str(v)]
+        return argv
+
+    def start(self) -> "SimCluster":
+        self.port = free_port_range(self.pods, self.host)
+        if self.kv_events_replay:
+            self.replay_port = free_port_range(self.pods, self.host, avoid=set(self.ports))
+        argv = self._argv()
+        fd, name = tempfile.mkstemp(prefix="vllm-sim-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        pending = list(self.urls)
+        while pending:
+            if self.proc.poll() is not None:
+                log = self.log_text()
+                self.stop()
+                raise RuntimeError(f"vllm-sim exited with {self.proc.returncode}: {log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vllm-sim pods not healthy: {pending}")
+            try:
+                with urllib.request.urlopen(pending[0] + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.05)
+        return self
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace") if self.log_path else ""
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+            except ProcessLookupError:
+                pass
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "SimCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self.log_path:
+            try:
+                self.log_path.unlink()
+            except OSError:
+                pass
+
+    # ---------------------------------------------------------------- helpers
+    def flush(self) -> None:
+        """POST /admin/flush on every pod: cold caches (AllBlocksCleared) and zeroed counters."""
+        for u in self.urls:
+            req = urllib.request.Request(u + "/admin/flush", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+
+    def metrics_text(self, i: int) -> str:
+        with urllib.request.urlopen(self.urls[i] + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, i: int, name: str) -> float:
+        """Value of an unlabelled-by-us sample (first line starting with `name{` or `name `)."""
+        for line in self.metrics_text(i).splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the simulator process has used so far (Linux /proc)."""
+        if not self.proc:
+            return 0.0
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Calibration evidence for vllm-sim (results go to integration/vllm-sim/README.md).
+
+    calibrate.py ttft                       single-request TTFT, cold vs warm 7,200-token prompts (1 pod, real time)
+    calibrate.py curve  [--scale S]         one pod: output tok/s and TTFT vs QPS (its 1/8 share of the reference)
+    calibrate.py random8 [--scale S]        8 pods, 150 groups x 5 prompts, random routing vs group affinity
+    calibrate.py cpu                        8 pods at 60 QPS, 1,000-token outputs: CPU used by the simulator
+    calibrate.py all
+
+Workload (llm-d 73-capacity, inference-perf shared_prefix): per group a 6,000-token system prompt, 5 questions of
+1,200 tokens, 1,000 output tokens (ignore_eos), streaming, pretokenized prompts (random ids, so the load generator
+stays cheap). Arrivals are Poisson in simulated time; at most --max-inflight requests in flight (inference-perf's
+worker concurrency; TTFT is timed from dispatch, as benchmark.md explains). Throughput comes from the pods'
+vllm:generation_tokens_total deltas over each stage; TTFT from the client. --scale < 1 runs the pods (and the
+arrival clock) faster than real time; TTFTs are reported in simulated seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import simcluster  # noqa: E402
+
+SYSTEM, QUESTION, OUTPUT = 6000, 1200, 1000
+
+
+def workload(groups: int, per_group: int, seed: int = 7):
+    rng = random.Random(seed)
+    prompts = []
+    for g in range(groups):
+        system = [rng.randrange(1000, 120000) for _ in range(SYSTEM)]
+        for _ in range(per_group):
+            prompts.append((g, system + [rng.randrange(1000, 120000) for _ in range(QUESTION)]))
+    return prompts
+
+
+def body(prompt, max_tokens=OUTPUT):
+    return json.dumps({"model": "Qwen/Qwen3-32B", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()
+
+
+async def stream_request(host, port, payload, timeout, on_first=None):
+    """POST /v1/completions (streaming) and read to [DONE]; on_first() at the first data chunk. True if completed."""
+    first = False
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return False
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (host.encode(), port, len(payload)) + payload)
+        await writer.drain()
+        tail = b""
+        async with asyncio.timeout(timeout):
+            while True:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    return False
+                if not first and b"data: {" in chunk:
+                    first = True
+                    if on_first:
+                        on_first()
+                tail = (tail + chunk)[-64:]
+                if b"[DONE]" in tail:
+                    return True
+    except (TimeoutError, OSError):
+        return False
+    finally:
+        writer.close()
+
+
+async def timed(host, port, payload, timeout=600):
+    """Wall seconds to the first token of one streaming request."""
+    t0 = time.monotonic()
+    out = []
+    await stream_request(host, port, payload, timeout, lambda: out.append(time.monotonic() - t0))
+    return out[0] if out else float("nan")
+
+
+def scrape(urls):
+    import urllib.request
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u + "/metrics", timeout=10) as r:
+            vals = {}
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#") and "_bucket" not in line:
+                    name = line.split("{")[0].split(" ")[0]
+                    vals[name] = vals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            out.append(vals)
+    return out
+
+
+def total(snaps, name):
+    return sum(s.get(name, 0.0) for s in snaps)
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+async def run_stages(cluster, prompts, stages, route, scale, max_inflight, seed=11, drain=120.0):
+    """stages: [(qps, seconds)] in simulated time; route(group, rng) -> pod index. One row per stage."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_inflight)
+    bodies = {}
+    ttft = {}  # request number -> (stage, simulated TTFT or None)
+    tasks = set()
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+
+    async def one(stage, rid, idx, pod):
+        ttft[rid] = (stage, None)
+        async with sem:
+            t0 = time.monotonic()
+
+            def on_first():
+                ttft[rid] = (stage, (time.monotonic() - t0) / scale)
+
+            await stream_request(cluster.host, cluster.ports[pod], bodies[idx], 3600, on_first)
+
+    rows = []
+    rid = 0
+    for si, (qps, secs) in enumerate(stages):
+        before = scrape(cluster.urls)
+        t_start = time.monotonic()
+        t_end = t_start + secs * scale
+        next_t = t_start
+        waiting = []
+        while True:
+            next_t += rng.expovariate(qps) * scale
+            if next_t >= t_end:
+                break
+            while time.monotonic() < next_t:
+                await asyncio.sleep(min(0.05, next_t - time.monotonic()))
+            idx = order[rid % len(order)]
+            if idx not in bodies:
+                bodies[idx] = body(prompts[idx][1])
+            t = asyncio.create_task(one(si, rid, idx, route(prompts[idx][0], rng)))
+            rid += 1
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+        after = scrape(cluster.urls)
+        waiting.append(total(after, "vllm:num_requests_waiting"))
+        gen = total(after, "vllm:generation_tokens_total") - total(before, "vllm:generation_tokens_total")
+        q = total(after, "vllm:prefix_cache_queries_total") - total(before, "vllm:prefix_cache_queries_total")
+        h = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
+        rows.append({"qps": qps, "secs": secs, "out_tok_s": gen / secs, "hit_rate": h / q if q else float("nan"),
+                     "waiting_end": total(after, "vllm:num_requests_waiting"),
+                     "kv_usage_end": statistics.mean(s.get("vllm:kv_cache_usage_perc", 0) for s in after)})
+    # Let dispatched requests reach their first token (bounded), then drop everything still open.
+    deadline = time.monotonic() + drain * scale
+    while time.monotonic() < deadline and any(v is None for v in (t for _, t in ttft.values())):
+        await asyncio.sleep(0.2)
+    for t in list(tasks):
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for si, row in enumerate(rows):
+        tt = [v for s, v in ttft.values() if s == si and v is not None]
+        row.update({"sent": sum(1 for s, _ in ttft.values() if s == si), "ttft_n": len(tt), "ttft_p50": pct(tt, 50),
+                    "ttft_p90": pct(tt, 90), "ttft_mean": statistics.mean(tt) if tt else float("nan")})
+    return rows
+
+
+def print_rows(title, rows):
+    print(f"\n## {title}")
+    print("| QPS | stage s | sent | TTFT n | TTFT p50 | TTFT p90 | TTFT mean | out tok/s | hit rate | waiting (end) | KV use (end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['qps']} | {r['secs']} | {r['sent']} | {r['ttft_n']} | {r['ttft_p50']:.3f} | {r['ttft_p90']:.3f} | "
+              f"{r['ttft_mean']:.3f} | {r['out_tok_s']:.0f} | {r['hit_rate']:.2f} | {r['waiting_end']:.0f} | "
+              f"{r['kv_usage_end']:.2f} |")
+    sys.stdout.flush()
+
+
+def cmd_ttft(args):
+    prompts = workload(3, 2, seed=3)
+    with simcluster.SimCluster(pods=1, time_scale=1.0) as c:
+        print("\n## Single-request TTFT, 7,200-token prompts (1 pod, real time)")
+        print("| group | cold TTFT s | warm TTFT s (6,000 cached) |\n|---|---|---|")
+        for g in range(3):
+            cold = asyncio.run(timed(c.host, c.ports[0], body(prompts[2 * g][1], 1)))
+            warm = asyncio.run(timed(c.host, c.ports[0], body(prompts[2 * g + 1][1], 1)))
+            print(f"| {g} | {cold:.3f} | {warm:.3f} |")
+
+
+def cmd_curve(args):
+    prompts = workload(19, 5)  # one pod's share: 150 groups / 8 pods
+    stages = [(q, args.stage) for q in (0.5, 1, 2, 3, 4, 5, 6, 7.5)]
+    with simcluster.SimCluster(pods=1, time_scale=args.scale) as c:
+        rows = asyncio.run(run_stages(c, prompts, stages, lambda g, r: 0, args.scale, args.max_inflight // 8))
+    print_rows(f"One pod, 19 groups x 5 prompts, stages of {args.stage} s, cap {args.max_inflight // 8} in flight "
+               f"(time scale {args.scale})", rows)
+
+
+def cmd_random8(args):
+    prompts = workload(150, 5)
+    stages = [(15, args.warmup)] + [(q, args.stage) for q in args.qps]
+    for name, route in [("random", lambda g, r: r.randrange(8)), ("group affinity (ideal prefix routing)",
+                                                                  lambda g, r: g % 8)]:
+        with simcluster.SimCluster(pods=8, time_scale=args.scale) as c:
+            t0 = time.monotonic()
+            cpu0 = c.cpu_seconds()
+            rows = asyncio.run(run_stages(c, prompts, stages, route, args.scale, args.max_inflight))
+            cpu = (c.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+        print_rows(f"8 pods, 150 groups x 5 prompts, {name}, cap {args.max_inflight} in flight, time scale "
+                   f"{args.scale} (sim CPU {cpu:.2f} cores)", rows)
+
+
+def cmd_cpu(args):
+    prompts = workload(150, 5)
+    with simcluster.SimCluster(pods=8, time_scale=1.0) as c:
+        # Warm up to a steady state, then measure the process's CPU over a 60 QPS stage.
+        async def go():
+            return await run_stages(c, prompts, [(60, args.stage)], lambda g, r: g % 8, 1.0, args.max_inflight)
+        cpu0, t0 = c.cpu_seconds(), time.monotonic()
+        rows = asyncio.run(go())
+        cpu1, t1 = c.cpu_seconds(), time.monotonic()
+    print_rows("CPU run: 8 pods, 60 QPS, 1,000-token outputs, real time", rows)
+    print(f"\nsimulator CPU: {cpu1 - cpu0:.1f} s over {t1 - t0:.1f} s wall = {(cpu1 - cpu0) / (t1 - t0):.3f} cores")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["ttft", "curve", "random8", "cpu", "all"])
+    ap.add_argument("--scale", type=float, default=1.0, help="time scale of the pods (wall s per sim s)")
+    ap.add_argument("--stage", type=float, default=30.0, help="seconds (simulated) per QPS stage")
+    ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--qps", type=float, nargs="+", default=[10, 30, 60])
+    ap.add_argument("--max-inflight", type=int, default=640)
+    args = ap.parse_args()
+    for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu)]:
+        if args.what in (name, "all"):
+            fn(args)
+
+
+if __name__ == "__main__":
+    main()
