@@ -1,0 +1,89 @@
+"""Run inference-perf unchanged except for one thing: seeded Poisson arrivals.
+
+inference-perf 0.7.0 seeds its prompt order (`data.shared_prefix.seed`) but its
+PoissonLoadTimer / ConstantLoadTimer draw inter-arrival gaps from
+`np.random.default_rng()` with no seed, so two runs of the same config send the
+same prompts at different instants. The benchmark compares routers on *the
+same* request sequence, so this launcher replaces those two generators with
+ones drawn from `SeedSequence(KVROUTE_BENCH_ARRIVAL_SEED)`, in creation order
+(the timers are created in the main process, one per stage, in stage order, so
+the order is deterministic). Nothing else in inference-perf is touched: the
+workers, the HTTP client, TTFT timing and the report generator are the
+released code.
+
+Usage: python ipwrap.py -c config.yaml   (same arguments as `inference-perf`)
+The arrival schedule actually produced is written to
+$KVROUTE_BENCH_SCHEDULE_OUT (JSON lines: stage timer index, offset seconds) so
+the harness can prove every strategy saw the same schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+
+
+def _install_seeded_timers(seed: int, schedule_out: str | None) -> None:
+    from inference_perf.loadgen import load_timer
+
+    root = np.random.SeedSequence(seed)
+    lock = threading.Lock()
+    counter = {"n": 0}
+
+    def next_rng() -> np.random.Generator:
+        with lock:
+            n = counter["n"]
+            counter["n"] += 1
+        # spawn_key makes child n independent of how many were drawn before.
+        child = np.random.SeedSequence(entropy=root.entropy, spawn_key=(n,))
+        return np.random.default_rng(child)
+
+    orig_poisson_init = load_timer.PoissonLoadTimer.__init__
+    orig_constant_init = load_timer.ConstantLoadTimer.__init__
+
+    def poisson_init(self, rate, duration):  # type: ignore[no-untyped-def]
+        orig_poisson_init(self, rate, duration)
+        self._rand = next_rng()
+
+    def constant_init(self, rate, duration):  # type: ignore[no-untyped-def]
+        orig_constant_init(self, rate, duration)
+        self._rand = next_rng()
+
+    load_timer.PoissonLoadTimer.__init__ = poisson_init  # type: ignore[method-assign]
+    load_timer.ConstantLoadTimer.__init__ = constant_init  # type: ignore[method-assign]
+
+    if schedule_out:
+        # Record the offsets (relative to the stage's start) the Poisson timer yields.
+        orig_start = load_timer.PoissonLoadTimer.start_timer
+        fh = open(schedule_out, "a", buffering=1)
+        stage_idx = {"n": 0}
+
+        def start_timer(self, initial=None):  # type: ignore[no-untyped-def]
+            idx = stage_idx["n"]
+            stage_idx["n"] += 1
+            gen = orig_start(self, initial)
+            base = initial
+            for t in gen:
+                if base is None:
+                    base = t
+                fh.write(json.dumps({"timer": idx, "rate": self._rate, "t": round(t - base, 6)}) + "\n")
+                yield t
+
+        load_timer.PoissonLoadTimer.start_timer = start_timer  # type: ignore[method-assign]
+
+
+def main() -> None:
+    seed = int(os.environ.get("KVROUTE_BENCH_ARRIVAL_SEED", "0"))
+    _install_seeded_timers(seed, os.environ.get("KVROUTE_BENCH_SCHEDULE_OUT"))
+    from inference_perf.main import main_cli
+
+    sys.argv[0] = "inference-perf"
+    main_cli()
+
+
+if __name__ == "__main__":
+    main()

