@@ -1,1 +1,127 @@
-//! kvroute.wasm: the proxy-wasm filter. Host calls live here; logic in kvroute-core.
+//! kvroute.wasm: prefix-aware LLM routing as a proxy-wasm filter.
+//!
+//! Host calls live in `host`; everything they feed is pure logic from
+//! `kvroute-core`. One module serves two roles, chosen by the plugin
+//! configuration: the HTTP filter in every worker, and the singleton that
+//! polls the indexer.
+
+mod filter;
+mod host;
+mod metrics;
+mod peers;
+mod singleton;
+mod worker;
+
+use kvroute_core::config::{Config, Role};
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::Unconfigured) });
+}}
+
+/// Tick of a worker VM: heartbeat, gauges, snapshot duty.
+const WORKER_TICK_MS: u32 = 1000;
+
+enum Root {
+    Unconfigured,
+    Filter(worker::SharedWorker),
+    Singleton(Box<singleton::Singleton>),
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let Root::Singleton(s) = self {
+            s.on_http_call_response(token_id, body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    /// Refuses a bad configuration (Envoy then rejects the plugin) with a
+    /// log line naming the field.
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let raw = host::plugin_configuration().unwrap_or_default();
+        let config = match Config::from_json(&raw) {
+            Ok(c) => Rc::new(c),
+            Err(e) => {
+                host::log(LogLevel::Error, &e.to_string());
+                return false;
+            }
+        };
+        let vm_id = host::property(&["plugin_vm_id"]).unwrap_or_default();
+        match (std::mem::replace(self, Root::Unconfigured), config.role) {
+            (Root::Filter(worker), Role::Filter) => {
+                if let Ok(mut w) = worker.try_borrow_mut() {
+                    w.reconfigure(config);
+                }
+                *self = Root::Filter(worker);
+            }
+            (Root::Singleton(mut s), Role::Singleton) => {
+                s.reconfigure(config);
+                *self = Root::Singleton(s);
+            }
+            (_, Role::Filter) => {
+                let endpoints = config.endpoints.len();
+                *self = Root::Filter(Rc::new(RefCell::new(worker::Worker::start(config, &vm_id))));
+                host::set_tick_period(WORKER_TICK_MS);
+                host::log(
+                    LogLevel::Info,
+                    &format!("kvroute: filter configured (vm_id {vm_id:?}, {endpoints} endpoints)"),
+                );
+            }
+            (_, Role::Singleton) => {
+                *self = Root::Singleton(Box::new(singleton::Singleton::start(config, &vm_id)));
+                host::log(
+                    LogLevel::Info,
+                    &format!("kvroute: singleton configured (vm_id {vm_id:?})"),
+                );
+            }
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        match self {
+            Root::Filter(worker) => {
+                if let Ok(mut w) = worker.try_borrow_mut() {
+                    w.on_tick();
+                }
+            }
+            Root::Singleton(s) => s.on_tick(),
+            Root::Unconfigured => {}
+        }
+    }
+
+    fn on_queue_ready(&mut self, _queue_id: u32) {
+        match self {
+            Root::Filter(worker) => {
+                if let Ok(mut w) = worker.try_borrow_mut() {
+                    w.drain_queue();
+                }
+            }
+            Root::Singleton(s) => s.drain_queue(),
+            Root::Unconfigured => {}
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        match self {
+            Root::Filter(worker) => Some(Box::new(filter::RequestFilter::new(worker.clone()))),
+            _ => None,
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

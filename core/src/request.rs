@@ -219,6 +219,36 @@ fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), Pars
     Ok(())
 }
 
+/// Body of a vLLM-compatible `POST /tokenize` call for a chat request: its
+/// model and messages, rendered with the generation prompt as the chat
+/// request itself would be. `None` for bodies without messages.
+pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
+    #[derive(Deserialize)]
+    struct Chat<'a> {
+        #[serde(borrow)]
+        model: &'a RawValue,
+        #[serde(borrow)]
+        messages: &'a RawValue,
+    }
+    let chat: Chat = serde_json::from_slice(body).ok()?;
+    let mut out = Vec::with_capacity(chat.messages.get().len() + chat.model.get().len() + 64);
+    out.extend_from_slice(b"{\"model\":");
+    out.extend_from_slice(chat.model.get().as_bytes());
+    out.extend_from_slice(b",\"messages\":");
+    out.extend_from_slice(chat.messages.get().as_bytes());
+    out.extend_from_slice(b",\"add_generation_prompt\":true}");
+    Some(out)
+}
+
+/// Token ids from a `/tokenize` answer (`{"tokens": [...], ...}`).
+pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
+    #[derive(Deserialize)]
+    struct Tokenized {
+        tokens: Vec<u32>,
+    }
+    Ok(serde_json::from_slice::<Tokenized>(body)?.tokens)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,6 +394,16 @@ mod tests {
             let e = parse_request(body).unwrap_err();
             assert!(check(&e), "{:?} gave {e:?}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn tokenizer_call_out_bodies() {
+        let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        let call: serde_json::Value = serde_json::from_slice(&tokenize_call_body(body).unwrap()).unwrap();
+        assert_eq!(call, serde_json::json!({"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true}));
+        assert!(tokenize_call_body(br#"{"model":"m","prompt":"p"}"#).is_none());
+        assert_eq!(parse_tokenize_response(br#"{"count":2,"max_model_len":9,"tokens":[5,6]}"#).unwrap(), vec![5, 6]);
+        assert!(parse_tokenize_response(br#"{"error":"x"}"#).is_err());
     }
 
     #[test]

@@ -297,14 +297,37 @@ impl Cluster {
     /// its block operations. Precise entries are trusted for `trust_for_s`.
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
         if !update.pods.is_empty() || self.discovered {
-            self.discovered = true;
-            let specs = update.pods.iter().map(|p| PodSpec {
-                address: p.address.clone(),
-                models: p.models.clone(),
-                capacity_blocks: p.capacity_blocks.max(1),
-            });
-            self.set_pods(specs.collect());
+            self.adopt_pods(update);
         }
+        self.apply_ops(update, now_s);
+        self.precise_until_s = now_s.saturating_add(trust_for_s);
+    }
+
+    /// Restores a snapshot written by another VM of this proxy. Its pod set
+    /// is adopted only if it came from discovery; configured pods stay.
+    pub fn restore(&mut self, snapshot: &FeedUpdate, discovered: bool, now_s: u32) {
+        if discovered {
+            self.adopt_pods(snapshot);
+        }
+        self.apply_ops(snapshot, now_s);
+    }
+
+    /// True once the indexer feed has named the pods.
+    pub fn is_discovered(&self) -> bool {
+        self.discovered
+    }
+
+    fn adopt_pods(&mut self, update: &FeedUpdate) {
+        self.discovered = true;
+        let specs = update.pods.iter().map(|p| PodSpec {
+            address: p.address.clone(),
+            models: p.models.clone(),
+            capacity_blocks: p.capacity_blocks.max(1),
+        });
+        self.set_pods(specs.collect());
+    }
+
+    fn apply_ops(&mut self, update: &FeedUpdate, now_s: u32) {
         if update.snapshot {
             for pod in &mut self.pods {
                 pod.table.clear();
@@ -312,11 +335,7 @@ impl Cluster {
         }
         for info in &update.pods {
             if let Some(pod) = self.pod_mut(&info.address) {
-                pod.reported = ReportedLoad {
-                    waiting: info.waiting,
-                    running: info.running,
-                    kv_usage: info.kv_usage,
-                };
+                pod.reported = ReportedLoad { waiting: info.waiting, running: info.running, kv_usage: info.kv_usage };
             }
         }
         for op in &update.ops {
@@ -332,7 +351,6 @@ impl Cluster {
                 BlockOp::Cleared { .. } => pod.table.clear(),
             }
         }
-        self.precise_until_s = now_s.saturating_add(trust_for_s);
     }
 
     /// The whole index as a feed snapshot, for VMs that start later.
@@ -606,7 +624,8 @@ mod tests {
         fresh.set_configured(&c);
         let snap = cluster.snapshot();
         let bytes = crate::feed::encode(&snap);
-        fresh.apply_feed(&crate::feed::decode(&bytes).unwrap(), 10, 0);
+        fresh.restore(&crate::feed::decode(&bytes).unwrap(), false, 10);
+        assert!(!fresh.is_discovered());
         let d = fresh
             .decide(&c, &hash_prompt(&c, &request), 10, 99)
             .unwrap();

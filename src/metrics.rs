@@ -1,0 +1,139 @@
+//! The Envoy stats kvroute exports (Envoy prefixes them with `wasmcustom.`).
+
+use crate::host::Metric;
+use kvroute_core::request::ParseError;
+use kvroute_core::router::NoRoute;
+
+/// Why a request was left to Envoy's own load balancer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOpen {
+    BodyTooLarge,
+    Malformed,
+    NoModel,
+    NoPrompt,
+    NoEndpoints,
+    NoEndpointForModel,
+    HeaderRejected,
+}
+
+impl FailOpen {
+    pub const ALL: [FailOpen; 7] = [
+        FailOpen::BodyTooLarge,
+        FailOpen::Malformed,
+        FailOpen::NoModel,
+        FailOpen::NoPrompt,
+        FailOpen::NoEndpoints,
+        FailOpen::NoEndpointForModel,
+        FailOpen::HeaderRejected,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FailOpen::BodyTooLarge => "body_too_large",
+            FailOpen::Malformed => "malformed",
+            FailOpen::NoModel => "no_model",
+            FailOpen::NoPrompt => "no_prompt",
+            FailOpen::NoEndpoints => "no_endpoints",
+            FailOpen::NoEndpointForModel => "no_endpoint_for_model",
+            FailOpen::HeaderRejected => "header_rejected",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl From<&ParseError> for FailOpen {
+    fn from(e: &ParseError) -> Self {
+        match e {
+            ParseError::Malformed(_) => FailOpen::Malformed,
+            ParseError::NoModel => FailOpen::NoModel,
+            ParseError::NoPrompt => FailOpen::NoPrompt,
+        }
+    }
+}
+
+impl From<NoRoute> for FailOpen {
+    fn from(e: NoRoute) -> Self {
+        match e {
+            NoRoute::NoEndpoints => FailOpen::NoEndpoints,
+            NoRoute::NoEndpointForModel => FailOpen::NoEndpointForModel,
+        }
+    }
+}
+
+/// Stats of the HTTP filter.
+#[derive(Debug, Clone)]
+pub struct FilterMetrics {
+    pub requests: Metric,
+    pub decision_prefix: Metric,
+    pub decision_load: Metric,
+    pub blocks_matched: Metric,
+    pub blocks_total: Metric,
+    pub decision_us: Metric,
+    pub index_blocks: Metric,
+    pub index_bytes: Metric,
+    pub peers: Metric,
+    pub peer_errors: Metric,
+    pub tokenizer_ok: Metric,
+    pub tokenizer_failed: Metric,
+    pub tokenizer_us: Metric,
+    fallback: Vec<Metric>,
+}
+
+impl FilterMetrics {
+    pub fn define() -> FilterMetrics {
+        FilterMetrics {
+            requests: Metric::counter("kvroute.requests"),
+            decision_prefix: Metric::counter("kvroute.decision.prefix"),
+            decision_load: Metric::counter("kvroute.decision.load"),
+            blocks_matched: Metric::counter("kvroute.blocks.matched"),
+            blocks_total: Metric::counter("kvroute.blocks.total"),
+            decision_us: Metric::histogram("kvroute.decision_us"),
+            index_blocks: Metric::gauge("kvroute.index.blocks"),
+            index_bytes: Metric::gauge("kvroute.index.bytes"),
+            peers: Metric::gauge("kvroute.peers"),
+            peer_errors: Metric::counter("kvroute.peer.errors"),
+            tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
+            tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
+            tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
+            fallback: FailOpen::ALL
+                .iter()
+                .map(|c| Metric::counter(&format!("kvroute.fallback.{}", c.name())))
+                .collect(),
+        }
+    }
+
+    pub fn fallback(&self, cause: FailOpen) {
+        if let Some(m) = self.fallback.get(cause.index()) {
+            m.inc();
+        }
+    }
+}
+
+/// Stats of the singleton that polls the indexer.
+#[derive(Debug, Clone, Copy)]
+pub struct FeedMetrics {
+    pub ok: Metric,
+    pub errors: Metric,
+    pub snapshots: Metric,
+    pub bytes: Metric,
+    pub latency_ms: Metric,
+    pub pods: Metric,
+    pub learned_sent: Metric,
+}
+
+impl FeedMetrics {
+    pub fn define() -> FeedMetrics {
+        FeedMetrics {
+            ok: Metric::counter("kvroute.feed.ok"),
+            errors: Metric::counter("kvroute.feed.errors"),
+            snapshots: Metric::counter("kvroute.feed.snapshots"),
+            bytes: Metric::counter("kvroute.feed.bytes"),
+            latency_ms: Metric::histogram("kvroute.feed.latency_ms"),
+            pods: Metric::gauge("kvroute.feed.pods"),
+            learned_sent: Metric::counter("kvroute.feed.learned_sent"),
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! Routing state of one worker VM, shared by its root context and its HTTP
+//! contexts: the cluster view, peers, stats and the snapshot duty.
+
+use crate::host;
+use crate::metrics::{FailOpen, FilterMetrics};
+use crate::peers::Peers;
+use kvroute_core::config::Config;
+use kvroute_core::feed;
+use kvroute_core::router::Cluster;
+use kvroute_core::wire::{self, PeerMessage};
+use proxy_wasm::types::LogLevel;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const SNAPSHOT_KEY: &str = "kvroute/snapshot/v1";
+const LEASE_KEY: &str = "kvroute/snapshot/lease";
+/// Precise entries stay trusted this long after the last feed update when
+/// no indexer poll period is configured.
+const DEFAULT_TRUST_S: u32 = 5;
+
+pub type SharedWorker = Rc<RefCell<Worker>>;
+
+pub struct Worker {
+    pub config: Rc<Config>,
+    pub cluster: Cluster,
+    pub peers: Peers,
+    pub metrics: FilterMetrics,
+    tie_seed: u64,
+    last_snapshot_ms: u64,
+    logged_causes: u32,
+}
+
+impl Worker {
+    /// A worker VM joining the proxy: registers its queue, then restores the
+    /// newest snapshot so it starts warm (duplicates from the queue are
+    /// harmless: inserts are idempotent).
+    pub fn start(config: Rc<Config>, vm_id: &str) -> Worker {
+        let (now_s, _) = host::now();
+        let peers = Peers::join(vm_id, now_s);
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&config);
+        if let Some((raw, _)) = host::shared_get(SNAPSHOT_KEY) {
+            if let Some((&flag, body)) = raw.split_first() {
+                match feed::decode(body) {
+                    Ok(snapshot) => cluster.restore(&snapshot, flag == 1, now_s),
+                    Err(e) => host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute: ignoring unreadable index snapshot: {e}"),
+                    ),
+                }
+            }
+        }
+        Worker {
+            config,
+            cluster,
+            peers,
+            metrics: FilterMetrics::define(),
+            tie_seed: host::entropy(),
+            last_snapshot_ms: 0,
+            logged_causes: 0,
+        }
+    }
+
+    pub fn reconfigure(&mut self, config: Rc<Config>) {
+        self.cluster.set_configured(&config);
+        self.config = config;
+    }
+
+    pub fn next_tie_seed(&mut self) -> u64 {
+        self.tie_seed = self.tie_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        self.tie_seed
+    }
+
+    /// Counts a fail-open and logs its cause the first time it is seen.
+    pub fn fail_open(&mut self, cause: FailOpen, request_id: &str, detail: &str) {
+        self.metrics.fallback(cause);
+        let bit = 1 << (cause as u32);
+        let level = if self.logged_causes & bit == 0 {
+            LogLevel::Warn
+        } else {
+            LogLevel::Debug
+        };
+        self.logged_causes |= bit;
+        host::log(
+            level,
+            &format!(
+                "kvroute: request {request_id} left to the fallback LB ({}): {detail}",
+                cause.name()
+            ),
+        );
+    }
+
+    /// Tells peers (and the singleton) about a routing event.
+    pub fn tell_peers(&self, message: PeerMessage) {
+        let to_singleton = matches!(message, PeerMessage::Routed { .. });
+        match wire::encode_batch(&[message]) {
+            Ok(bytes) => {
+                self.peers
+                    .broadcast(&bytes, to_singleton && self.config.indexer.is_some());
+            }
+            Err(e) => host::log(
+                LogLevel::Warn,
+                &format!("kvroute: peer message not sent: {e}"),
+            ),
+        }
+    }
+
+    /// Applies what peers sent to this VM's queue.
+    pub fn drain_queue(&mut self) {
+        let Some(queue) = self.peers.own_queue() else {
+            return;
+        };
+        let (now_s, _) = host::now();
+        while let Some(bytes) = host::queue_dequeue(queue) {
+            match wire::decode_batch(&bytes) {
+                Ok(messages) => messages.into_iter().for_each(|m| self.apply(m, now_s)),
+                Err(e) => {
+                    self.metrics.peer_errors.inc();
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute: dropped a peer message: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, message: PeerMessage, now_s: u32) {
+        match message {
+            PeerMessage::Routed {
+                pod,
+                prompt_blocks,
+                hashes,
+            } => self
+                .cluster
+                .record_routed(&pod, prompt_blocks, &hashes, now_s),
+            PeerMessage::Finished { pod, prompt_blocks } => {
+                self.cluster.record_finished(&pod, prompt_blocks)
+            }
+            PeerMessage::Feed(bytes) => match feed::decode(&bytes) {
+                Ok(update) => {
+                    let trust_s = self.config.indexer.as_ref().map_or(DEFAULT_TRUST_S, |i| {
+                        (i.poll_ms.saturating_mul(30) / 1000).max(DEFAULT_TRUST_S)
+                    });
+                    self.cluster.apply_feed(&update, now_s, trust_s);
+                }
+                Err(e) => {
+                    self.metrics.peer_errors.inc();
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute: dropped a feed update: {e}"),
+                    );
+                }
+            },
+        }
+    }
+
+    /// Periodic duties: heartbeat, gauges, and the index snapshot when this
+    /// VM holds the lease.
+    pub fn on_tick(&mut self) {
+        let (now_s, now_ms) = host::now();
+        self.peers.heartbeat(now_s);
+        let (blocks, bytes) = self.cluster.index_size();
+        self.metrics.index_blocks.record(blocks as u64);
+        self.metrics.index_bytes.record(bytes as u64);
+        self.metrics.peers.record(self.peers.live_count() as u64);
+        let interval = u64::from(self.config.index.snapshot_interval_ms);
+        if now_ms.saturating_sub(self.last_snapshot_ms) >= interval
+            && self.take_lease(now_ms, interval)
+        {
+            self.last_snapshot_ms = now_ms;
+            let mut value = vec![u8::from(self.cluster.is_discovered())];
+            value.extend_from_slice(&feed::encode(&self.cluster.snapshot()));
+            if !host::shared_set(SNAPSHOT_KEY, &value, 0) {
+                host::log(
+                    LogLevel::Warn,
+                    "kvroute: could not write the index snapshot",
+                );
+            }
+        }
+    }
+
+    /// One VM at a time writes the snapshot: the lease is `<name> <expiry ms>`.
+    fn take_lease(&self, now_ms: u64, interval_ms: u64) -> bool {
+        let me = self.peers.name();
+        if me.is_empty() {
+            return false;
+        }
+        let (raw, cas) = host::shared_get(LEASE_KEY).unwrap_or_default();
+        let text = String::from_utf8_lossy(&raw);
+        let mut parts = text.split(' ');
+        let holder = parts.next().unwrap_or("");
+        let expiry: u64 = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
+        if holder != me && expiry > now_ms {
+            return false;
+        }
+        let lease = format!("{me} {}", now_ms + 3 * interval_ms);
+        host::shared_set(LEASE_KEY, lease.as_bytes(), cas)
+    }
+}
