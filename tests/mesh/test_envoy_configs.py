@@ -114,3 +114,4 @@ def test_bad_plugin_config_is_refused_at_configure_time(path, tmp_path):
     assert meshlib.plugin_config_errors(plugin), "the schema refuses it too"
     rc, out = envoy_validate(cfg, tmp_path)
     assert rc != 0, out
+    assert "weigths" in out, "the refusal names the field"

@@ -167,6 +167,9 @@ def test_module_mounted_where_the_configs_load_it(overlay):
     # compat image layer holds plugin.wasm (integration/oci_image.py COMPAT_FILE)
     assert mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE
     assert volumes[0]["image"]["reference"].endswith("-compat")
+    # kvroute's stats are exported by the Istio proxy
+    proxy_config = json.loads(ann["proxy.istio.io/config"])
+    assert "wasmcustom.kvroute" in proxy_config["proxyStatsMatcher"]["inclusionPrefixes"]
     # the annotations hold valid Kubernetes Volume / VolumeMount objects: check them inside a pod
     pod = {
         "apiVersion": "v1",

@@ -1,0 +1,145 @@
+"""docs/operator-guide.md and docs/grafana-dashboard.json: consistent with each other, the repo
+and the filter's own metric definitions."""
+
+import json
+import re
+
+import pytest
+
+import meshlib
+
+GUIDE = meshlib.ROOT / "docs" / "operator-guide.md"
+DASHBOARD = meshlib.ROOT / "docs" / "grafana-dashboard.json"
+
+
+def guide_text():
+    return GUIDE.read_text(encoding="utf-8")
+
+
+def guide_metrics() -> dict[str, str]:
+    """name -> type, from the one metrics table of the guide."""
+    text = guide_text()
+    table = text.split("<!-- metrics:begin", 1)[1].split("<!-- metrics:end -->", 1)[0]
+    out = {}
+    for line in table.splitlines():
+        m = re.match(r"^\|\s*`(kvroute_[a-z0-9_]+)`\s*\|\s*(counter|gauge|histogram)\s*\|", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def dashboard():
+    return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+def dashboard_exprs():
+    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+
+
+def test_guide_lists_metrics():
+    metrics = guide_metrics()
+    assert len(metrics) >= 20
+    assert "kvroute_requests" in metrics and "kvroute_feed_errors" in metrics
+
+
+def test_dashboard_structure():
+    d = dashboard()
+    assert d["title"] and d["uid"] and isinstance(d["schemaVersion"], int)
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = set()
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        for dx in range(g["w"]):
+            for dy in range(g["h"]):
+                cell = (g["x"] + dx, g["y"] + dy)
+                assert cell not in cells, f"panel {p['title']} overlaps another"
+                cells.add(cell)
+        if p["type"] != "row":
+            assert p["targets"], p["title"]
+            for t in p["targets"]:
+                assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
+                assert t["datasource"]["uid"] == "${DS_PROMETHEUS}"
+    names = {v["name"] for v in d["templating"]["list"]}
+    used = set(re.findall(r"\$([a-z_]+)", " ".join(dashboard_exprs()))) - {"__rate_interval"}
+    assert used <= names, used - names
+
+
+def test_dashboard_uses_only_documented_kvroute_metrics():
+    documented = guide_metrics()
+    exprs = " ".join(dashboard_exprs())
+    regexes = re.findall(r'__name__=~"([^"]+)"', exprs)
+    plain = re.sub(r'__name__=~"[^"]+"', "", exprs)
+    used = set()
+    for name in re.findall(r"\bkvroute_[a-z0-9_]+", plain):
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        if base not in documented and name.endswith(("_bucket", "_sum", "_count")):
+            pytest.fail(f"{name}: histogram series of an undocumented metric")
+        used.add(base if base in documented else name)
+    assert used <= set(documented), used - set(documented)
+    for name, kind in documented.items():
+        if kind == "histogram":
+            assert name not in re.findall(r"\bkvroute_[a-z0-9_]+", exprs), f"use {name}_bucket for a histogram"
+    # every documented metric is on the dashboard, by name or through a regex selector
+    for name in documented:
+        assert name in used or any(re.fullmatch(r, name) for r in regexes), f"{name} not on the dashboard"
+
+
+def filter_metric_definitions():
+    """Stat names defined by the filter source, as (static names, regex patterns)."""
+    sources = sorted((meshlib.ROOT / "src").rglob("*.rs"))
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sources)
+    static = set(re.findall(r'Metric::(?:counter|gauge|histogram)\("([^"{}]+)"\)', text))
+    patterns = set(re.findall(r'format!\("(kvroute\.[^"]*\{\}[^"]*)"', text))
+    return static, patterns
+
+
+def prom_name(stat: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", stat)
+
+
+def test_guide_metrics_match_the_filter_source():
+    static, patterns = filter_metric_definitions()
+    if not static:
+        pytest.skip("the filter defines no metrics yet (src/ has no Metric::counter/gauge/histogram)")
+    documented = set(guide_metrics())
+    defined = {prom_name(s) for s in static}
+    regexes = [re.escape(prom_name(p.replace("{}", "XPLACEHOLDERX"))).replace("XPLACEHOLDERX", "[a-z0-9_]+") for p in patterns]
+    missing = defined - documented
+    assert not missing, f"defined by the filter but not in the guide's metrics table: {sorted(missing)}"
+    unknown = {m for m in documented - defined if not any(re.fullmatch(r, m) for r in regexes)}
+    assert not unknown, f"in the guide but not defined by the filter: {sorted(unknown)}"
+    for r in regexes:
+        assert any(re.fullmatch(r, m) for m in documented), f"no documented metric for the family {r}"
+
+
+def test_guide_mentions_existing_files_and_targets():
+    text = guide_text()
+    for path in set(re.findall(r"`((?:istio|envoy|schema|docs|integration)/[A-Za-z0-9_./-]+)`", text)):
+        path = path.rstrip(".")
+        assert (meshlib.ROOT / path).exists(), path
+    mk = (meshlib.ROOT / "mk" / "mesh.mk").read_text()
+    for target in ("oci", "istio-render"):
+        assert re.search(rf"^{target}:", mk, re.M), target
+
+
+def test_guide_config_table_covers_the_schema():
+    text = guide_text()
+    section = text.split("## 5. Plugin configuration and weights", 1)[1].split("\n## 6.", 1)[0]
+    for field in meshlib.plugin_config_schema()["properties"]:
+        assert f"`{field}" in section, f"plugin config field {field} not documented in the guide"
+
+
+def test_guide_names_the_shipped_weights():
+    """The weights the guide says are shipped are the ones in the shipped configs."""
+    text = guide_text()
+    m = re.search(r"As shipped: `prefill ([0-9.]+), decode ([0-9.]+), queue ([0-9.]+), kv_usage ([0-9.]+)`", text)
+    assert m
+    shipped = [float(x) for x in m.groups()]
+    filters = [c for w, c in meshlib.example_plugin_configs() if c.get("role", "filter") == "filter"
+               and (w.startswith("istio/") or "mesh-" in w)]
+    assert filters
+    for cfg in filters:
+        w = cfg["weights"]
+        assert [w["prefill"], w["decode"], w["queue"], w["kv_usage"]] == shipped
