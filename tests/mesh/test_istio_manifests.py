@@ -309,7 +309,10 @@ def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
     (idx,) = find(objs, "Deployment", "kvroute-indexer")
     iargs = idx["spec"]["template"]["spec"]["containers"][0]["args"]
     assert int(arg_value(iargs, "--replay-port")) == replay_port
-    assert arg_value(iargs, "--pods-dns") == f"vllm-pods.{headless['metadata']['namespace']}.svc.cluster.local:{port}"
+    assert arg_value(iargs, "--dns-service") == f"vllm-pods.{headless['metadata']['namespace']}.svc.cluster.local:{port}"
+    assert arg_value(iargs, "--model") == env["MODEL_NAME"]
+    (isvc_feed,) = [p for p in isvc["spec"]["ports"] if p["name"] == "http-feed"]
+    assert arg_value(iargs, "--listen") == f"0.0.0.0:{isvc_feed['port']}"
     assert arg_value(iargs, "--zmq-bind") == f"tcp://*:{zmq_port}"
     # block size: vLLM == indexer == filter
     filt, _, _ = wasm_configs(objs)
@@ -383,3 +386,30 @@ def test_plugin_configs_in_istio_are_valid():
     assert roles == ["filter", "filter", "singleton", "singleton"], found
     for where, cfg in found:
         assert meshlib.plugin_config_errors(cfg) == [], where
+
+
+def indexer_flags():
+    """Long flags of kvroute-indexer, from its clap definition (indexer/src/config.rs)."""
+    path = meshlib.ROOT / "indexer" / "src" / "config.rs"
+    if not path.exists():
+        return None
+    text = path.read_text(encoding="utf-8")
+    flags = set()
+    for attr, field in re.findall(r"#\[arg\(([^\]]*)\)\]\s*(?:///[^\n]*\s*)*pub (\w+):", text):
+        m = re.search(r'long\s*=\s*"([^"]+)"', attr)
+        if m:
+            flags.add(m.group(1))
+        elif re.search(r"\blong\b", attr):
+            flags.add(field.replace("_", "-"))
+    return flags
+
+
+def test_indexer_deployment_uses_existing_flags():
+    flags = indexer_flags()
+    if flags is None:
+        pytest.skip("indexer/src/config.rs not in this tree")
+    assert {"listen", "zmq-bind", "block-size"} <= flags, flags
+    (idx,) = find(rendered("gateway"), "Deployment", "kvroute-indexer")
+    for arg in idx["spec"]["template"]["spec"]["containers"][0]["args"]:
+        name = arg.split("=", 1)[0]
+        assert name.startswith("--") and name[2:] in flags, f"kvroute-indexer has no flag {name}"
