@@ -179,6 +179,19 @@ class EnvoyProcess:
         return {s["name"]: s["value"] for s in data.get("stats", [])
                 if "value" in s and contains in s["name"]}
 
+    def wait_for_peers(self, timeout: float = 10.0) -> None:
+        """Waits until kvroute's VMs have found each other (each worker sees the others), so the
+        first requests already share what they learn. Steady for three reads in a row."""
+        deadline = time.monotonic() + timeout
+        steady = 0
+        while time.monotonic() < deadline:
+            peers = self.stats("wasmcustom.kvroute.peers").get("wasmcustom.kvroute.peers", 0)
+            steady = steady + 1 if peers >= self.concurrency else 0
+            if steady >= 3:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"kvroute VMs did not find each other in {timeout}s:\n{self.log_tail()}")
+
     def cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -23,8 +23,8 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::Unconfigured) });
 }}
 
-/// Tick of a worker VM: heartbeat, gauges, snapshot duty.
-const WORKER_TICK_MS: u32 = 1000;
+/// Tick of a worker VM: peer discovery, heartbeat, gauges, snapshot duty.
+const WORKER_TICK_MS: u32 = 200;
 
 enum Root {
     Unconfigured,

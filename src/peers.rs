@@ -14,6 +14,8 @@ const LIVE_FOR_S: u32 = 10;
 /// A peer silent for longer is dropped from the registry.
 const FORGET_AFTER_S: u32 = 60;
 const CAS_ATTEMPTS: usize = 8;
+/// How often a VM rewrites its registry line.
+const HEARTBEAT_MS: u64 = 1000;
 
 /// This VM's view of its peers.
 #[derive(Debug, Default)]
@@ -24,6 +26,9 @@ pub struct Peers {
     /// Resolved queues of live peers (not this VM).
     live: Vec<u32>,
     singleton: Option<u32>,
+    /// CAS token of the registry when last resolved.
+    seen_cas: u32,
+    last_heartbeat_ms: u64,
 }
 
 impl Peers {
@@ -66,9 +71,31 @@ impl Peers {
         self.live.len()
     }
 
+    /// Called on every tick: heartbeats once a second, and in between
+    /// re-resolves the live peers when the registry changed (one shared-data
+    /// read), so a VM that starts later is known to the others within a tick.
+    pub fn tick(&mut self, now_s: u32, now_ms: u64) {
+        if now_ms.saturating_sub(self.last_heartbeat_ms) >= HEARTBEAT_MS {
+            self.last_heartbeat_ms = now_ms;
+            self.heartbeat(now_s);
+        } else {
+            self.refresh(now_s);
+        }
+    }
+
+    fn refresh(&mut self, now_s: u32) {
+        let Some((raw, cas)) = host::shared_get(REGISTRY_KEY) else {
+            return;
+        };
+        if cas != self.seen_cas || self.singleton.is_none() {
+            self.seen_cas = cas;
+            self.resolve(&parse(&raw), now_s);
+        }
+    }
+
     /// Refreshes this VM's line, forgets long-silent peers and re-resolves
-    /// the live ones. Called on tick.
-    pub fn heartbeat(&mut self, now_s: u32) {
+    /// the live ones.
+    fn heartbeat(&mut self, now_s: u32) {
         let own = self.own_name.clone();
         let entries = update_registry(|entries| {
             entries.retain(|(_, seen)| now_s.saturating_sub(*seen) <= FORGET_AFTER_S);
@@ -79,14 +106,16 @@ impl Peers {
                 }
             }
         });
-        let Some(entries) = entries else {
-            return;
-        };
+        if let Some(entries) = entries {
+            self.resolve(&entries, now_s);
+        }
+    }
+
+    fn resolve(&mut self, entries: &[(String, u32)], now_s: u32) {
+        let own = self.own_name.as_ref();
         self.live = entries
             .iter()
-            .filter(|(name, seen)| {
-                Some(name) != own.as_ref() && now_s.saturating_sub(*seen) <= LIVE_FOR_S
-            })
+            .filter(|(name, seen)| Some(name) != own && now_s.saturating_sub(*seen) <= LIVE_FOR_S)
             .filter_map(|(name, _)| host::queue_resolve(&self.vm_id, name))
             .collect();
         self.singleton = host::queue_resolve(&self.vm_id, SINGLETON_QUEUE);

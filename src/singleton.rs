@@ -18,7 +18,6 @@ const MAX_PENDING_LEARNED: usize = 1 << 16;
 /// Feed bodies larger than this are refused (a snapshot of 64 pods × 64k
 /// blocks is ~34 MB; anything bigger is a misconfiguration).
 const MAX_FEED_BYTES: usize = 64 << 20;
-const HEARTBEAT_MS: u64 = 1000;
 
 pub struct Singleton {
     indexer: Option<IndexerSettings>,
@@ -32,7 +31,6 @@ pub struct Singleton {
     pending: LearnedBatch,
     pending_hashes: usize,
     failing: bool,
-    last_heartbeat_ms: u64,
 }
 
 impl Singleton {
@@ -59,7 +57,6 @@ impl Singleton {
             pending: LearnedBatch::default(),
             pending_hashes: 0,
             failing: false,
-            last_heartbeat_ms: 0,
         }
     }
 
@@ -72,10 +69,7 @@ impl Singleton {
 
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
-        if now_ms.saturating_sub(self.last_heartbeat_ms) >= HEARTBEAT_MS {
-            self.last_heartbeat_ms = now_ms;
-            self.peers.heartbeat(now_s);
-        }
+        self.peers.tick(now_s, now_ms);
         let Some(indexer) = self.indexer.clone() else {
             return;
         };

@@ -159,7 +159,7 @@ impl Worker {
     /// VM holds the lease.
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
-        self.peers.heartbeat(now_s);
+        self.peers.tick(now_s, now_ms);
         let (blocks, bytes) = self.cluster.index_size();
         self.metrics.index_blocks.record(blocks as u64);
         self.metrics.index_bytes.record(bytes as u64);

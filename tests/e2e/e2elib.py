@@ -1,0 +1,40 @@
+"""Helpers for the end-to-end tests: requests through the gateway and reading its decisions."""
+
+import uuid
+
+import pytest
+import requests
+from envoyctl import WASM
+
+MODEL = "Qwen/Qwen3-32B"
+DECISION = "x-kvroute-decision"
+POD = "x-vllm-sim-pod"
+
+
+def require_wasm() -> None:
+    if not WASM.is_file():
+        pytest.fail(f"{WASM} is missing: run `make build` (make test does)")
+
+
+def unique_system(words: int = 60) -> str:
+    """A long system prompt nobody else uses (tests share pods and index)."""
+    tag = uuid.uuid4().hex
+    return f"[{tag}] " + " ".join(f"rule{i} of {tag}" for i in range(words))
+
+
+def chat(envoy, system: str, question: str, *, max_tokens: int = 4, headers=None, **extra) -> requests.Response:
+    body = {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra}
+    # A fresh connection per request, so requests land on both Envoy workers.
+    with requests.Session() as s:
+        return s.post(envoy.url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
+
+
+def decision(response: requests.Response) -> dict:
+    """The decision header as a dict: pod, matched, total, domain, inflight_requests."""
+    raw = response.headers[DECISION]
+    fields = dict(part.split("=", 1) for part in raw.split("; ") if "=" in part)
+    matched, rest = fields["matched"].split("/")
+    total, domain = rest.split(" ")
+    return {"raw": raw, "pod": fields["pod"], "matched": int(matched), "total": int(total), "domain": domain,
+            "inflight_requests": int(fields["inflight"].split(" ")[0])}
