@@ -901,7 +901,7 @@ mod tests {
         deep.extend_from_slice(&[0xb0]);
         deep.extend_from_slice(b"AllBlocksCleared");
         deep.extend_from_slice(&[0xa1, b'x']);
-        deep.extend(std::iter::repeat(0x91).take(100));
+        deep.extend(std::iter::repeat_n(0x91, 100));
         deep.push(0x00);
         assert_eq!(decode_batch(&deep), Err(EventError::TooDeep));
     }

@@ -1,0 +1,305 @@
+//! Indexer benchmarks (numbers in indexer/README.md):
+//!
+//! `cargo bench -p kvroute-indexer --bench indexer`
+//!
+//! 1. events applied per second on one core (decode + re-hash + index + delta log),
+//! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
+//!    blocks, built from 150 prompt groups), measured with a counting allocator
+//!    and compared with the index's own estimate,
+//! 3. feed size: one poll tick of churn as a delta, and the full snapshot.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kvroute_core::events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use kvroute_core::feed;
+use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig};
+use kvroute_indexer::metrics::Metrics;
+use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts bytes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const PODS: usize = 8;
+const BLOCKS_PER_POD: usize = 19_208;
+const GROUPS: usize = 150;
+const BLOCK: usize = 16;
+/// Blocks per BlockStored event (vLLM emits one per request per scheduler step).
+const BLOCKS_PER_EVENT: usize = 16;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn pod(i: usize) -> String {
+    format!("10.0.0.{}:8000", i + 1)
+}
+
+fn msg(pod: &str, seq: u64, events: Vec<KvEvent>) -> Incoming {
+    let batch = EventBatch {
+        ts: 1.7e9,
+        events,
+        data_parallel_rank: Some(0),
+    };
+    Incoming {
+        topic: format!("kv@{pod}@Qwen/Qwen3-32B").into_bytes(),
+        seq: seq.to_be_bytes().to_vec(),
+        payload: encode_batch(&batch, Encoding::Map, HashForm::Uint),
+        identity: None,
+        received_ms: 0,
+    }
+}
+
+/// Messages that fill every pod with `BLOCKS_PER_POD` blocks: the groups'
+/// shared prefixes spread over the pods, each a chain of BlockStored events.
+fn fill_messages(rng: &mut Rng) -> (Vec<Incoming>, Vec<Vec<u64>>) {
+    let mut msgs = Vec::new();
+    let mut held = vec![Vec::new(); PODS];
+    let per_group = BLOCKS_PER_POD * PODS / GROUPS; // ~1,024 blocks of one group on its pod
+    for (p, held_p) in held.iter_mut().enumerate() {
+        let mut seq = 0u64;
+        let mut blocks = 0;
+        while blocks < BLOCKS_PER_POD {
+            let len = per_group.min(BLOCKS_PER_POD - blocks);
+            let mut parent = None;
+            let mut done = 0;
+            while done < len {
+                let n = BLOCKS_PER_EVENT.min(len - done);
+                let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
+                let tokens: Vec<u32> = (0..n * BLOCK)
+                    .map(|_| (rng.next() % 151_000) as u32)
+                    .collect();
+                let ev = KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes.clone(),
+                    parent_block_hash: parent,
+                    token_ids: tokens,
+                    block_size: BLOCK as u32,
+                    medium: Some(kvroute_core::events::Medium::Gpu),
+                    group_idx: Some(0),
+                    ..BlockStored::default()
+                });
+                parent = hashes.last().copied();
+                held_p.extend(&hashes);
+                msgs.push(msg(&pod(p), seq, vec![ev]));
+                seq += 1;
+                done += n;
+            }
+            blocks += len;
+        }
+    }
+    (msgs, held)
+}
+
+fn new_index() -> Index {
+    let cfg = IndexConfig {
+        max_blocks_per_pod: 1 << 22,
+        feed_log_hashes: 1 << 20,
+        ..IndexConfig::default()
+    };
+    let mut ix = Index::new(cfg, Metrics::new(), 1);
+    for p in 0..PODS {
+        ix.add_pod(&pod(p), Some("Qwen/Qwen3-32B"), origin::STATIC, 0);
+    }
+    ix
+}
+
+fn main() {
+    let mut rng = Rng(0x5eed_1234_abcd_ef01);
+    let (fill, held) = fill_messages(&mut rng);
+    let total_blocks = PODS * BLOCKS_PER_POD;
+    let payload_bytes: usize = fill.iter().map(|m| m.payload.len()).sum();
+    println!(
+        "working set: {PODS} pods x {BLOCKS_PER_POD} blocks = {total_blocks} (block, pod) in {} messages ({:.1} MB of msgpack)",
+        fill.len(),
+        payload_bytes as f64 / 1e6
+    );
+
+    // 1. Apply throughput (decode + re-hash + index + log), one core.
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let mut ix = new_index();
+        let t = Instant::now();
+        for m in &fill {
+            ix.handle(m, 0);
+        }
+        let secs = t.elapsed().as_secs_f64();
+        best = best.min(secs);
+        assert_eq_usize(ix.blocks(), total_blocks);
+    }
+    println!(
+        "apply (fill): {:.2} M stored blocks/s ({:.0} ns/block, {:.0} messages/s), best of 5",
+        total_blocks as f64 / best / 1e6,
+        best * 1e9 / total_blocks as f64,
+        fill.len() as f64 / best
+    );
+
+    // Steady churn: each message evicts 16 old blocks and stores 16 new ones.
+    let mut ix = new_index();
+    for m in &fill {
+        ix.handle(m, 0);
+    }
+    let mut churn = Vec::new();
+    let mut seqs = [(fill.len() / PODS) as u64; PODS];
+    let mut churn_held = held.clone();
+    for i in 0..20_000usize {
+        let p = i % PODS;
+        let victims: Vec<u64> = churn_held[p].drain(..BLOCKS_PER_EVENT).collect();
+        let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
+        churn_held[p].extend(&hashes);
+        let tokens: Vec<u32> = (0..BLOCKS_PER_EVENT * BLOCK)
+            .map(|_| (rng.next() % 151_000) as u32)
+            .collect();
+        let events = vec![
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: victims,
+                medium: Some(kvroute_core::events::Medium::Gpu),
+                group_idx: Some(0),
+            }),
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: None,
+                token_ids: tokens,
+                block_size: BLOCK as u32,
+                ..BlockStored::default()
+            }),
+        ];
+        churn.push(msg(&pod(p), seqs[p], events));
+        seqs[p] += 1;
+    }
+    let t = Instant::now();
+    for m in &churn {
+        ix.handle(m, 0);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let churn_blocks = churn.len() * BLOCKS_PER_EVENT;
+    println!(
+        "apply (churn, remove 16 + store 16 per message): {:.2} M stored blocks/s + as many removals ({:.0} ns per stored+removed pair)",
+        churn_blocks as f64 / secs / 1e6,
+        secs * 1e9 / churn_blocks as f64
+    );
+    drop(ix);
+
+    // 2. Memory per (block, pod) at the working set.
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut ix = new_index();
+    for m in &fill {
+        ix.handle(m, 0);
+    }
+    // The delta log is bounded separately (--feed-log-hashes); measure the index alone too.
+    let with_log = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+    let est = ix.memory_bytes();
+    println!(
+        "memory: {:.1} bytes per (block, pod) measured by the allocator including a full delta log of {} hashes; estimate {:.1}",
+        with_log as f64 / total_blocks as f64,
+        ix.metrics().feed_log_hashes.get(),
+        est as f64 / total_blocks as f64
+    );
+    let log_bytes_est = ix.metrics().feed_log_hashes.get() as f64 * 8.0;
+    println!(
+        "memory without the delta log's hashes: ~{:.1} bytes per (block, pod)",
+        (with_log as f64 - log_bytes_est) / total_blocks as f64
+    );
+
+    // 3. Feed sizes: snapshot of the working set, and one 100 ms tick of churn.
+    let snap = feed::encode(&ix.feed(0, 0));
+    println!(
+        "feed snapshot at the working set: {:.2} MB ({:.2} bytes per (block, pod))",
+        snap.len() as f64 / 1e6,
+        snap.len() as f64 / total_blocks as f64
+    );
+    // A tick at the benchmark's peak (60 QPS, ~140 new prompt+output blocks per
+    // request, as many evicted once full): 6 requests per 100 ms.
+    let tick_cursor = ix.cursor();
+    let mut seqs2 = [(fill.len() / PODS) as u64; PODS];
+    let mut held2 = held;
+    for r in 0..6usize {
+        let p = r % PODS;
+        for _ in 0..(140 / BLOCKS_PER_EVENT) {
+            let victims: Vec<u64> = held2[p].drain(..BLOCKS_PER_EVENT).collect();
+            let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
+            let tokens: Vec<u32> = (0..BLOCKS_PER_EVENT * BLOCK)
+                .map(|_| (rng.next() % 151_000) as u32)
+                .collect();
+            let events = vec![
+                KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: victims,
+                    medium: None,
+                    group_idx: None,
+                }),
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes,
+                    parent_block_hash: None,
+                    token_ids: tokens,
+                    block_size: BLOCK as u32,
+                    ..BlockStored::default()
+                }),
+            ];
+            ix.handle(&msg(&pod(p), seqs2[p], events), 0);
+            seqs2[p] += 1;
+        }
+    }
+    let delta = ix.feed(ix.epoch(), tick_cursor);
+    let bytes = feed::encode(&delta);
+    let hashes: usize = delta
+        .ops
+        .iter()
+        .map(|o| match o {
+            feed::BlockOp::Stored { hashes, .. } | feed::BlockOp::Removed { hashes, .. } => {
+                hashes.len()
+            }
+            feed::BlockOp::Cleared { .. } => 0,
+        })
+        .sum();
+    println!(
+        "feed delta for one 100 ms tick at 60 QPS (6 requests x 128 stored + 128 removed blocks): {} bytes, {} ops, {} hashes (of which {} bytes are the pod list)",
+        bytes.len(),
+        delta.ops.len(),
+        hashes,
+        feed::encode(&feed::FeedUpdate {
+            ops: Vec::new(),
+            ..delta.clone()
+        })
+        .len()
+    );
+    let idle = feed::encode(&ix.feed(ix.epoch(), ix.cursor()));
+    println!("feed delta of an idle tick: {} bytes", idle.len());
+}
+
+fn assert_eq_usize(a: usize, b: usize) {
+    if a != b {
+        eprintln!("benchmark invariant failed: {a} != {b}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,205 @@
+//! Command line of `kvroute-indexer` (every flag is documented with its
+//! default in indexer/README.md).
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+
+use crate::index::IndexConfig;
+
+/// Consumes vLLM KV-cache events and pod load; serves the block index to
+/// kvroute's Envoy filters.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kvroute-indexer", version, about)]
+pub struct Args {
+    /// HTTP listen address (feed, learned, healthz, metrics, debug).
+    #[arg(long, default_value = "0.0.0.0:8090")]
+    pub listen: SocketAddr,
+
+    /// ZMQ endpoint the SUB socket binds (vLLM pods connect to it).
+    /// Repeatable; `none` disables binding. `*` means all interfaces.
+    #[arg(long = "zmq-bind", default_value = "tcp://*:5557")]
+    pub zmq_bind: Vec<String>,
+
+    /// ZMQ endpoint of a pod that binds its publisher, to connect to:
+    /// `ENDPOINT[=ADDRESS[@MODEL]]`. With `=ADDRESS` the pod's identity comes
+    /// from this flag (and the pod is known); otherwise from the topic.
+    #[arg(long = "zmq-connect")]
+    pub zmq_connect: Vec<String>,
+
+    /// A pod known statically: `ADDRESS[@MODEL]` (ADDRESS = ip:port of its HTTP
+    /// server, as in x-gateway-destination-endpoint). Repeatable.
+    #[arg(long = "pod")]
+    pub pods: Vec<String>,
+
+    /// `HOST:PORT` of a headless Service: each A/AAAA record is a pod at PORT.
+    #[arg(long)]
+    pub dns_service: Option<String>,
+
+    /// How often the DNS name is resolved, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub dns_interval_ms: u64,
+
+    /// Accept events from publishers that discovery does not know, creating
+    /// pods from their topic. Off by default: any host that can reach the ZMQ
+    /// port could otherwise steer traffic.
+    #[arg(long)]
+    pub accept_unknown_publishers: bool,
+
+    /// Model for pods whose topic and configuration name none.
+    #[arg(long)]
+    pub model: Option<String>,
+
+    /// Tokens per block the filters hash with (vLLM --block-size); events of
+    /// another block size are not indexed. 0 accepts any.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+
+    /// Replay (ROUTER) port of every pod: gaps are filled from
+    /// tcp://<pod ip>:<port + data-parallel rank>. Unset: no replay.
+    #[arg(long)]
+    pub replay_port: Option<u16>,
+
+    /// Replay endpoint of one pod: `ADDRESS=tcp://HOST:PORT` (rank r uses PORT + r). Repeatable.
+    #[arg(long = "replay-endpoint")]
+    pub replay_endpoints: Vec<String>,
+
+    /// Time allowed for a replay exchange, in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    pub replay_timeout_ms: u64,
+
+    /// Live messages buffered per publisher while its replay is in flight.
+    #[arg(long, default_value_t = 10_000)]
+    pub replay_buffer: usize,
+
+    /// Capacity of the event queue between the ZMQ sockets and the index;
+    /// when full, new messages are dropped (counted; the gap is then
+    /// detected by sequence and replayed when configured).
+    #[arg(long, default_value_t = 65_536)]
+    pub queue_capacity: usize,
+
+    /// Cap on (vLLM block, rank) entries per pod; further stores are refused (counted).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_blocks_per_pod: usize,
+
+    /// Cap on pods.
+    #[arg(long, default_value_t = 1024)]
+    pub max_pods: usize,
+
+    /// Hashes retained in the feed delta log; older cursors get a snapshot.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub feed_log_hashes: usize,
+
+    /// Hashes per delta response (the client polls again for the rest).
+    #[arg(long, default_value_t = 1 << 18)]
+    pub feed_max_hashes: usize,
+
+    /// Lifetime of learned entries (POST /v1/learned), in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub learned_ttl_seconds: u64,
+
+    /// Cap on learned (hash, pod) entries; the oldest are evicted first.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub learned_max_entries: usize,
+
+    /// Largest accepted POST /v1/learned body, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_learned_body_bytes: usize,
+
+    /// Pods with no event and no successful scrape for this long lose their
+    /// entries (pods known only from events are forgotten). 0: never.
+    #[arg(long, default_value_t = 120)]
+    pub pod_timeout_seconds: u64,
+
+    /// Interval of the pods' /metrics scrape, in milliseconds. 0 disables scraping.
+    #[arg(long, default_value_t = 1_000)]
+    pub scrape_interval_ms: u64,
+
+    /// Timeout of one scrape, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub scrape_timeout_ms: u64,
+
+    /// Path scraped on each pod.
+    #[arg(long, default_value = "/metrics")]
+    pub scrape_path: String,
+}
+
+impl Args {
+    /// The index tunables these flags select.
+    pub fn index_config(&self) -> IndexConfig {
+        IndexConfig {
+            block_size: self.block_size,
+            default_model: self.model.clone(),
+            accept_unknown_publishers: self.accept_unknown_publishers,
+            max_blocks_per_pod: self.max_blocks_per_pod,
+            max_pods: self.max_pods,
+            feed_log_hashes: self.feed_log_hashes,
+            feed_max_hashes: self.feed_max_hashes.max(1),
+            learned_ttl_ms: self.learned_ttl_seconds.saturating_mul(1000),
+            learned_max_entries: self.learned_max_entries,
+            pod_timeout_ms: self.pod_timeout_seconds.saturating_mul(1000),
+            replay_buffer: self.replay_buffer,
+            replay_port: self.replay_port,
+        }
+    }
+}
+
+/// `ADDRESS[@MODEL]`.
+pub fn split_pod(spec: &str) -> (String, Option<String>) {
+    match spec.split_once('@') {
+        Some((a, m)) if !m.is_empty() => (a.to_owned(), Some(m.to_owned())),
+        Some((a, _)) => (a.to_owned(), None),
+        None => (spec.to_owned(), None),
+    }
+}
+
+/// `ENDPOINT[=ADDRESS[@MODEL]]`.
+pub fn split_connect(spec: &str) -> (String, Option<(String, Option<String>)>) {
+    match spec.split_once('=') {
+        Some((e, pod)) => (e.to_owned(), Some(split_pod(pod))),
+        None => (spec.to_owned(), None),
+    }
+}
+
+/// zeromq (the crate) binds to an address, not `*`: `tcp://*:P` → `tcp://0.0.0.0:P`.
+pub fn bind_endpoint(endpoint: &str) -> String {
+    if let Some(rest) = endpoint.strip_prefix("tcp://*:") {
+        format!("tcp://0.0.0.0:{rest}")
+    } else if let Some(rest) = endpoint.strip_prefix("tcp://[::]:") {
+        format!("tcp://[::]:{rest}")
+    } else {
+        endpoint.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs() {
+        assert_eq!(
+            split_pod("1.2.3.4:80@m/x"),
+            ("1.2.3.4:80".into(), Some("m/x".into()))
+        );
+        assert_eq!(split_pod("1.2.3.4:80"), ("1.2.3.4:80".into(), None));
+        assert_eq!(
+            split_connect("tcp://1.2.3.4:5557=1.2.3.4:80@m"),
+            (
+                "tcp://1.2.3.4:5557".into(),
+                Some(("1.2.3.4:80".into(), Some("m".into())))
+            )
+        );
+        assert_eq!(split_connect("tcp://h:1"), ("tcp://h:1".into(), None));
+        assert_eq!(bind_endpoint("tcp://*:5557"), "tcp://0.0.0.0:5557");
+        assert_eq!(bind_endpoint("tcp://127.0.0.1:1"), "tcp://127.0.0.1:1");
+    }
+
+    #[test]
+    fn defaults_parse() {
+        let a = Args::try_parse_from(["kvroute-indexer"]).expect("defaults");
+        assert_eq!(a.zmq_bind, vec!["tcp://*:5557".to_string()]);
+        assert!(!a.accept_unknown_publishers);
+        assert_eq!(a.index_config().pod_timeout_ms, 120_000);
+    }
+}

@@ -1,0 +1,10 @@
+//! kvroute-indexer: consumes vLLM KV-cache events over ZMQ, keeps the block
+//! index re-hashed with kvroute's chained hash, scrapes pod load, and serves
+//! the feed that kvroute's Envoy singletons poll.
+
+pub mod config;
+pub mod index;
+pub mod metrics;
+pub mod scrape;
+pub mod service;
+pub mod vllm_wire;

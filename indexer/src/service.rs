@@ -1,0 +1,576 @@
+//! The running service: ZMQ ingestion, replay, discovery, load scraping,
+//! expiry, and the HTTP API. All state lives in one [`Index`] behind a mutex;
+//! one applier task owns the write path.
+
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full, Limited};
+use hyper::body::Incoming as Body;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvroute_core::events::decode_seq;
+use kvroute_core::feed;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::config::{bind_endpoint, split_connect, split_pod, Args};
+use crate::index::{new_epoch, origin, Incoming, Index, ReplayRequest};
+use crate::metrics::Metrics;
+use crate::scrape::parse_vllm_metrics;
+
+/// Errors that stop the service at start-up.
+#[derive(Debug)]
+pub enum ServiceError {
+    /// A ZMQ socket could not bind or connect.
+    Zmq { endpoint: String, error: String },
+    /// The HTTP listener could not bind.
+    Listen { addr: SocketAddr, error: String },
+    /// A flag value is malformed.
+    BadFlag { flag: &'static str, value: String },
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServiceError::Zmq { endpoint, error } => write!(f, "zmq {endpoint}: {error}"),
+            ServiceError::Listen { addr, error } => write!(f, "listen {addr}: {error}"),
+            ServiceError::BadFlag { flag, value } => write!(f, "--{flag}: bad value {value:?}"),
+        }
+    }
+}
+
+impl std::error::Error for ServiceError {}
+
+enum Msg {
+    Event(Incoming),
+    ReplayDone(ReplayRequest, Result<Vec<(u64, Vec<u8>)>, String>),
+}
+
+#[derive(Clone)]
+struct Shared {
+    index: Arc<Mutex<Index>>,
+    metrics: Metrics,
+    start: Instant,
+    max_learned_body: usize,
+}
+
+impl Shared {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Runs the service until SIGINT/SIGTERM.
+pub async fn run(args: Args) -> Result<(), ServiceError> {
+    let metrics = Metrics::new();
+    let epoch = new_epoch();
+    let mut index = Index::new(args.index_config(), metrics.clone(), epoch);
+    for spec in &args.pods {
+        let (address, model) = split_pod(spec);
+        index.add_pod(
+            &address,
+            model.as_deref().or(args.model.as_deref()),
+            origin::STATIC,
+            0,
+        );
+    }
+    let mut connects = Vec::new();
+    for spec in &args.zmq_connect {
+        let (endpoint, pod) = split_connect(spec);
+        let identity = match pod {
+            Some((address, model)) => {
+                let model = model.or_else(|| args.model.clone());
+                index.add_pod(&address, model.as_deref(), origin::CONNECT, 0);
+                Some((address, model.unwrap_or_default()))
+            }
+            None => None,
+        };
+        connects.push((endpoint, identity));
+    }
+    for spec in &args.replay_endpoints {
+        let Some((address, endpoint)) = spec.split_once('=') else {
+            return Err(ServiceError::BadFlag {
+                flag: "replay-endpoint",
+                value: spec.clone(),
+            });
+        };
+        index.set_replay_endpoint(address, endpoint);
+    }
+    let shared = Shared {
+        index: Arc::new(Mutex::new(index)),
+        metrics: metrics.clone(),
+        start: Instant::now(),
+        max_learned_body: args.max_learned_body_bytes,
+    };
+
+    let (tx, rx) = mpsc::channel::<Msg>(args.queue_capacity.max(1));
+
+    // ZMQ sockets: bound SUB(s), and one connected SUB per pod that binds.
+    for endpoint in args.zmq_bind.iter().filter(|e| e.as_str() != "none") {
+        let mut sock = SubSocket::new();
+        let real = bind_endpoint(endpoint);
+        let bound = sock.bind(&real).await.map_err(|e| ServiceError::Zmq {
+            endpoint: endpoint.clone(),
+            error: e.to_string(),
+        })?;
+        sock.subscribe("").await.map_err(|e| ServiceError::Zmq {
+            endpoint: endpoint.clone(),
+            error: e.to_string(),
+        })?;
+        eprintln!("kvroute-indexer: zmq SUB bound at {bound}");
+        tokio::spawn(receive(sock, None, tx.clone(), shared.clone()));
+    }
+    for (endpoint, identity) in connects {
+        let mut sock = SubSocket::new();
+        sock.subscribe("").await.map_err(|e| ServiceError::Zmq {
+            endpoint: endpoint.clone(),
+            error: e.to_string(),
+        })?;
+        let tx = tx.clone();
+        let shared2 = shared.clone();
+        tokio::spawn(async move {
+            // Retry until the pod's publisher is up; the socket reconnects by itself after.
+            loop {
+                match sock.connect(&endpoint).await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        eprintln!("kvroute-indexer: zmq connect {endpoint}: {e}; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+            eprintln!("kvroute-indexer: zmq SUB connected to {endpoint}");
+            receive(sock, identity, tx, shared2).await;
+        });
+    }
+
+    tokio::spawn(apply_loop(
+        rx,
+        tx.clone(),
+        shared.clone(),
+        args.replay_timeout_ms,
+        args.queue_capacity,
+    ));
+    tokio::spawn(housekeeping(shared.clone()));
+    if args.scrape_interval_ms > 0 {
+        tokio::spawn(scrape_loop(
+            shared.clone(),
+            Duration::from_millis(args.scrape_interval_ms),
+            Duration::from_millis(args.scrape_timeout_ms.max(1)),
+            args.scrape_path.clone(),
+        ));
+    }
+    if let Some(name) = args.dns_service.clone() {
+        tokio::spawn(dns_loop(
+            shared.clone(),
+            name,
+            args.model.clone(),
+            Duration::from_millis(args.dns_interval_ms.max(100)),
+        ));
+    }
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| ServiceError::Listen {
+            addr: args.listen,
+            error: e.to_string(),
+        })?;
+    let local = listener.local_addr().map_err(|e| ServiceError::Listen {
+        addr: args.listen,
+        error: e.to_string(),
+    })?;
+    eprintln!("kvroute-indexer: HTTP on {local}, feed epoch {epoch}");
+    tokio::spawn(serve_http(listener, shared.clone()));
+
+    shutdown_signal().await;
+    eprintln!("kvroute-indexer: shutting down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Receives from one SUB socket into the bounded queue; drops (counted) when full.
+async fn receive(
+    mut sock: SubSocket,
+    identity: Option<(String, String)>,
+    tx: mpsc::Sender<Msg>,
+    shared: Shared,
+) {
+    loop {
+        let msg = match sock.recv().await {
+            Ok(m) => m,
+            Err(_) => {
+                // A peer went away (or nothing is connected yet); keep receiving.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let received_ms = shared.now_ms();
+        let mut frames = msg.into_vec();
+        if frames.len() != 3 {
+            shared.metrics.messages_received.inc();
+            shared.metrics.decode_error("frame_count");
+            continue;
+        }
+        let payload = frames.pop().map(|b| b.to_vec()).unwrap_or_default();
+        let seq = frames.pop().map(|b| b.to_vec()).unwrap_or_default();
+        let topic = frames.pop().map(|b| b.to_vec()).unwrap_or_default();
+        let incoming = Incoming {
+            topic,
+            seq,
+            payload,
+            identity: identity.clone(),
+            received_ms,
+        };
+        match tx.try_send(Msg::Event(incoming)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                shared.metrics.messages_received.inc();
+                shared.metrics.dropped("queue_full", 1);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return,
+        }
+    }
+}
+
+/// The single writer: applies queued messages in batches under one lock.
+async fn apply_loop(
+    mut rx: mpsc::Receiver<Msg>,
+    tx: mpsc::Sender<Msg>,
+    shared: Shared,
+    replay_timeout_ms: u64,
+    capacity: usize,
+) {
+    let mut batch = Vec::with_capacity(256);
+    loop {
+        if rx.recv_many(&mut batch, 256).await == 0 {
+            return;
+        }
+        let mut replays = Vec::new();
+        {
+            let mut ix = shared.lock();
+            let now = shared.now_ms();
+            for m in batch.drain(..) {
+                match m {
+                    Msg::Event(inc) => {
+                        if let Some(req) = ix.handle(&inc, now) {
+                            replays.push(req);
+                        }
+                    }
+                    Msg::ReplayDone(req, result) => ix.finish_replay(&req, result, now),
+                }
+            }
+        }
+        shared
+            .metrics
+            .queue_depth
+            .set(i64::try_from(capacity.saturating_sub(tx.capacity())).unwrap_or(0));
+        for req in replays {
+            let tx = tx.clone();
+            let metrics = shared.metrics.clone();
+            tokio::spawn(async move {
+                let timeout = Duration::from_millis(replay_timeout_ms.max(1));
+                let result = match tokio::time::timeout(
+                    timeout,
+                    replay(&req.endpoint, req.from_seq),
+                )
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => {
+                        metrics.replay("timeout");
+                        Err("timeout".to_owned())
+                    }
+                };
+                let _ = tx.send(Msg::ReplayDone(req, result)).await;
+            });
+        }
+    }
+}
+
+/// One replay exchange with a vLLM replay ROUTER: send `["", start_seq]`,
+/// read `["", topic, seq, payload]` (≥ 0.26) or `["", seq, payload]` (≤ 0.20)
+/// until the end marker (seq = 2^64-1).
+pub async fn replay(endpoint: &str, from_seq: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    let mut sock = DealerSocket::new();
+    sock.connect(endpoint).await.map_err(|e| e.to_string())?;
+    let request = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&from_seq.to_be_bytes()),
+    ])
+    .map_err(|e| e.to_string())?;
+    sock.send(request).await.map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    loop {
+        let msg = sock.recv().await.map_err(|e| e.to_string())?;
+        let frames = msg.into_vec();
+        let (seq, payload) = match frames.len() {
+            4 => (&frames[2], &frames[3]),
+            3 => (&frames[1], &frames[2]),
+            n => return Err(format!("replay reply of {n} frames")),
+        };
+        let seq = decode_seq(seq).map_err(|e| e.to_string())?;
+        if seq == u64::MAX {
+            return Ok(out);
+        }
+        out.push((seq, payload.to_vec()));
+    }
+}
+
+/// Expires learned entries and silent pods; refreshes the memory gauge.
+async fn housekeeping(shared: Shared) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let ix = &mut *shared.lock();
+        ix.expire(shared.now_ms());
+        ix.update_memory_gauge();
+    }
+}
+
+fn http_client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn scrape_loop(shared: Shared, interval: Duration, timeout: Duration, path: String) {
+    let client = http_client();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let pods: Vec<String> = shared
+            .lock()
+            .pod_addresses()
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect();
+        let mut tasks = tokio::task::JoinSet::new();
+        for address in pods {
+            let client = client.clone();
+            let path = path.clone();
+            tasks.spawn(async move {
+                let r = tokio::time::timeout(timeout, scrape(&client, &address, &path)).await;
+                (address, r.ok().flatten())
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            let Ok((address, load)) = done else { continue };
+            shared.metrics.scrapes.inc();
+            match load {
+                Some(load) => {
+                    let now = shared.now_ms();
+                    shared.lock().set_load(&address, load, now);
+                }
+                None => {
+                    shared.metrics.scrape_errors.inc();
+                }
+            }
+        }
+    }
+}
+
+async fn scrape(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
+    address: &str,
+    path: &str,
+) -> Option<crate::index::Load> {
+    let uri: hyper::Uri = format!("http://{address}{path}").parse().ok()?;
+    let resp = client.get(uri).await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = Limited::new(resp.into_body(), 16 << 20)
+        .collect()
+        .await
+        .ok()?
+        .to_bytes();
+    parse_vllm_metrics(std::str::from_utf8(&body).ok()?)
+}
+
+async fn dns_loop(shared: Shared, name: String, model: Option<String>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        let resolved = match tokio::net::lookup_host(name.as_str()).await {
+            Ok(addrs) => addrs.map(|a| a.to_string()).collect::<HashSet<String>>(),
+            Err(e) => {
+                eprintln!("kvroute-indexer: DNS {name}: {e}");
+                shared.metrics.rejected("dns_error");
+                continue;
+            }
+        };
+        let now = shared.now_ms();
+        let mut ix = shared.lock();
+        let known: HashMap<String, u8> = ix.pod_addresses().into_iter().collect();
+        for address in &resolved {
+            if known.get(address).is_none_or(|o| o & origin::DNS == 0) {
+                ix.add_pod(address, model.as_deref(), origin::DNS, now);
+            }
+        }
+        for (address, origins) in known {
+            if origins & origin::DNS != 0 && !resolved.contains(&address) {
+                ix.remove_origin(&address, origin::DNS);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ HTTP
+
+async fn serve_http(listener: TcpListener, shared: Shared) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(route(req, shared).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn respond(
+    status: StatusCode,
+    content_type: &str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    if let Ok(v) = hyper::header::HeaderValue::from_str(content_type) {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn query_u64(query: Option<&str>, key: &str) -> Result<u64, String> {
+    let Some(q) = query else { return Ok(0) };
+    for pair in q.split('&') {
+        if let Some((k, v)) = pair.split_once('=') {
+            if k == key {
+                return v.parse().map_err(|_| format!("bad {key}: {v:?}"));
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn route(req: Request<Body>, shared: Shared) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().map(str::to_owned);
+    match (req.method(), path.as_str()) {
+        (&Method::GET, "/v1/feed") => {
+            let (epoch, cursor) = match (
+                query_u64(query.as_deref(), "epoch"),
+                query_u64(query.as_deref(), "cursor"),
+            ) {
+                (Ok(e), Ok(c)) => (e, c),
+                (Err(e), _) | (_, Err(e)) => {
+                    return respond(StatusCode::BAD_REQUEST, "text/plain", e)
+                }
+            };
+            let update = shared.lock().feed(epoch, cursor);
+            let body = feed::encode(&update);
+            shared.metrics.feed_bytes.inc_by(body.len() as u64);
+            shared
+                .metrics
+                .feed_response_bytes
+                .observe(body.len() as f64);
+            respond(StatusCode::OK, "application/octet-stream", body)
+        }
+        (&Method::POST, "/v1/learned") => {
+            let body = match Limited::new(req.into_body(), shared.max_learned_body)
+                .collect()
+                .await
+            {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return respond(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "text/plain",
+                        "body too large",
+                    )
+                }
+            };
+            match feed::decode_learned(&body) {
+                Ok(batch) => {
+                    let now = shared.now_ms();
+                    let (accepted, rejected) = shared.lock().apply_learned(&batch, now);
+                    respond(
+                        StatusCode::OK,
+                        "application/json",
+                        format!("{{\"accepted\":{accepted},\"rejected\":{rejected}}}"),
+                    )
+                }
+                Err(e) => {
+                    shared.metrics.decode_error("learned");
+                    respond(StatusCode::BAD_REQUEST, "text/plain", e.to_string())
+                }
+            }
+        }
+        (&Method::GET, "/healthz") => respond(StatusCode::OK, "text/plain", "ok\n"),
+        (&Method::GET, "/metrics") => respond(
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            shared.metrics.encode(),
+        ),
+        (&Method::GET, "/v1/debug/pods") => {
+            let now = shared.now_ms();
+            let pods = shared.lock().debug_pods(now);
+            match serde_json::to_vec(&pods) {
+                Ok(b) => respond(StatusCode::OK, "application/json", b),
+                Err(e) => respond(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    e.to_string(),
+                ),
+            }
+        }
+        (_, "/v1/feed" | "/v1/learned" | "/healthz" | "/metrics" | "/v1/debug/pods") => respond(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "method not allowed",
+        ),
+        _ => respond(StatusCode::NOT_FOUND, "text/plain", "not found"),
+    }
+}

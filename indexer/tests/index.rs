@@ -1,0 +1,780 @@
+//! The index driven directly: sequence tracking, restarts, replay, tiers,
+//! learned entries, the delta log against snapshots, bounds.
+
+// Test code: helpers outside #[test] functions may panic too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+
+use kvroute_core::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_core::feed::{self, BlockOp, FeedUpdate, LearnedBatch, Tier};
+use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
+use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
+use kvroute_indexer::metrics::Metrics;
+use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
+
+const POD: &str = "10.0.0.1:8000";
+const MODEL: &str = "Qwen/Qwen3-32B";
+
+fn topic(pod: &str) -> Vec<u8> {
+    format!("kv@{pod}@{MODEL}").into_bytes()
+}
+
+fn msg(pod: &str, seq: u64, batch: &EventBatch) -> Incoming {
+    Incoming {
+        topic: topic(pod),
+        seq: seq.to_be_bytes().to_vec(),
+        payload: encode_batch(batch, Encoding::Map, HashForm::Uint),
+        identity: None,
+        received_ms: 0,
+    }
+}
+
+fn batch(events: Vec<KvEvent>, rank: i64) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: Some(rank),
+    }
+}
+
+fn tokens(start: u32, blocks: usize) -> Vec<u32> {
+    (start..start + 16 * blocks as u32).collect()
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, toks: Vec<u32>, medium: Option<Medium>) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: toks,
+        block_size: 16,
+        medium,
+        ..BlockStored::default()
+    })
+}
+
+fn removed(hashes: &[u64], medium: Option<Medium>) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium,
+        group_idx: None,
+    })
+}
+
+fn index_with(cfg: IndexConfig) -> Index {
+    let mut ix = Index::new(cfg, Metrics::new(), 77);
+    ix.add_pod(POD, None, origin::STATIC, 0);
+    ix
+}
+
+fn index() -> Index {
+    index_with(IndexConfig::default())
+}
+
+fn kv_chain(toks: &[u32]) -> Vec<u64> {
+    let root = root_hash(Domain::Tokens, MODEL, None);
+    token_block_hashes(root, toks, 16, usize::MAX)
+}
+
+/// A reference consumer implementing the feed contract.
+#[derive(Default, Debug, PartialEq)]
+struct Consumer {
+    epoch: u64,
+    cursor: u64,
+    entries: HashMap<(String, u64), Tier>,
+}
+
+impl Consumer {
+    fn apply(&mut self, u: &FeedUpdate) {
+        // Round-trip through the wire format on the way.
+        let u = feed::decode(&feed::encode(u)).expect("feed decodes");
+        if u.snapshot {
+            self.entries.clear();
+        }
+        let live: Vec<&str> = u.pods.iter().map(|p| p.address.as_str()).collect();
+        self.entries.retain(|(a, _), _| live.contains(&a.as_str()));
+        for op in &u.ops {
+            let addr = u.pods[op.pod() as usize].address.clone();
+            match op {
+                BlockOp::Stored { tier, hashes, .. } => {
+                    for h in hashes {
+                        self.entries.insert((addr.clone(), *h), *tier);
+                    }
+                }
+                BlockOp::Removed { hashes, .. } => {
+                    for h in hashes {
+                        self.entries.remove(&(addr.clone(), *h));
+                    }
+                }
+                BlockOp::Cleared { .. } => self.entries.retain(|(a, _), _| *a != addr),
+            }
+        }
+        self.epoch = u.epoch;
+        self.cursor = u.cursor;
+    }
+
+    fn poll(&mut self, ix: &Index) -> FeedUpdate {
+        let u = ix.feed(self.epoch, self.cursor);
+        self.apply(&u);
+        u
+    }
+
+    fn of(&self, pod: &str) -> HashMap<u64, Tier> {
+        self.entries
+            .iter()
+            .filter(|((a, _), _)| a == pod)
+            .map(|((_, h), t)| (*h, *t))
+            .collect()
+    }
+}
+
+fn fresh(ix: &Index) -> Consumer {
+    let mut c = Consumer::default();
+    let u = c.poll(ix);
+    assert!(u.snapshot);
+    c
+}
+
+#[test]
+fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
+    let mut ix = index();
+    let mut c = fresh(&ix);
+    let toks = tokens(0, 4);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[11, 12], None, toks[..32].to_vec(), None)], 0),
+        ),
+        1,
+    );
+    ix.handle(
+        &msg(
+            POD,
+            1,
+            &batch(
+                vec![stored(&[13, 14], Some(12), toks[32..].to_vec(), None)],
+                0,
+            ),
+        ),
+        2,
+    );
+    let u = c.poll(&ix);
+    assert!(!u.snapshot);
+    let want: HashMap<u64, Tier> = kv_chain(&toks)
+        .into_iter()
+        .map(|h| (h, Tier::Gpu))
+        .collect();
+    assert_eq!(c.of(POD), want);
+    assert_eq!(fresh(&ix).of(POD), want);
+    assert_eq!(u.pods[0].models, vec![MODEL.to_string()]);
+
+    // Removal by vLLM hash removes the mapped kvroute hash.
+    ix.handle(
+        &msg(POD, 2, &batch(vec![removed(&[14], Some(Medium::Gpu))], 0)),
+        3,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 3);
+    assert!(!c.of(POD).contains_key(&kv_chain(&toks)[3]));
+    assert_eq!(ix.metrics().counter_value("events", "BlockStored"), 2);
+    assert_eq!(ix.metrics().counter_value("events", "BlockRemoved"), 1);
+}
+
+#[test]
+fn lora_name_scopes_the_chain() {
+    let mut ix = index();
+    let toks = tokens(0, 1);
+    let mut e = BlockStored {
+        block_hashes: vec![1],
+        token_ids: toks.clone(),
+        block_size: 16,
+        lora_name: Some("sql".into()),
+        ..BlockStored::default()
+    };
+    ix.handle(
+        &msg(POD, 0, &batch(vec![KvEvent::BlockStored(e.clone())], 0)),
+        0,
+    );
+    let root = root_hash(Domain::Tokens, MODEL, Some("sql"));
+    let c = fresh(&ix);
+    assert_eq!(
+        c.of(POD).keys().copied().collect::<Vec<_>>(),
+        token_block_hashes(root, &toks, 16, 1)
+    );
+    // Block size other than configured: not indexed, counted.
+    e.block_size = 8;
+    e.block_hashes = vec![2, 3];
+    ix.handle(&msg(POD, 1, &batch(vec![KvEvent::BlockStored(e)], 0)), 0);
+    assert_eq!(ix.metrics().stored_block_size_mismatch.get(), 1);
+    assert_eq!(fresh(&ix).of(POD).len(), 1);
+}
+
+#[test]
+fn restart_drops_stale_entries() {
+    let mut ix = index();
+    let mut c = fresh(&ix);
+    for seq in 0..5u64 {
+        let t = tokens(seq as u32 * 1000, 1);
+        ix.handle(
+            &msg(
+                POD,
+                seq,
+                &batch(vec![stored(&[100 + seq], None, t, None)], 0),
+            ),
+            0,
+        );
+    }
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 5);
+    // The pod restarts: seq back to 0 with a new block.
+    let t = tokens(77_000, 1);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[900], None, t.clone(), None)], 0),
+        ),
+        0,
+    );
+    let u = c.poll(&ix);
+    assert!(u.ops.iter().any(|o| matches!(o, BlockOp::Cleared { .. })));
+    assert_eq!(c.of(POD).keys().copied().collect::<Vec<_>>(), kv_chain(&t));
+    assert_eq!(ix.metrics().restarts.get(), 1);
+    assert_eq!(fresh(&ix).of(POD), c.of(POD));
+}
+
+#[test]
+fn all_blocks_cleared_drops_the_pod_entries_and_learned() {
+    let mut ix = index();
+    let mut c = fresh(&ix);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1], None, tokens(0, 1), None)], 0),
+        ),
+        0,
+    );
+    ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(POD.into(), vec![5, 6])],
+        },
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 3);
+    ix.handle(&msg(POD, 1, &batch(vec![KvEvent::AllBlocksCleared], 0)), 0);
+    c.poll(&ix);
+    assert!(c.of(POD).is_empty());
+    assert_eq!(ix.blocks(), 0);
+}
+
+#[test]
+fn unknown_publishers_are_rejected_unless_enabled() {
+    let mut ix = index();
+    let b = batch(vec![stored(&[1], None, tokens(0, 1), None)], 0);
+    ix.handle(&msg("10.6.6.6:8000", 0, &b), 0);
+    assert_eq!(ix.metrics().counter_value("rejected", "unknown_pod"), 1);
+    assert_eq!(fresh(&ix).entries.len(), 0);
+    assert_eq!(ix.pod_addresses().len(), 1);
+    // No identity at all (vLLM's default empty topic).
+    let mut m = msg(POD, 0, &b);
+    m.topic = Vec::new();
+    ix.handle(&m, 0);
+    assert_eq!(ix.metrics().counter_value("rejected", "no_identity"), 1);
+    // Identity from configuration wins over the topic.
+    m.identity = Some((POD.into(), MODEL.into()));
+    ix.handle(&m, 0);
+    assert_eq!(fresh(&ix).of(POD).len(), 1);
+
+    let mut open = Index::new(
+        IndexConfig {
+            accept_unknown_publishers: true,
+            ..IndexConfig::default()
+        },
+        Metrics::new(),
+        1,
+    );
+    open.handle(&msg("10.6.6.6:8000", 0, &b), 0);
+    assert_eq!(fresh(&open).of("10.6.6.6:8000").len(), 1);
+}
+
+#[test]
+fn garbage_is_counted_and_the_stream_goes_on() {
+    let mut ix = index();
+    let b = batch(vec![stored(&[1], None, tokens(0, 1), None)], 0);
+    ix.handle(&msg(POD, 0, &b), 0);
+    let mut bad = msg(POD, 1, &b);
+    bad.payload.truncate(bad.payload.len() / 2);
+    ix.handle(&bad, 0);
+    let mut bad = msg(POD, 1, &b);
+    bad.payload = b"\xc1garbage".to_vec();
+    ix.handle(&bad, 0);
+    let mut bad = msg(POD, 1, &b);
+    bad.seq = vec![1, 2, 3];
+    ix.handle(&bad, 0);
+    let m = ix.metrics();
+    assert_eq!(
+        m.counter_value("decode_errors", "truncated")
+            + m.counter_value("decode_errors", "count_too_large"),
+        1
+    );
+    assert_eq!(
+        ix.metrics()
+            .counter_value("decode_errors", "unexpected_type"),
+        1
+    );
+    assert_eq!(
+        ix.metrics().counter_value("decode_errors", "bad_seq_frame"),
+        1
+    );
+    let b2 = batch(vec![stored(&[2], Some(1), tokens(16, 1), None)], 0);
+    ix.handle(&msg(POD, 1, &b2), 0);
+    assert_eq!(fresh(&ix).of(POD).len(), 2);
+    assert_eq!(ix.metrics().seq_gaps.get(), 0);
+}
+
+#[test]
+fn gaps_without_replay_are_counted() {
+    let mut ix = index();
+    ix.handle(&msg(POD, 0, &batch(vec![], 0)), 0);
+    let req = ix.handle(&msg(POD, 5, &batch(vec![], 0)), 0);
+    assert!(req.is_none());
+    assert_eq!(ix.metrics().seq_gaps.get(), 1);
+    assert_eq!(ix.metrics().seq_missed.get(), 4);
+    assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 1);
+}
+
+#[test]
+fn gaps_are_filled_from_the_replay_socket_in_order() {
+    let mut ix = index_with(IndexConfig {
+        replay_port: Some(5600),
+        ..IndexConfig::default()
+    });
+    let toks = tokens(0, 4);
+    let ev = |i: usize| {
+        let parent = if i == 0 {
+            None
+        } else {
+            Some(10 + i as u64 - 1)
+        };
+        batch(
+            vec![stored(
+                &[10 + i as u64],
+                parent,
+                toks[16 * i..16 * (i + 1)].to_vec(),
+                None,
+            )],
+            0,
+        )
+    };
+    assert!(ix.handle(&msg(POD, 0, &ev(0)), 0).is_none());
+    // seq 1 and 2 lost; 3 arrives: replay requested, 3 is buffered (its parent is missing).
+    let req = ix.handle(&msg(POD, 3, &ev(3)), 0).expect("replay request");
+    assert_eq!(req.endpoint, "tcp://10.0.0.1:5600");
+    assert_eq!(req.from_seq, 1);
+    assert_eq!(fresh(&ix).of(POD).len(), 1);
+    // The replay returns 1..=3 (3 overlaps the buffered live message).
+    let replayed = (1..=3)
+        .map(|i| {
+            (
+                i as u64,
+                encode_batch(&ev(i), Encoding::Map, HashForm::Uint),
+            )
+        })
+        .collect();
+    ix.finish_replay(&req, Ok(replayed), 0);
+    let got = fresh(&ix).of(POD);
+    let want: HashMap<u64, Tier> = kv_chain(&toks)
+        .into_iter()
+        .map(|h| (h, Tier::Gpu))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(ix.metrics().counter_value("replays", "ok"), 1);
+    assert_eq!(ix.metrics().replayed_messages.get(), 2);
+    assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 0);
+    assert_eq!(ix.metrics().stored_unknown_parent.get(), 0);
+
+    // A failed replay still applies the buffered messages.
+    let req = ix
+        .handle(&msg(POD, 9, &batch(vec![], 0)), 0)
+        .expect("replay");
+    assert_eq!(req.from_seq, 4);
+    ix.finish_replay(&req, Err("timeout".into()), 0);
+    assert_eq!(ix.metrics().counter_value("replays", "failed"), 1);
+    assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 1);
+    assert!(ix.handle(&msg(POD, 10, &batch(vec![], 0)), 0).is_none());
+    // Data-parallel rank 2 replays from port + 2.
+    ix.handle(&msg(POD, 0, &batch(vec![], 2)), 0);
+    let req = ix
+        .handle(&msg(POD, 2, &batch(vec![], 2)), 0)
+        .expect("replay");
+    assert_eq!(req.endpoint, "tcp://10.0.0.1:5602");
+}
+
+#[test]
+fn data_parallel_ranks_count_as_one_server() {
+    let mut ix = index();
+    let t = tokens(0, 2);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1, 2], None, t.clone(), None)], 0),
+        ),
+        0,
+    );
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1, 2], None, t.clone(), None)], 1),
+        ),
+        0,
+    );
+    let mut c = fresh(&ix);
+    assert_eq!(c.of(POD).len(), 2);
+    assert_eq!(ix.blocks(), 4);
+    // Rank 1 restarts: rank 0 still holds the blocks.
+    ix.handle(&msg(POD, 0, &batch(vec![], 1)), 0);
+    ix.handle(&msg(POD, 1, &batch(vec![], 1)), 0);
+    ix.handle(&msg(POD, 0, &batch(vec![KvEvent::AllBlocksCleared], 1)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 2);
+    ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], None)], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 1);
+}
+
+#[test]
+fn tiers_follow_the_best_medium() {
+    let mut ix = index();
+    let mut c = fresh(&ix);
+    let t = tokens(0, 1);
+    let kv = kv_chain(&t)[0];
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1], None, t.clone(), Some(Medium::Cpu))], 0),
+        ),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD)[&kv], Tier::Cpu);
+    ix.handle(
+        &msg(
+            POD,
+            1,
+            &batch(vec![stored(&[1], None, t.clone(), Some(Medium::Gpu))], 0),
+        ),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD)[&kv], Tier::Gpu);
+    ix.handle(
+        &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Gpu))], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD)[&kv], Tier::Cpu);
+    ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(POD.into(), vec![kv])],
+        },
+        0,
+    );
+    ix.handle(
+        &msg(POD, 3, &batch(vec![removed(&[1], Some(Medium::Cpu))], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD)[&kv], Tier::Learned);
+    let disk = Some(Medium::Other("DISK".into()));
+    ix.handle(
+        &msg(POD, 4, &batch(vec![stored(&[1], None, t, disk)], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD)[&kv], Tier::Disk);
+    assert_eq!(fresh(&ix).of(POD), c.of(POD));
+}
+
+#[test]
+fn learned_entries_expire_and_unknown_pods_are_refused() {
+    let mut ix = index_with(IndexConfig {
+        learned_ttl_ms: 1000,
+        learned_max_entries: 3,
+        pod_timeout_ms: 0,
+        ..IndexConfig::default()
+    });
+    let mut c = fresh(&ix);
+    let (ok, bad) = ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(POD.into(), vec![1, 2]), ("10.9.9.9:1".into(), vec![3])],
+        },
+        0,
+    );
+    assert_eq!((ok, bad), (2, 1));
+    c.poll(&ix);
+    assert_eq!(
+        c.of(POD),
+        HashMap::from([(1, Tier::Learned), (2, Tier::Learned)])
+    );
+    // Refresh 1 at t=500; the cap (3) evicts the oldest live entry (2) for 3 and 4.
+    ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(POD.into(), vec![1, 3, 4])],
+        },
+        500,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 3);
+    assert!(!c.of(POD).contains_key(&2));
+    assert_eq!(ix.metrics().learned_evicted.get(), 1);
+    ix.expire(1200);
+    c.poll(&ix);
+    assert_eq!(c.of(POD).len(), 3, "refreshed at 500, due at 1500");
+    ix.expire(1600);
+    c.poll(&ix);
+    assert!(c.of(POD).is_empty());
+}
+
+#[test]
+fn silent_pods_are_dropped() {
+    let mut ix = Index::new(
+        IndexConfig {
+            accept_unknown_publishers: true,
+            pod_timeout_ms: 1000,
+            ..IndexConfig::default()
+        },
+        Metrics::new(),
+        3,
+    );
+    ix.add_pod(POD, Some(MODEL), origin::STATIC, 0);
+    let b = batch(vec![stored(&[1], None, tokens(0, 1), None)], 0);
+    ix.handle(&msg(POD, 0, &b), 0);
+    ix.handle(&msg("10.0.0.2:8000", 0, &b), 0);
+    let mut c = fresh(&ix);
+    assert_eq!(c.entries.len(), 2);
+    ix.set_load(
+        POD,
+        Load {
+            capacity_blocks: 100,
+            waiting: 2,
+            running: 3,
+            kv_usage: 0.5,
+        },
+        900,
+    );
+    ix.expire(1500);
+    let u = c.poll(&ix);
+    assert_eq!(u.pods.len(), 1, "the events-discovered pod is gone");
+    assert_eq!(u.pods[0].waiting, 2);
+    assert_eq!(c.entries.len(), 1);
+    ix.expire(2000);
+    let u = c.poll(&ix);
+    assert_eq!(u.pods.len(), 1, "a static pod stays listed");
+    assert!(c.entries.is_empty(), "but its entries are dropped");
+    assert_eq!(ix.metrics().pods_expired.get(), 2);
+}
+
+#[test]
+fn delta_log_cursor_rules() {
+    let mut ix = index_with(IndexConfig {
+        feed_log_hashes: 10,
+        feed_max_hashes: 4,
+        ..IndexConfig::default()
+    });
+    let mut c = fresh(&ix);
+    // Wrong epoch → snapshot.
+    assert!(ix.feed(ix.epoch() + 1, 0).snapshot);
+    for seq in 0..3u64 {
+        let t = tokens(seq as u32 * 100, 3);
+        let hs = [seq * 10, seq * 10 + 1, seq * 10 + 2];
+        ix.handle(
+            &msg(POD, seq, &batch(vec![stored(&hs, None, t, None)], 0)),
+            0,
+        );
+    }
+    // 9 hashes in 3 ops; responses carry at most 4 hashes (but at least one op).
+    let u = c.poll(&ix);
+    assert!(!u.snapshot);
+    assert_eq!(u.ops.len(), 1);
+    c.poll(&ix);
+    c.poll(&ix);
+    assert_eq!(c.cursor, ix.cursor());
+    assert_eq!(c.of(POD), fresh(&ix).of(POD));
+    assert!(c.poll(&ix).ops.is_empty());
+    // A cursor older than the retained log → snapshot.
+    let stale = c.cursor;
+    for seq in 3..8u64 {
+        let t = tokens(seq as u32 * 100, 3);
+        let hs = [seq * 10, seq * 10 + 1, seq * 10 + 2];
+        ix.handle(
+            &msg(POD, seq, &batch(vec![stored(&hs, None, t, None)], 0)),
+            0,
+        );
+    }
+    assert!(ix.feed(ix.epoch(), stale).snapshot);
+    // A cursor from the future → snapshot.
+    assert!(ix.feed(ix.epoch(), ix.cursor() + 1).snapshot);
+}
+
+#[test]
+fn per_pod_capacity_is_enforced() {
+    let mut ix = index_with(IndexConfig {
+        max_blocks_per_pod: 3,
+        ..IndexConfig::default()
+    });
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1, 2, 3, 4, 5], None, tokens(0, 5), None)], 0),
+        ),
+        0,
+    );
+    assert_eq!(ix.blocks(), 3);
+    assert_eq!(ix.metrics().blocks_refused_capacity.get(), 1);
+}
+
+/// Random event streams (stores with parents, removals by tier, clears,
+/// restarts, gaps, learned batches, expiry) polled at random points: the
+/// incremental consumer must always equal a fresh snapshot.
+#[test]
+fn randomized_deltas_equal_snapshots() {
+    let mut rng = 0x1234_5678_9abc_def1u64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    for round in 0..20 {
+        let mut ix = Index::new(
+            IndexConfig {
+                feed_log_hashes: 200 + round * 50,
+                feed_max_hashes: 64,
+                learned_ttl_ms: 50,
+                ..IndexConfig::default()
+            },
+            Metrics::new(),
+            round as u64 + 1,
+        );
+        for p in pods {
+            ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
+        }
+        let mut c = fresh(&ix);
+        let mut seqs = [[0u64; 2]; 3];
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); 6];
+        for step in 0..400u64 {
+            let p = next(3) as usize;
+            let rank = next(2) as usize;
+            let src = p * 2 + rank;
+            let medium = [None, Some(Medium::Cpu), Some(Medium::Gpu)][next(3) as usize].clone();
+            let ev = match next(10) {
+                0..=4 => {
+                    let n = 1 + next(4) as usize;
+                    let parent = if held[src].is_empty() || next(3) == 0 {
+                        None
+                    } else {
+                        Some(held[src][next(held[src].len() as u64) as usize])
+                    };
+                    let hs: Vec<u64> = (0..n).map(|_| 1 + next(300)).collect();
+                    held[src].extend(&hs);
+                    stored(&hs, parent, tokens(next(50) as u32 * 16, n), medium)
+                }
+                5..=7 => {
+                    let hs: Vec<u64> = (0..3).map(|_| 1 + next(300)).collect();
+                    removed(&hs, medium)
+                }
+                8 => {
+                    held[src].clear();
+                    KvEvent::AllBlocksCleared
+                }
+                _ => {
+                    ix.apply_learned(
+                        &LearnedBatch {
+                            entries: vec![(pods[p].into(), (0..3).map(|_| next(40)).collect())],
+                        },
+                        step,
+                    );
+                    continue;
+                }
+            };
+            let seq = match next(30) {
+                0 => {
+                    held[src].clear();
+                    0 // restart
+                }
+                1 => seqs[p][rank] + 2, // gap
+                _ => seqs[p][rank],
+            };
+            seqs[p][rank] = seq + 1;
+            ix.handle(&msg(pods[p], seq, &batch(vec![ev], rank as i64)), step);
+            if next(5) == 0 {
+                ix.expire(step);
+            }
+            if next(4) == 0 {
+                c.poll(&ix);
+                while c.cursor < ix.cursor() && c.epoch == ix.epoch() {
+                    let u = c.poll(&ix);
+                    if u.snapshot {
+                        break;
+                    }
+                }
+                assert_eq!(c.entries, fresh(&ix).entries, "round {round} step {step}");
+            }
+        }
+    }
+}
+
+#[test]
+fn golden_capture_sequence_applies() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm-golden/frames");
+    let mut ix = index();
+    let names = [
+        "00_stored_4blocks_root",
+        "01_stored_2blocks_with_parent",
+        "02_stored_lora_extrakeys_session",
+        "03_removed_gpu",
+        "04_removed_cpu_no_group",
+        "05_all_cleared",
+        "06_mixed_stored_removed_cleared",
+    ];
+    for kind in ["int", "bytes"] {
+        let pod = if kind == "int" { POD } else { "10.0.0.2:8000" };
+        ix.add_pod(pod, Some(MODEL), origin::STATIC, 0);
+        for (i, n) in names.iter().enumerate() {
+            let payload =
+                std::fs::read(dir.join(format!("{kind}_{n}.payload.msgpack"))).expect("golden");
+            let m = Incoming {
+                topic: topic(pod),
+                seq: (i as u64).to_be_bytes().to_vec(),
+                payload,
+                identity: None,
+                received_ms: 0,
+            };
+            ix.handle(&m, 0);
+            if i == 0 {
+                // 4 blocks of tokens 0..63 from the root.
+                let got = fresh(&ix).of(pod);
+                let want: HashMap<u64, Tier> = kv_chain(&tokens(0, 4))
+                    .into_iter()
+                    .map(|h| (h, Tier::Gpu))
+                    .collect();
+                assert_eq!(got, want, "{kind}");
+            }
+        }
+        assert!(
+            fresh(&ix).of(pod).is_empty(),
+            "06 ends with AllBlocksCleared"
+        );
+    }
+    assert_eq!(ix.metrics().counter_value("decode_errors", "truncated"), 0);
+    assert_eq!(ix.metrics().counter_value("events", "AllBlocksCleared"), 4);
+}

@@ -1,0 +1,374 @@
+"""Harness for kvroute-indexer integration tests: start the real binary on free
+ports, publish vLLM-shaped ZMQ messages with pyzmq, read the feed (decoded here
+in Python from the wire format pinned in docs/contracts.md / core/src/feed.rs).
+
+The binary is $KVROUTE_INDEXER_BIN, else target/release/kvroute-indexer, built
+with `cargo build --release -p kvroute-indexer` when missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import zmq
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO.parent / "shared" / "vllm-golden" / "frames"
+DEFAULT_BIN = REPO / "target" / "release" / "kvroute-indexer"
+MODEL = "Qwen/Qwen3-32B"
+
+# kvroute hashes of tokens 0..63 (block 16) for MODEL, pinned in core/src/hash.rs.
+TOKENS_0_63_QWEN = [0xB2B79674517D8D36, 0xA8E1D591ABB22B2D, 0xEBE25CDFBC418710, 0x6B2B308C32DE0F48]
+
+TIERS = {0: "gpu", 1: "cpu", 2: "disk", 3: "learned"}
+
+
+def indexer_binary() -> Path:
+    env = os.environ.get("KVROUTE_INDEXER_BIN")
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise FileNotFoundError(f"KVROUTE_INDEXER_BIN={env} does not exist")
+        return p
+    if not DEFAULT_BIN.is_file():
+        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
+        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=REPO, env=env_build,
+                       check=True, stdin=subprocess.DEVNULL)
+    return DEFAULT_BIN
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------- feed codec
+
+
+class Reader:
+    def __init__(self, b: bytes):
+        self.b, self.i = b, 0
+
+    def take(self, n: int) -> bytes:
+        if self.i + n > len(self.b):
+            raise ValueError("truncated")
+        v = self.b[self.i:self.i + n]
+        self.i += n
+        return v
+
+    def u8(self):
+        return self.take(1)[0]
+
+    def u16(self):
+        return struct.unpack("<H", self.take(2))[0]
+
+    def u32(self):
+        return struct.unpack("<I", self.take(4))[0]
+
+    def u64(self):
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def f32(self):
+        return struct.unpack("<f", self.take(4))[0]
+
+    def s(self):
+        return self.take(self.u32()).decode()
+
+    def hashes(self):
+        n = self.u32()
+        return list(struct.unpack(f"<{n}Q", self.take(8 * n)))
+
+
+def decode_feed(b: bytes) -> dict:
+    r = Reader(b)
+    assert r.take(4) == b"KVRF", "magic"
+    assert r.u16() == 1, "version"
+    flags = r.u16()
+    out = {"snapshot": bool(flags & 1), "epoch": r.u64(), "cursor": r.u64(), "pods": [], "ops": []}
+    for _ in range(r.u32()):
+        addr = r.s()
+        models = [r.s() for _ in range(r.u32())]
+        out["pods"].append({"address": addr, "models": models, "capacity_blocks": r.u32(), "waiting": r.u32(),
+                            "running": r.u32(), "kv_usage": r.f32()})
+    for _ in range(r.u32()):
+        kind, pod = r.u8(), r.u32()
+        if kind == 0:
+            out["ops"].append(("stored", pod, TIERS[r.u8()], r.hashes()))
+        elif kind == 1:
+            out["ops"].append(("removed", pod, None, r.hashes()))
+        elif kind == 2:
+            out["ops"].append(("cleared", pod, None, []))
+        else:
+            raise ValueError(f"op kind {kind}")
+    assert r.i == len(b), "trailing bytes"
+    return out
+
+
+def encode_learned(entries: list[tuple[str, list[int]]]) -> bytes:
+    out = bytearray(b"KVRL" + struct.pack("<HHI", 1, 0, len(entries)))
+    for addr, hashes in entries:
+        a = addr.encode()
+        out += struct.pack("<I", len(a)) + a + struct.pack(f"<I{len(hashes)}Q", len(hashes), *hashes)
+    return bytes(out)
+
+
+class FeedClient:
+    """A consumer that follows the feed contract (snapshot replaces, deltas apply)."""
+
+    def __init__(self, base: str):
+        self.base, self.epoch, self.cursor = base, 0, 0
+        self.entries: dict[tuple[str, int], str] = {}
+        self.pods: list[dict] = []
+
+    def poll(self) -> dict:
+        with urllib.request.urlopen(f"{self.base}/v1/feed?epoch={self.epoch}&cursor={self.cursor}", timeout=5) as r:
+            assert r.headers["Content-Type"] == "application/octet-stream"
+            u = decode_feed(r.read())
+        if u["snapshot"]:
+            self.entries.clear()
+        live = {p["address"] for p in u["pods"]}
+        self.entries = {k: v for k, v in self.entries.items() if k[0] in live}
+        for kind, pod, tier, hashes in u["ops"]:
+            addr = u["pods"][pod]["address"]
+            if kind == "stored":
+                for h in hashes:
+                    self.entries[(addr, h)] = tier
+            elif kind == "removed":
+                for h in hashes:
+                    self.entries.pop((addr, h), None)
+            else:
+                self.entries = {k: v for k, v in self.entries.items() if k[0] != addr}
+        self.epoch, self.cursor, self.pods = u["epoch"], u["cursor"], u["pods"]
+        return u
+
+    def of(self, addr: str) -> dict[int, str]:
+        self.poll()
+        return {h: t for (a, h), t in self.entries.items() if a == addr}
+
+
+# ----------------------------------------------------------------- process
+
+
+class Indexer:
+    """The real kvroute-indexer on free ports; stopped by PID."""
+
+    def __init__(self, *flags: str, bind: bool = True):
+        self.http_port = free_port()
+        self.zmq_port = free_port()
+        self.flags = list(flags)
+        self.bind = bind
+        self.proc: subprocess.Popen | None = None
+        self.log = b""
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def zmq_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.zmq_port}"
+
+    def __enter__(self) -> "Indexer":
+        args = [str(indexer_binary()), "--listen", f"127.0.0.1:{self.http_port}"]
+        args += ["--zmq-bind", f"tcp://127.0.0.1:{self.zmq_port}" if self.bind else "none"]
+        args += self.flags
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"indexer exited: {self.proc.stdout.read().decode()}")
+            try:
+                if self.get("/healthz") == b"ok\n":
+                    return self
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.05)
+        self.__exit__(None, None, None)
+        raise TimeoutError("indexer did not become healthy")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        if self.proc and self.proc.stdout:
+            self.log = self.proc.stdout.read()
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.base + path, timeout=5) as r:
+            return r.read()
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base + path, data=body, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def pods(self) -> dict[str, dict]:
+        return {p["address"]: p for p in json.loads(self.get("/v1/debug/pods"))}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+        total = 0.0
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric, _, lab = head.partition("{")
+            if metric != name:
+                continue
+            if all(f'{k}="{v}"' in lab for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def feed(self) -> FeedClient:
+        return FeedClient(self.base)
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+# ----------------------------------------------------------------- publishers
+
+
+def topic(addr: str, model: str = MODEL) -> bytes:
+    return f"kv@{addr}@{model}".encode()
+
+
+def batch(*events, rank: int | None = 0, ts: float = 1700000000.5) -> bytes:
+    b = [ts, list(events)] + ([rank] if rank is not None else [])
+    return msgpack.packb(b, use_bin_type=True)
+
+
+def stored(hashes, parent, tokens, block_size=16, medium="GPU", lora_name=None) -> dict:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+            "token_ids": list(tokens), "block_size": block_size, "lora_id": None, "medium": medium,
+            "lora_name": lora_name, "group_idx": 0}
+
+
+def removed(hashes, medium="GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": 0}
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+
+
+class Publisher:
+    """A vLLM-style PUB socket: connects to the indexer's SUB (vLLM's default when
+    the endpoint has no '*') or binds for the indexer to connect."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, bind: bool = False):
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        if bind:
+            self.sock.bind(endpoint)
+        else:
+            self.sock.connect(endpoint)
+
+    def send(self, topic: bytes, seq: int, payload: bytes) -> None:
+        self.sock.send_multipart([topic, struct.pack(">Q", seq), payload])
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def close(self):
+        self.sock.close(0)
+
+
+def wait_subscribed(ix: Indexer, pub: Publisher, timeout: float = 10.0) -> None:
+    """PUB drops messages until the SUB's subscription arrives: send probes
+    without a pod identity (rejected, counted) until the indexer has counted one."""
+    before = ix.metric("kvroute_indexer_messages_rejected_total", reason="no_identity")
+
+    def probe():
+        pub.send(b"probe", 0, batch())
+        return ix.metric("kvroute_indexer_messages_rejected_total", reason="no_identity") > before
+
+    wait_for(probe, timeout, "subscription to reach the publisher")
+
+
+def golden_payload(name: str) -> bytes:
+    return (GOLDEN / f"{name}.payload.msgpack").read_bytes()
+
+
+def golden_frames(name: str) -> list[bytes]:
+    data = (GOLDEN / f"{name}.multipart.bin").read_bytes()
+    frames, i = [], 0
+    while i < len(data):
+        (n,) = struct.unpack(">I", data[i:i + 4])
+        frames.append(data[i + 4:i + 4 + n])
+        i += 4 + n
+    return frames
+
+
+class ReplayRouter:
+    """vLLM's replay socket: a ROUTER that, for ["", start_seq], answers one
+    message per buffered batch with seq >= start, then an end marker
+    (framing of vLLM >= 0.26: ["", topic, seq, payload]; <= 0.20 without topic)."""
+
+    def __init__(self, ctx: zmq.Context, port: int, buffered: list[tuple[int, bytes]], topic: bytes = b"",
+                 old_framing: bool = False):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.buffered, self.topic, self.old = buffered, topic, old_framing
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _frames(self, seq: int, payload: bytes) -> list[bytes]:
+        s = struct.pack(">Q", seq)
+        return [b"", s, payload] if self.old else [b"", self.topic, s, payload]
+
+    def _run(self):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            ident, empty, start = self.sock.recv_multipart()
+            (start_seq,) = struct.unpack(">Q", start)
+            self.requests.append(start_seq)
+            for seq, payload in self.buffered:
+                if seq >= start_seq:
+                    self.sock.send_multipart([ident] + self._frames(seq, payload))
+            self.sock.send_multipart([ident] + self._frames(0xFFFFFFFFFFFFFFFF, b""))
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(timeout=2)
+        self.sock.close(0)
