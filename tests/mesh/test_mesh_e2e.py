@@ -1,0 +1,247 @@
+"""End to end: the Envoy config the Istio overlays produce (envoy/mesh-*.yaml), run for real.
+
+Simulated vLLM pods (integration/simcluster.py) publish KV events to the real kvroute-indexer,
+the kvroute singleton in Envoy polls it through the cluster Istio would generate
+(outbound|8080||kvroute-indexer...), and the filter routes through the override_host policy of
+outbound|8000||vllm.... Only addresses and ports are rewritten (free ports on 127.0.0.1) and the
+module path made absolute; the plugin configurations are used exactly as committed, so the pods
+are known only from the indexer feed, as in the mesh.
+
+Needs target/wasm32-wasip1/release/kvroute.wasm (skips outside CI when absent, fails in CI) and
+builds vllm-sim / kvroute-indexer with cargo when missing.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import requests
+import yaml
+
+import meshlib
+from envoyctl import EnvoyProcess, free_port
+from simcluster import SimCluster
+
+MODEL = "Qwen/Qwen3-32B"
+DECISION = "x-kvroute-decision"
+POD = "x-vllm-sim-pod"
+PODS = 3
+
+
+def require_module():
+    if meshlib.WASM_PATH.exists():
+        return
+    if meshlib.in_ci():
+        pytest.fail(f"{meshlib.WASM_PATH} missing in CI: `make build` must run before the tests")
+    pytest.skip(f"{meshlib.WASM_PATH} not built (run `make build`); CI runs this test")
+
+
+def indexer_binary():
+    path = meshlib.ROOT / "target" / "release" / "kvroute-indexer"
+    if not path.is_file():
+        env = dict(os.environ, CARGO_TARGET_DIR=str(meshlib.ROOT / "target"))
+        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=meshlib.ROOT, env=env,
+                       check=True, stdin=subprocess.DEVNULL)
+    return path
+
+
+class Indexer:
+    """kvroute-indexer on free 127.0.0.1 ports, flags as in istio/base/indexer.yaml; stopped by PID."""
+
+    def __init__(self, pods):
+        self.http_port = free_port()
+        self.zmq_port = free_port()
+        self.pods = pods
+        self.proc = None
+
+    def __enter__(self):
+        argv = [str(indexer_binary()), f"--listen=127.0.0.1:{self.http_port}",
+                f"--zmq-bind=tcp://127.0.0.1:{self.zmq_port}", f"--model={MODEL}", "--block-size=16"]
+        argv += [f"--pod={p}" for p in self.pods]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: self.healthy(), 30, "indexer /healthz")
+        return self
+
+    def healthy(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"kvroute-indexer exited with {self.proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def blocks(self, address):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v1/debug/pods", timeout=5) as r:
+            pods = {p["address"]: p for p in json.load(r)}
+        return pods[address]["blocks"] if address in pods else 0
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def render_mesh(name, pods, indexer_port):
+    """envoy/<name> with free ports, these pods, this indexer, the module path absolute."""
+    (cfg,) = meshlib.load_yaml_docs(meshlib.ENVOY_DIR / name)
+    cfg["admin"]["address"]["socket_address"]["port_value"] = free_port()
+    (listener,) = cfg["static_resources"]["listeners"]
+    listener["address"]["socket_address"]["port_value"] = free_port()
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    vllm = clusters["outbound|8000||vllm.llm.svc.cluster.local"]
+    vllm["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": a.rsplit(":", 1)[0], "port_value": int(a.rsplit(":", 1)[1])}}}}
+        for a in pods]}]
+    idx = clusters["outbound|8080||kvroute-indexer.llm.svc.cluster.local"]
+    idx["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = indexer_port
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    assert text.count("target/wasm32-wasip1/release/kvroute.wasm") == 2  # filter and singleton
+    return text.replace("target/wasm32-wasip1/release/kvroute.wasm", str(meshlib.WASM_PATH))
+
+
+def stat(envoy, name):
+    return envoy.stats("kvroute").get(f"wasmcustom.{name}", 0)
+
+
+def completion(url, tokens, *, headers=None, max_tokens=2):
+    body = {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens}
+    with requests.Session() as s:  # fresh connection: requests spread over both workers
+        return s.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=30)
+
+
+def parse_decision(value):
+    m = re.match(r"pod=([^;]+); matched=(\d+)/(\d+) (\w+);", value)
+    assert m, value
+    return {"pod": m.group(1), "matched": int(m.group(2)), "total": int(m.group(3)), "domain": m.group(4)}
+
+
+def prompt(seed, n=512):
+    """n token ids unique to seed (so tests and pods do not share prefixes by accident)."""
+    return [1000 + (seed * 7919 + i * 104729) % 120000 for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=["mesh-gateway.yaml", "mesh-sidecar.yaml"])
+def mesh(request):
+    require_module()
+    zmq_port = free_port()
+    with SimCluster(pods=PODS, time_scale=0.2, kv_events_endpoint=f"tcp://127.0.0.1:{zmq_port}") as sims:
+        indexer = Indexer(sims.addresses)
+        indexer.zmq_port = zmq_port
+        with indexer:
+            with EnvoyProcess(render_mesh(request.param, sims.addresses, indexer.http_port)) as envoy:
+                # pods come only from the feed: wait until the singleton has delivered them
+                wait_for(lambda: stat(envoy, "kvroute.feed.pods") == PODS, 30, "feed with every pod")
+                yield {"envoy": envoy, "indexer": indexer, "sims": sims, "name": request.param}
+
+
+def test_request_is_routed_to_the_pod_kvroute_names(mesh):
+    envoy = mesh["envoy"]
+    before = stat(envoy, "kvroute.requests")
+    r = completion(envoy.url, prompt(1))
+    assert r.status_code == 200, r.text
+    d = parse_decision(r.headers[DECISION])
+    assert d["pod"] in mesh["sims"].addresses
+    assert r.headers[POD] == d["pod"], "override_host sent the request where kvroute said"
+    assert stat(envoy, "kvroute.requests") == before + 1
+
+
+def test_precise_routing_from_vllm_kv_events(mesh):
+    """A prefix cached on a pod by a request that bypassed Envoy is found through the
+    KV events -> indexer -> feed -> singleton -> worker chain, and the request goes there."""
+    envoy, sims, indexer = mesh["envoy"], mesh["sims"], mesh["indexer"]
+    seed = {"mesh-gateway.yaml": 11, "mesh-sidecar.yaml": 12}[mesh["name"]]
+    tokens = prompt(seed)
+    target = sims.addresses[1]
+    before = indexer.blocks(target)
+    r = completion(sims.urls[1], tokens)  # straight to the pod, not through Envoy
+    assert r.status_code == 200, r.text
+    wait_for(lambda: indexer.blocks(target) >= before + len(tokens) // 16, 10, "the pod's KV events indexed")
+    polls = stat(envoy, "kvroute.feed.ok")
+    wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= polls + 3, 10, "feed polls after indexing")
+    r = completion(envoy.url, tokens + prompt(seed + 1000, 64))
+    assert r.status_code == 200, r.text
+    d = parse_decision(r.headers[DECISION])
+    assert d["domain"] == "tokens"
+    assert d["pod"] == target and r.headers[POD] == target, d
+    assert d["matched"] >= len(tokens) // 16 - 1, d
+
+
+def test_every_documented_metric_is_exported(mesh):
+    """The names in the operator's guide are the names Envoy's Prometheus endpoint serves."""
+    from test_docs import guide_metrics
+
+    envoy = mesh["envoy"]
+    completion(envoy.url, prompt(2))
+    with urllib.request.urlopen(envoy.admin_url + "/stats/prometheus", timeout=5) as r:
+        text = r.read().decode()
+    served = set(re.findall(r"^# TYPE (kvroute_[a-z0-9_]+) (\w+)", text, re.M))
+    served_names = {n for n, _ in served}
+    for name, kind in guide_metrics().items():
+        assert name in served_names, f"{name} (guide) not served; served: {sorted(served_names)}"
+        assert (name, kind) in served, f"{name} is not a {kind}"
+
+
+def test_large_bodies_pass_the_raised_buffer(mesh):
+    """1.5 MiB is over Envoy's 1 MiB default buffer: the listener patch lets it through, parsed.
+    5 MiB is over max_body_bytes (4 MiB): kvroute fails open, the request is still served."""
+    envoy = mesh["envoy"]
+    big = {"model": MODEL, "prompt": "x" * (3 * 1024 * 1024 // 2), "max_tokens": 1}
+    with requests.Session() as s:
+        r = s.post(envoy.url + "/v1/completions", json=big, timeout=60)
+    assert r.status_code != 413, r.text[:200]
+    assert POD in r.headers, "answered by a pod, not by Envoy"
+    before = stat(envoy, "kvroute.fallback.body_too_large")
+    huge = {"model": MODEL, "prompt": "x" * (5 * 1024 * 1024), "max_tokens": 1}
+    with requests.Session() as s:
+        r = s.post(envoy.url + "/v1/completions", json=huge, timeout=60)
+    assert r.status_code != 413, r.text[:200]
+    assert POD in r.headers
+    assert stat(envoy, "kvroute.fallback.body_too_large") == before + 1
+
+
+def test_other_paths_pass_untouched(mesh):
+    envoy = mesh["envoy"]
+    r = requests.get(envoy.url + "/v1/models", timeout=10)
+    assert r.status_code == 200
+    assert DECISION not in r.headers
+    assert POD in r.headers
+
+
+def test_indexer_down_keeps_routing(mesh):
+    """Last: stop the indexer. Requests keep being served and routed on the index the proxy has."""
+    envoy, indexer = mesh["envoy"], mesh["indexer"]
+    tokens = prompt({"mesh-gateway.yaml": 21, "mesh-sidecar.yaml": 22}[mesh["name"]])
+    first = completion(envoy.url, tokens)
+    assert first.status_code == 200
+    pod = parse_decision(first.headers[DECISION])["pod"]
+    errors = stat(envoy, "kvroute.feed.errors")
+    indexer.stop()
+    wait_for(lambda: stat(envoy, "kvroute.feed.errors") > errors, 10, "feed errors after the indexer stopped")
+    for i in range(3):
+        r = completion(envoy.url, tokens + prompt(3000 + i, 32))
+        assert r.status_code == 200, r.text
+        assert parse_decision(r.headers[DECISION])["pod"] == pod
