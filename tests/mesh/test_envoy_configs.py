@@ -35,12 +35,6 @@ def loads_wasm(text: str) -> bool:
     return "envoy.wasm.runtime" in text
 
 
-def require_module():
-    if meshlib.WASM_PATH.exists():
-        return
-    if meshlib.in_ci():
-        pytest.fail(f"{meshlib.WASM_PATH} missing in CI: `make build` must run before the tests")
-    pytest.skip(f"{meshlib.WASM_PATH} not built (run `make build`); CI runs this test")
 
 
 def without_wasm(config: dict) -> dict:
@@ -73,7 +67,7 @@ def test_there_are_mesh_configs():
 def test_envoy_validates(path, tmp_path):
     text = path.read_text()
     if loads_wasm(text):
-        require_module()
+        meshlib.require_module()
     rc, out = envoy_validate(text, tmp_path, path.name)
     assert rc == 0, out
     assert "OK" in out
@@ -103,7 +97,7 @@ def test_envoy_validate_catches_a_bad_lb_policy(tmp_path):
 @pytest.mark.parametrize("path", MESH_CONFIGS, ids=lambda p: p.name)
 def test_bad_plugin_config_is_refused_at_configure_time(path, tmp_path):
     """A typo in the plugin config makes Envoy refuse the config (the filter's on_configure fails)."""
-    require_module()
+    meshlib.require_module()
     (cfg,) = meshlib.load_yaml_docs(path)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "kvroute"]

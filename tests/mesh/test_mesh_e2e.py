@@ -34,15 +34,13 @@ POD = "x-vllm-sim-pod"
 PODS = 3
 
 
-def require_module():
-    if meshlib.WASM_PATH.exists():
-        return
-    if meshlib.in_ci():
-        pytest.fail(f"{meshlib.WASM_PATH} missing in CI: `make build` must run before the tests")
-    pytest.skip(f"{meshlib.WASM_PATH} not built (run `make build`); CI runs this test")
 
 
 def indexer_binary():
+    """$KVROUTE_INDEXER_BIN (set by `make e2e`), else target/release/kvroute-indexer, built if missing."""
+    env_bin = os.environ.get("KVROUTE_INDEXER_BIN")
+    if env_bin:
+        return meshlib.ROOT / env_bin
     path = meshlib.ROOT / "target" / "release" / "kvroute-indexer"
     if not path.is_file():
         env = dict(os.environ, CARGO_TARGET_DIR=str(meshlib.ROOT / "target"))
@@ -146,7 +144,7 @@ def prompt(seed, n=512):
 
 @pytest.fixture(scope="module", params=["mesh-gateway.yaml", "mesh-sidecar.yaml"])
 def mesh(request):
-    require_module()
+    meshlib.require_module()
     zmq_port = free_port()
     with SimCluster(pods=PODS, time_scale=0.2, kv_events_endpoint=f"tcp://127.0.0.1:{zmq_port}") as sims:
         indexer = Indexer(sims.addresses)

@@ -19,10 +19,7 @@ MODEL = "Qwen/Qwen3-32B"
 
 @pytest.fixture(scope="module")
 def module_bytes():
-    if not meshlib.WASM_PATH.exists():
-        if meshlib.in_ci():
-            pytest.fail(f"{meshlib.WASM_PATH} missing in CI: `make build` must run before the tests")
-        pytest.skip(f"{meshlib.WASM_PATH} not built (run `make build`); CI runs this test")
+    meshlib.require_module()
     return meshlib.WASM_PATH.read_bytes()
 
 
