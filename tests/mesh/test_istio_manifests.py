@@ -156,57 +156,83 @@ def test_filter_and_singleton_share_vm_and_module(overlay):
     assert set(boot) == {"bootstrap_extensions"}, "the override should only add the singleton"
 
 
+MERGE_KEYS = {"containers": "name", "volumes": "name", "env": "name", "volumeMounts": "mountPath"}
+
+
+def strategic_merge(base, patch):
+    """kubectl's strategic merge for the lists a pod patch touches (merged by their key)."""
+    out = dict(base)
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = strategic_merge(out[k], v)
+        elif isinstance(v, list) and k in MERGE_KEYS and isinstance(out.get(k), list):
+            key = MERGE_KEYS[k]
+            merged = {item[key]: item for item in out[k]}
+            for item in v:
+                merged[item[key]] = strategic_merge(merged[item[key]], item) if item[key] in merged else item
+            out[k] = list(merged.values())
+        else:
+            out[k] = v
+    return out
+
+
+def istio_proxy_patch(overlay):
+    spec = pod_patch(overlay)["spec"]["template"]["spec"]
+    (proxy,) = [c for c in spec["containers"] if c["name"] == "istio-proxy"]
+    return spec, proxy
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_module_mounted_where_the_configs_load_it(overlay):
-    patch = pod_patch(overlay)
-    ann = patch["spec"]["template"]["metadata"]["annotations"]
-    volumes = json.loads(ann["sidecar.istio.io/userVolume"])
-    mounts = json.loads(ann["sidecar.istio.io/userVolumeMount"])
-    assert [v["name"] for v in volumes] == [m["name"] for m in mounts]
-    (mount,) = mounts
-    # compat image layer holds plugin.wasm (integration/oci_image.py COMPAT_FILE)
-    assert mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE
-    assert volumes[0]["image"]["reference"].endswith("-compat")
+def test_module_and_bootstrap_mounted_where_the_configs_load_them(overlay):
+    spec, proxy = istio_proxy_patch(overlay)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in proxy["volumeMounts"]}
+    assert set(volumes) == set(mounts)
+    # the module: compat image layer holds plugin.wasm (integration/oci_image.py COMPAT_FILE)
+    wasm_mount = mounts["kvroute-wasm"]
+    assert wasm_mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE and wasm_mount["readOnly"]
+    assert volumes["kvroute-wasm"]["image"]["reference"].endswith("-compat")
+    # the singleton: ISTIO_BOOTSTRAP_OVERRIDE names custom_bootstrap.json of the generated ConfigMap
+    env = {e["name"]: e["value"] for e in proxy["env"]}
+    (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
+    assert volumes["kvroute-bootstrap"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert env["ISTIO_BOOTSTRAP_OVERRIDE"] == mounts["kvroute-bootstrap"]["mountPath"] + "/custom_bootstrap.json"
+    assert "custom_bootstrap.json" in cm["data"]
+    ef, _ = envoyfilter_patches(rendered(overlay))
+    assert cm["metadata"]["namespace"] == ef["metadata"]["namespace"], "ConfigMap beside the patched pods"
     # kvroute's stats are exported by the Istio proxy
+    ann = pod_patch(overlay)["spec"]["template"]["metadata"]["annotations"]
     proxy_config = json.loads(ann["proxy.istio.io/config"])
     assert "wasmcustom.kvroute" in proxy_config["proxyStatsMatcher"]["inclusionPrefixes"]
-    # the annotations hold valid Kubernetes Volume / VolumeMount objects: check them inside a pod
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "probe"},
-        "spec": {"volumes": volumes, "containers": [{"name": "c", "image": "x", "volumeMounts": mounts}]},
-    }
-    assert meshlib.manifest_errors(pod) == []
-    # bootstrapOverride names the generated ConfigMap, in the namespace of the patched pods
-    (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
-    assert ann["sidecar.istio.io/bootstrapOverride"] == cm["metadata"]["name"]
-    ef, _ = envoyfilter_patches(rendered(overlay))
-    assert cm["metadata"]["namespace"] == ef["metadata"]["namespace"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pod_patch_merges_into_a_valid_deployment(overlay):
-    base = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "target", "namespace": "llm"},
-        "spec": {
-            "selector": {"matchLabels": {"app": "target"}},
-            "template": {
-                "metadata": {"labels": {"app": "target"}},
-                "spec": {"containers": [{"name": "app", "image": "app:1"}]},
+    """Into a client Deployment (no istio-proxy yet: the injector merges it) and into a gateway
+    Deployment that spells istio-proxy out."""
+    for containers in ([{"name": "app", "image": "app:1"}],
+                       [{"name": "istio-proxy", "image": "auto", "env": [{"name": "A", "value": "1"}],
+                         "volumeMounts": [{"name": "workload-socket", "mountPath": "/var/run/secrets/workload-spiffe-uds"}]}]):
+        base = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "target", "namespace": "llm"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "target"}},
+                "template": {
+                    "metadata": {"labels": {"app": "target"}},
+                    "spec": {"containers": containers, "volumes": [{"name": "workload-socket", "emptyDir": {}}]},
+                },
             },
-        },
-    }
-
-    def merge(a, b):
-        for k, v in b.items():
-            a[k] = merge(a.get(k, {}), v) if isinstance(v, dict) else v
-        return a
-
-    merged = merge(base, pod_patch(overlay))
-    assert meshlib.manifest_errors(merged) == []
+        }
+        merged = strategic_merge(base, pod_patch(overlay))
+        assert meshlib.manifest_errors(merged) == []
+        pod = merged["spec"]["template"]["spec"]
+        names = [c["name"] for c in pod["containers"]]
+        assert names.count("istio-proxy") == 1 and names[0] == containers[0]["name"]
+        (proxy,) = [c for c in pod["containers"] if c["name"] == "istio-proxy"]
+        assert {m["name"] for m in proxy["volumeMounts"]} >= {"kvroute-wasm", "kvroute-bootstrap"}
+        assert {v["name"] for v in pod["volumes"]} >= {"kvroute-wasm", "kvroute-bootstrap", "workload-socket"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
