@@ -203,6 +203,18 @@ def test_every_documented_metric_is_exported(mesh):
         assert (name, kind) in served, f"{name} is not a {kind}"
 
 
+def test_index_memory_follows_the_sizing_rule(mesh):
+    """docs/operator-guide.md, Sizing: 15 bytes per block of pod capacity, per VM."""
+    envoy, indexer = mesh["envoy"], mesh["indexer"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{indexer.http_port}/v1/debug/pods", timeout=5) as r:
+        capacity = sum(p["capacity_blocks"] for p in json.load(r))
+    assert capacity > 0
+    wait_for(lambda: stat(envoy, "kvroute.index.bytes") > 0, 10, "index gauge")
+    per_block = stat(envoy, "kvroute.index.bytes") / capacity
+    assert 14.0 <= per_block <= 16.0, per_block
+    assert stat(envoy, "kvroute.peers") == 3  # --concurrency 2 workers + the main thread's VM
+
+
 def test_large_bodies_pass_the_raised_buffer(mesh):
     """1.5 MiB is over Envoy's 1 MiB default buffer: the listener patch lets it through, parsed.
     5 MiB is over max_body_bytes (4 MiB): kvroute fails open, the request is still served."""
