@@ -146,6 +146,50 @@ def plot(out: str, results: List[Dict[str, Any]], title: str) -> Optional[str]:
     return path
 
 
+def routing_facts(r: Dict[str, Any]) -> List[str]:
+    """What the router itself says about its decisions (its own counters, over the whole run incl. warm-up)."""
+    out: List[str] = []
+    rs = r.get("router_stats") or {}
+    kv = rs.get("kvroute") or {}
+    if kv:
+        req = kv.get("kvroute.requests", 0)
+        out.append(f"kvroute counters: {req} requests routed, decision by prefix {kv.get('kvroute.decision.prefix', 0)}, "
+                   f"by load {kv.get('kvroute.decision.load', 0)}; blocks matched {kv.get('kvroute.blocks.matched', 0)} of "
+                   f"{kv.get('kvroute.blocks.total', 0)} hashed")
+        fb = {k.split('.')[-1]: v for k, v in kv.items() if k.startswith("kvroute.fallback.")}
+        if fb:
+            out.append("kvroute fail-open fallbacks: " + ", ".join(f"{k} {v}" for k, v in sorted(fb.items())))
+        if r.get("params", {}).get("mode") == "precise":
+            ok, failed = kv.get("kvroute.tokenizer.ok", 0), kv.get("kvroute.tokenizer.failed", 0)
+            if ok:
+                out.append(f"token ids: from the tokenizer call-out for {ok} requests ({failed} call-outs failed and were "
+                           "routed on bytes)")
+            else:
+                out.append(f"**token ids: none** — the tokenizer call-out was used for 0 requests ({failed} failed): "
+                           "these requests were hashed on bytes, so the indexer's token-domain entries from KV events could "
+                           "not match them; this row measures byte-hash routing plus the indexer's shared learned entries, "
+                           "not event-driven precise routing")
+            out.append(f"feed: {kv.get('kvroute.feed.ok', 0)} polls ok, {kv.get('kvroute.feed.errors', 0)} errors, "
+                       f"{kv.get('kvroute.feed.pods', 0)} pods known")
+    im = rs.get("indexer_metrics") or {}
+    if im:
+        out.append(f"kvroute-indexer: {int(im.get('kvroute_indexer_messages_received_total', 0))} KV-event messages, "
+                   f"{int(im.get('kvroute_indexer_blocks_stored_total', 0))} blocks stored, "
+                   f"{int(im.get('kvroute_indexer_learned_accepted_total', 0))} learned entries accepted")
+    pm = rs.get("prometheus") or {}
+    hits = sum(v for k, v in pm.items() if k.startswith("vllm_router_kv_placement_lookups_total") and 'result="hit"' in k)
+    miss = sum(v for k, v in pm.items() if k.startswith("vllm_router_kv_placement_lookups_total") and 'result="miss"' in k)
+    if hits or miss:
+        out.append(f"vllm-router KV placement lookups: {int(hits)} hit, {int(miss)} miss"
+                   + (" — **its KV index never matched a request**: the events arrive (see below) but, most likely, "
+                      "kv_aware looks up vLLM-style block hashes of the rendered tokens while vllm-sim publishes its own "
+                      "digests (consumers are expected to re-hash the events' token_ids); this row is kv_aware's "
+                      "cost/load fallback, not prefix routing" if not hits else ""))
+    if r.get("kv_events_relayed") is not None and r["kind"] in ("vllm_router", "kvroute"):
+        out.append(f"KV-event messages published by the pods during the run: {r['kv_events_relayed']}")
+    return out
+
+
 def verdicts(results: List[Dict[str, Any]], sums: Dict[str, Dict[str, Any]]) -> List[str]:
     """Where kvroute (precise, then approximate) wins and loses, per competitor and per stage."""
     lines: List[str] = []
@@ -315,6 +359,8 @@ def write(out: str) -> str:
             L.append(f"  - {n}")
         if r.get("router_cpu_s") is not None:
             L.append(f"  - router CPU during the load run: {r['router_cpu_s']} s")
+        for line in routing_facts(r):
+            L.append(f"  - {line}")
     L.append("")
     L.append("### Versions and machine")
     L.append("")

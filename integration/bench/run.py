@@ -112,14 +112,17 @@ def versions() -> Dict[str, Any]:
 
 @contextlib.contextmanager
 def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Optional[List[str]]):
-    """The cluster: vllm-sim pods via integration/simcluster.py, or --endpoints given by the user."""
+    """The cluster: vllm-sim pods via integration/simcluster.py (+ the KV-event relay), or --endpoints."""
     if external:
-        yield type("External", (), {"addresses": external, "kv_event_endpoints": None, "info": {"external": True}})()
+        yield type("External", (), {"addresses": external, "kv_event_endpoints": None, "info": {"external": True},
+                                    "argv": None, "version": None})()
         return
+    import kvrelay
+
     simcluster = strategies._import_integration("simcluster")
     s = profile.sim
+    ipc = kvrelay.make_ipc_base(out)
     kw = dict(
-        pods=s.pods,
         model=s.model,
         served_model_name=s.served_model_name,
         block_size=s.block_size,
@@ -128,9 +131,29 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=s.max_model_len,
         tokenizer=os.path.join(tokenizer_dir, "tokenizer.json"),
+        kv_events_endpoint=ipc,
     )
-    with simcluster.SimCluster(**kw) as c:
-        yield c
+    for extra in s.extra_args:
+        k, _, v = extra.partition("=")
+        kw[k.lstrip("-").replace("-", "_")] = v
+    with simcluster.SimCluster(pods=s.pods, startup_timeout=120.0, **kw) as c:
+        c.argv = c._argv()
+        try:
+            c.version = subprocess.run([c.argv[0], "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            c.version = None
+        from procs import free_ports
+
+        with kvrelay.Relay(kvrelay.ipc_endpoints(ipc, s.pods), free_ports(s.pods)) as relay:
+            c.relay = relay
+            c.kv_event_endpoints = dict(zip(c.addresses, relay.endpoints))
+            time.sleep(0.5)  # let the relay's subscriptions reach the pods before any request
+            try:
+                yield c
+            finally:
+                if getattr(c, "log_path", None):
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(c.log_path, os.path.join(out, "vllm-sim.log"))
 
 
 def wait_pods_idle(addresses: List[str], timeout: float = 300.0) -> Dict[str, Any]:
@@ -373,6 +396,38 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
     return out
 
 
+def _prom_values(text: str, prefixes: tuple) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(prefixes):
+            continue
+        try:
+            key, val = line.rsplit(" ", 1)
+            out[key] = float(val)
+        except ValueError:
+            continue
+    return out
+
+
+def router_stats(st: Dict[str, Any], sdir: str) -> Dict[str, Any]:
+    """Routing-side counters worth reporting: kvroute's Envoy stats, the indexer's and peers' metrics."""
+    out: Dict[str, Any] = {}
+    if "kvroute" in st:
+        out["kvroute"] = {k.replace("wasmcustom.", ""): v for k, v in st["kvroute"].items()
+                          if k.startswith("wasmcustom.kvroute.") and isinstance(v, (int, float)) and v}
+    for key, fname, prefixes in (("indexer_metrics", "indexer-metrics.txt", ("kvroute_indexer",)),
+                                 ("prometheus", "router-metrics.txt",
+                                  ("vllm_router_kv", "vllm_router_prefix", "smg_router_cache", "smg_policy",
+                                   "sgl_router_cache", "sgl_router_policy", "vllm_router_cache"))):
+        if st.get(key):
+            with open(os.path.join(sdir, fname), "w") as fh:
+                fh.write(st[key])
+            out[key] = _prom_values(st[key], prefixes)
+    if "indexer_cpu_seconds" in st:
+        out["indexer_cpu_s_total"] = st["indexer_cpu_seconds"]
+    return out
+
+
 # ------------------------------------------------------------------ one strategy
 
 def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, cluster: Any, out: str,
@@ -402,6 +457,7 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                     fh.write(text)
             cfg = ip_config(profile, tokenizer_dir, h.base_url, os.path.join(sdir, "inference-perf"))
             res["workload_fingerprint"] = workload_fingerprint(cfg)
+            relay0 = dict(cluster.relay.stats()) if getattr(cluster, "relay", None) else None
             router_cpu0 = h.stats().get("cpu_seconds")
             log(f"{strategy.name}: router at {h.base_url}; running inference-perf "
                 f"({planned_seconds(profile):.0f}s planned, cap {profile.load.inflight_cap} in flight)")
@@ -409,13 +465,14 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                 ipres = run_inference_perf(profile, cfg, sdir)
             res["inference_perf"] = ipres
             res["pod_scrape_errors"] = sampler.scrape_errors
-            router_cpu1 = h.stats().get("cpu_seconds")
+            st = h.stats()
+            router_cpu1 = st.get("cpu_seconds")
             if router_cpu0 is not None and router_cpu1 is not None:
                 res["router_cpu_s"] = round(router_cpu1 - router_cpu0, 2)
-            st = h.stats()
-            if st and "cpu_seconds" not in st:
-                with open(os.path.join(sdir, "envoy-stats.json"), "w") as fh:
-                    json.dump(st, fh)
+            res["router_stats"] = router_stats(st, sdir)
+            if relay0 is not None:
+                relay1 = cluster.relay.stats()
+                res["kv_events_relayed"] = sum(relay1.values()) - sum(relay0.values())
     except Exception as e:
         res.update(status="failed", reason=f"{type(e).__name__}: {e}")
         res["traceback"] = traceback.format_exc()

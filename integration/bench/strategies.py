@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-import envoy_lb
+import envoy_bench
 from procs import Proc, free_ports, http_get, wait_http_ok
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -103,32 +103,28 @@ def _import_integration(mod: str):
         sys.path.pop(0)
 
 
-@contextlib.contextmanager
-def _envoy(config_text: str, workdir: str, name: str) -> Iterator[Any]:
-    """Start Envoy through the project's harness (integration/envoyctl.py, EnvoyProcess)."""
-    envoyctl = _import_integration("envoyctl")
-    with envoyctl.EnvoyProcess(config_text) as ep:
-        yield ep
-
-
 def _envoy_stats(ep: Any) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
     try:
-        s = ep.stats()
-        return s if isinstance(s, dict) else {"raw": str(s)[:4000]}
+        out["cpu_seconds"] = ep.cpu_seconds()
     except Exception as e:
-        return {"error": str(e)}
+        out["cpu_error"] = str(e)
+    try:
+        out["kvroute"] = ep.stats("kvroute")
+    except Exception as e:
+        out["stats_error"] = str(e)
+    return out
 
 
 @contextlib.contextmanager
 def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
-    listen, admin = free_ports(2)
-    text = envoy_lb.render(strategy.params["policy"], endpoints, listen, admin)
-    with _envoy(text, workdir, strategy.name) as ep:
-        port = getattr(ep, "listener_port", listen)
+    envoyctl = _import_integration("envoyctl")
+    text = envoy_bench.baseline(endpoints, strategy.params["policy"])
+    with envoyctl.EnvoyProcess(text) as ep:
         h = RouterHandle(
-            base_url=f"http://127.0.0.1:{port}",
-            argv=[[envoy_binary(), "--concurrency", "2", "-c", "<lb-only.yaml>"]],
-            pids=[getattr(ep, "pid", 0)],
+            base_url=ep.url,
+            argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"]],
+            pids=[ep.pid],
             config_files={"envoy.yaml": text},
         )
         h.stats = lambda: _envoy_stats(ep)
@@ -137,8 +133,8 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 
 # ---------------------------------------------------------------- kvroute
 
-def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int,
-                          indexer: Optional[Dict[str, Any]] = None, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int) -> Dict[str, Any]:
+    """Plugin config per mode; everything not set here is envoy/gateway.yaml's (the documented defaults)."""
     cfg: Dict[str, Any] = {
         "block_size": block_size,
         "endpoints": [{"address": a, "capacity_blocks": capacity_blocks} for a in endpoints],
@@ -146,12 +142,10 @@ def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int,
     if mode == "load":
         cfg["weights"] = {"prefill": 0.0, "decode": 1.0}
     elif mode == "approximate":
-        pass  # documented defaults
+        pass
     elif mode == "precise":
-        if indexer:
-            cfg["indexer"] = indexer
-        if tokenizer:
-            cfg["tokenizer"] = tokenizer
+        cfg["indexer"] = {"cluster": envoy_bench.INDEXER_CLUSTER, "authority": "kvroute-indexer"}
+        cfg["tokenizer"] = {"cluster": envoy_bench.TOKENIZER_CLUSTER, "authority": "vllm", "path": "/tokenize"}
     else:
         raise ValueError(mode)
     return cfg
@@ -161,7 +155,7 @@ def kvroute_missing() -> Optional[str]:
     if not os.path.exists(WASM):
         return f"{os.path.relpath(WASM, REPO)} not built (make build)"
     if not os.path.exists(os.path.join(REPO, "integration", "envoyctl.py")):
-        return "integration/envoyctl.py (EnvoyProcess, render_gateway) not present yet"
+        return "integration/envoyctl.py (EnvoyProcess, render_gateway) not present"
     return None
 
 
@@ -170,6 +164,25 @@ def indexer_binary() -> Optional[str]:
         if p and os.path.exists(p):
             return p
     return None
+
+
+@contextlib.contextmanager
+def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, block_size: int) -> Iterator[Dict[str, Any]]:
+    """kvroute-indexer reading every pod's KV events (through the relay) and scraping their /metrics."""
+    sources = kv_event_sources(cluster, endpoints)
+    if not sources:
+        raise RuntimeError("the pods expose no KV-event endpoints")
+    (http_port,) = free_ports(1)
+    argv = [indexer_binary() or "kvroute-indexer", f"--listen=127.0.0.1:{http_port}", "--zmq-bind", "none",
+            f"--model={model}", f"--block-size={block_size}"]
+    for a in endpoints:
+        argv += ["--pod", f"{a}@{model}", "--zmq-connect", f"{sources[a]}={a}@{model}"]
+    p = Proc("kvroute-indexer", argv, os.path.join(workdir, "indexer.log"))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{http_port}/healthz", 60, p)
+        yield {"argv": argv, "pid": p.pid, "address": f"127.0.0.1:{http_port}", "proc": p}
+    finally:
+        p.stop()
 
 
 @contextlib.contextmanager
@@ -182,40 +195,54 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
     with contextlib.ExitStack() as stack:
         argv: List[List[str]] = []
         pids: List[int] = []
-        gw_kwargs: Dict[str, Any] = {}
-        indexer_cfg = tokenizer_cfg = None
+        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size)
+        idx = None
         if mode == "precise":
-            idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, profile))
+            idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size))
+            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"], tokenizer_addresses=endpoints)
+            notes.append("token ids: kvroute asks the pods' /tokenize (tokenizer call-out) for requests without them; "
+                         "see the kvroute.tokenizer.ok / .failed counters below for how many it got")
+        else:
+            text = envoy_bench.kvroute(endpoints, plugin)
+        ep = stack.enter_context(envoyctl.EnvoyProcess(text))
+        ep.wait_for_peers()
+        argv.append([envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"])
+        pids.append(ep.pid)
+        if idx:
             argv.append(idx["argv"])
             pids.append(idx["pid"])
-            gw_kwargs.update(idx.get("gateway_kwargs", {}))
-            indexer_cfg = idx["plugin_indexer"]
-            tokenizer_cfg = idx.get("plugin_tokenizer")
-            notes.extend(idx.get("notes", []))
-        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size, indexer_cfg, tokenizer_cfg)
-        text = envoyctl.render_gateway(endpoints, plugin, **gw_kwargs)
-        ep = stack.enter_context(envoyctl.EnvoyProcess(text))
-        argv.insert(0, [envoy_binary(), "--concurrency", "2", "-c", "<gateway.yaml rendered by render_gateway>"])
-        pids.insert(0, getattr(ep, "pid", 0))
         h = RouterHandle(
-            base_url=f"http://127.0.0.1:{ep.listener_port}",
+            base_url=ep.url,
             argv=argv,
             pids=pids,
             notes=notes,
-            config_files={"envoy.yaml": text, "plugin.json": json.dumps(plugin, indent=2)},
+            config_files={"envoy.yaml": text, "plugin.json": json.dumps(envoyctl.plugin_config(text), indent=2)},
         )
-        h.stats = lambda: _envoy_stats(ep)
+
+        def stats() -> Dict[str, Any]:
+            st = _envoy_stats(ep)
+            if idx:
+                try:
+                    st["indexer_metrics"] = http_get(f"http://{idx['address']}/metrics", timeout=5)[1]
+                except Exception as e:
+                    st["indexer_metrics_error"] = str(e)
+                st["indexer_cpu_seconds"] = idx["proc"].cpu_seconds()
+            return st
+
+        h.stats = stats
         yield h
 
 
-@contextlib.contextmanager
-def start_indexer(endpoints: List[str], workdir: str, cluster: Any, profile: Any) -> Iterator[Dict[str, Any]]:
-    """kvroute-indexer subscribed to the pods' KV events (wired in run.py once its CLI is known)."""
-    raise NotImplementedError("kvroute-indexer wiring")
-    yield {}
-
-
 # ---------------------------------------------------------------- peers
+
+def _peer_stats(p: Proc, prom: int) -> Dict[str, Any]:
+    st: Dict[str, Any] = {"cpu_seconds": p.cpu_seconds()}
+    try:
+        st["prometheus"] = http_get(f"http://127.0.0.1:{prom}/metrics", timeout=5)[1]
+    except Exception as e:
+        st["prometheus_error"] = str(e)
+    return st
+
 
 def _peer_common(port: int, prom: int, endpoints: List[str]) -> List[str]:
     return ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[f"http://{a}" for a in endpoints],
@@ -232,7 +259,7 @@ def start_sglang(strategy: Strategy, endpoints: List[str], workdir: str, **_: An
         wait_http_ok(f"http://127.0.0.1:{port}/readiness", 120, p,
                      ok=lambda c, b: c == 200 and f'"healthy_workers":{len(endpoints)}' in b.replace(" ", ""))
         h = RouterHandle(base_url=f"http://127.0.0.1:{port}", argv=[argv], pids=[p.pid])
-        h.stats = lambda: {"cpu_seconds": p.cpu_seconds()}
+        h.stats = lambda: _peer_stats(p, prom)
         yield h
     finally:
         p.stop()
@@ -252,13 +279,14 @@ def start_vllm_router(strategy: Strategy, endpoints: List[str], workdir: str, cl
         for addr, zmq in sources.items():
             argv += ["--kv-event-source", f"http://{addr}={zmq}"]
         argv += ["--kv-event-block-size", str(profile.sim.block_size), "--kv-event-model", profile.sim.served_model_name]
-        notes.append("kv_aware subscribes to every pod's ZMQ PUB endpoint (--kv-event-source)")
+        notes.append("kv_aware subscribes to every pod's KV events (--kv-event-source, through the bench's "
+                     "127.0.0.1 relay, integration/bench/kvrelay.py)")
     p = Proc(strategy.name, argv, os.path.join(workdir, "router.log"))
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/readiness", 120, p,
                      ok=lambda c, b: c == 200 and f'"healthy_workers":{len(endpoints)}' in b.replace(" ", ""))
         h = RouterHandle(base_url=f"http://127.0.0.1:{port}", argv=[argv], pids=[p.pid], notes=notes)
-        h.stats = lambda: {"cpu_seconds": p.cpu_seconds()}
+        h.stats = lambda: _peer_stats(p, prom)
         yield h
     finally:
         p.stop()
@@ -286,14 +314,17 @@ def missing_prerequisite(strategy: Strategy, cluster: Any = None) -> Optional[st
     """Why this strategy cannot run here (None if it can)."""
     if strategy.kind == "envoy_lb":
         if not os.path.exists(os.path.join(REPO, "integration", "envoyctl.py")):
-            return "integration/envoyctl.py (EnvoyProcess) not present yet"
+            return "integration/envoyctl.py (EnvoyProcess, render_gateway) not present"
         return None
     if strategy.kind == "kvroute":
         m = kvroute_missing()
         if m:
             return m
-        if strategy.params["mode"] == "precise" and not indexer_binary():
-            return "kvroute-indexer binary not built (target/release/kvroute-indexer)"
+        if strategy.params["mode"] == "precise":
+            if not indexer_binary():
+                return "kvroute-indexer binary not built (target/release/kvroute-indexer)"
+            if cluster is not None and not kv_event_sources(cluster, cluster.addresses):
+                return "pods publish no KV events the indexer can subscribe to"
         return None
     if strategy.kind == "sglang":
         return None if pkg_version("sglang-router") else "sglang-router not installed in .venv-bench"
@@ -321,5 +352,3 @@ def selected(names: Optional[str]) -> List[Strategy]:
         out.append(BY_NAME[n])
     return out
 
-
-_ = http_get  # re-exported for run.py

