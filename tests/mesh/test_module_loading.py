@@ -5,6 +5,7 @@ policy, and a missing local file. Real Envoy, simulated pods, free ports on 127.
 import hashlib
 import http.server
 import threading
+import time
 
 import pytest
 import requests
@@ -57,8 +58,9 @@ def sims():
         yield cluster
 
 
-def config(sims, *, code, failure_policy="FAIL_OPEN", origin_port=None):
-    """envoy/mesh-gateway.yaml with free ports, these pods, and this code source for the filter."""
+def config(sims, *, code, failure_policy="FAIL_OPEN", origin_port=None, singleton_code=None):
+    """envoy/mesh-gateway.yaml with free ports, these pods, and this code source for the filter
+    (and for the singleton when given)."""
     (cfg,) = meshlib.load_yaml_docs(meshlib.ENVOY_DIR / "mesh-gateway.yaml")
     cfg["admin"]["address"]["socket_address"]["port_value"] = free_port()
     (listener,) = cfg["static_resources"]["listeners"]
@@ -71,6 +73,9 @@ def config(sims, *, code, failure_policy="FAIL_OPEN", origin_port=None):
     (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "kvroute"]
     wasm["typed_config"]["config"]["vm_config"]["code"] = code
     wasm["typed_config"]["config"]["failure_policy"] = failure_policy
+    if singleton_code:
+        (svc,) = cfg["bootstrap_extensions"]
+        svc["typed_config"]["config"]["vm_config"]["code"] = singleton_code
     if origin_port:
         cfg["static_resources"]["clusters"].append({
             "name": "wasm_origin", "type": "STATIC", "connect_timeout": "1s",
@@ -86,22 +91,33 @@ def remote(port, sha256):
                        "sha256": sha256, "retry_policy": {"num_retries": 3}}}
 
 
+def feed_errors(envoy):
+    return envoy.stats("kvroute.feed").get("wasmcustom.kvroute.feed.errors", 0)
+
+
 def post(envoy):
     with requests.Session() as s:
         return s.post(envoy.url + "/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 1},
                       timeout=30)
 
 
-def test_http_module_with_sha256_runs_the_filter(sims, origin, module_bytes):
+def test_http_module_with_sha256_runs_filter_and_singleton(sims, origin, module_bytes):
     port, hits = origin
     sha = hashlib.sha256(module_bytes).hexdigest()
     n = len(hits)
-    with EnvoyProcess(config(sims, code=remote(port, sha), origin_port=port)) as envoy:
+    text = config(sims, code=remote(port, sha), origin_port=port, singleton_code=remote(port, sha))
+    assert str(meshlib.WASM_PATH) not in text, "no local module left: both come over HTTP"
+    with EnvoyProcess(text) as envoy:
         assert hits[n:] and all(h == "/kvroute.wasm" for h in hits[n:]), "Envoy fetched the module"
         r = post(envoy)
         assert r.status_code == 200
         assert "x-vllm-sim-pod" in r.headers
         assert envoy.stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter ran"
+        # the singleton runs too: it polls the (absent) indexer and counts the failures
+        deadline = time.monotonic() + 10
+        while feed_errors(envoy) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert feed_errors(envoy) > 0, "the singleton polled the indexer"
 
 
 @pytest.mark.parametrize("policy,served", [("FAIL_OPEN", True), ("FAIL_CLOSED", False)])
