@@ -71,8 +71,8 @@ struct RawRequest<'a> {
     messages: Option<Vec<RawMessage<'a>>>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    prompt_token_ids: Option<Vec<u32>>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -104,7 +104,7 @@ pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
         _ => return Err(ParseError::NoModel),
     };
     let prompt = if let Some(tokens) = raw.prompt_token_ids {
-        Prompt::Tokens(tokens)
+        Prompt::Tokens(parse_token_ids(tokens.get())?.0)
     } else if let Some(prompt) = raw.prompt {
         parse_prompt(prompt)?
     } else if let Some(messages) = raw.messages {
@@ -132,16 +132,63 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
                 first_of(batch).map(|s| Prompt::Text(s.into_owned().into_bytes()))
             }
             Some(b'[') => {
-                let batch: Vec<Vec<u32>> = serde_json::from_str(text)?;
-                first_of(batch).map(Prompt::Tokens)
+                // A batch: route on its first prompt; serde already checked the rest is JSON.
+                let inner = text[1..].trim_start();
+                let (first, _) = parse_token_ids(inner)?;
+                Ok(Prompt::Tokens(first))
             }
             Some(b']') => Err(ParseError::NoPrompt),
-            _ => Ok(Prompt::Tokens(serde_json::from_str(text)?)),
+            _ => Ok(Prompt::Tokens(parse_token_ids(text)?.0)),
         },
         Some(b'n') => Err(ParseError::NoPrompt),
         _ => Err(ParseError::Malformed(
             "prompt must be a string, token ids or an array of them".into(),
         )),
+    }
+}
+
+/// A JSON array of token ids (`[1, 2, 3]`) at the start of `text`, and the
+/// bytes consumed. Hand-rolled because token arrays are the largest bodies
+/// kvroute sees and serde's generic number path costs ~20 ns per id; anything
+/// but non-negative integers that fit u32 is an error.
+fn parse_token_ids(text: &str) -> Result<(Vec<u32>, usize), ParseError> {
+    let bytes = text.as_bytes();
+    let bad = |what: &str| ParseError::Malformed(format!("token ids: {what}"));
+    let skip_ws = |mut i: usize| {
+        while i < bytes.len() && matches!(bytes[i], b' ' | b'\n' | b'\r' | b'\t') {
+            i += 1;
+        }
+        i
+    };
+    let mut i = skip_ws(0);
+    if bytes.get(i) != Some(&b'[') {
+        return Err(bad("expected an array"));
+    }
+    i = skip_ws(i + 1);
+    let mut ids = Vec::with_capacity(bytes.len() / 6);
+    if bytes.get(i) == Some(&b']') {
+        return Ok((ids, i + 1));
+    }
+    loop {
+        let start = i;
+        let mut value: u64 = 0;
+        while let Some(&b) = bytes.get(i).filter(|b| b.is_ascii_digit()) {
+            value = value * 10 + u64::from(b - b'0');
+            if value > u64::from(u32::MAX) {
+                return Err(bad("id does not fit in 32 bits"));
+            }
+            i += 1;
+        }
+        if i == start {
+            return Err(bad("expected a non-negative integer"));
+        }
+        ids.push(value as u32);
+        i = skip_ws(i);
+        match bytes.get(i) {
+            Some(b',') => i = skip_ws(i + 1),
+            Some(b']') => return Ok((ids, i + 1)),
+            _ => return Err(bad("expected ',' or ']' after an id")),
+        }
     }
 }
 
@@ -326,6 +373,31 @@ mod tests {
     }
 
     #[test]
+    fn token_id_arrays() {
+        assert_eq!(parse_token_ids("[]").unwrap(), (vec![], 2));
+        assert_eq!(
+            parse_token_ids(" [ 0 ,4294967295\n]x").unwrap(),
+            (vec![0, u32::MAX], 18)
+        );
+        for bad in [
+            "",
+            "[",
+            "[1",
+            "[1,]",
+            "[,1]",
+            "[-1]",
+            "[1.5]",
+            "[1e3]",
+            "[4294967296]",
+            "[99999999999999999999999]",
+            "[\"1\"]",
+            "1",
+        ] {
+            assert!(parse_token_ids(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn chat_token_ids_win_over_messages() {
         assert_eq!(
             tokens(
@@ -399,10 +471,17 @@ mod tests {
     #[test]
     fn tokenizer_call_out_bodies() {
         let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-        let call: serde_json::Value = serde_json::from_slice(&tokenize_call_body(body).unwrap()).unwrap();
-        assert_eq!(call, serde_json::json!({"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true}));
+        let call: serde_json::Value =
+            serde_json::from_slice(&tokenize_call_body(body).unwrap()).unwrap();
+        assert_eq!(
+            call,
+            serde_json::json!({"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true})
+        );
         assert!(tokenize_call_body(br#"{"model":"m","prompt":"p"}"#).is_none());
-        assert_eq!(parse_tokenize_response(br#"{"count":2,"max_model_len":9,"tokens":[5,6]}"#).unwrap(), vec![5, 6]);
+        assert_eq!(
+            parse_tokenize_response(br#"{"count":2,"max_model_len":9,"tokens":[5,6]}"#).unwrap(),
+            vec![5, 6]
+        );
         assert!(parse_tokenize_response(br#"{"error":"x"}"#).is_err());
     }
 
