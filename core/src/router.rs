@@ -335,7 +335,11 @@ impl Cluster {
         }
         for info in &update.pods {
             if let Some(pod) = self.pod_mut(&info.address) {
-                pod.reported = ReportedLoad { waiting: info.waiting, running: info.running, kv_usage: info.kv_usage };
+                pod.reported = ReportedLoad {
+                    waiting: info.waiting,
+                    running: info.running,
+                    kv_usage: info.kv_usage,
+                };
             }
         }
         for op in &update.ops {
