@@ -215,6 +215,16 @@ def test_index_memory_follows_the_sizing_rule(mesh):
     assert stat(envoy, "kvroute.peers") == 3  # --concurrency 2 workers + the main thread's VM
 
 
+def test_idle_feed_cost_per_poll(mesh):
+    """docs/operator-guide.md, Sizing: an idle poll costs a header plus about 60 bytes per pod."""
+    envoy = mesh["envoy"]
+    time.sleep(0.5)  # let earlier deltas drain
+    b0, n0 = stat(envoy, "kvroute.feed.bytes"), stat(envoy, "kvroute.feed.ok")
+    wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= n0 + 10, 10, "ten polls")
+    per_poll = (stat(envoy, "kvroute.feed.bytes") - b0) / (stat(envoy, "kvroute.feed.ok") - n0)
+    assert 28 + PODS * 40 <= per_poll <= 28 + PODS * 80, per_poll
+
+
 def test_large_bodies_pass_the_raised_buffer(mesh):
     """1.5 MiB is over Envoy's 1 MiB default buffer: the listener patch lets it through, parsed.
     5 MiB is over max_body_bytes (4 MiB): kvroute fails open, the request is still served."""
