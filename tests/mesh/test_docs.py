@@ -66,6 +66,35 @@ def test_dashboard_structure():
     assert used <= names, used - names
 
 
+GRAFANA_VARS = {"__rate_interval": "1m", "namespace": ".*", "proxy": ".*", "vllm_namespace": "llm",
+                "vllm_service": "vllm.llm.svc.cluster.local"}
+
+
+def substitute(expr):
+    return re.sub(r"\$\{?([a-zA-Z_]+)\}?", lambda m: GRAFANA_VARS[m.group(1)], expr)
+
+
+def test_dashboard_promql_parses():
+    import promql_parser
+
+    exprs = dashboard_exprs()
+    assert exprs
+    for expr in exprs:
+        promql_parser.parse(substitute(expr))  # raises ValueError on a syntax error
+    with pytest.raises(ValueError):
+        promql_parser.parse(substitute(exprs[0]) + ")")
+
+
+def test_guide_alert_expressions_parse():
+    import promql_parser
+
+    section = guide_text().split("Alerts worth having:", 1)[1].split("\n\n", 1)[0]
+    alerts = re.findall(r"`([^`]*\(.*?)`", section)
+    assert alerts
+    for expr in alerts:
+        promql_parser.parse(expr)
+
+
 def test_dashboard_uses_only_documented_kvroute_metrics():
     documented = guide_metrics()
     exprs = " ".join(dashboard_exprs())
