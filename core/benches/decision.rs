@@ -4,6 +4,9 @@
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`
 
+// A benchmark, not shipped code: a failed setup should stop it loudly.
+#![allow(clippy::expect_used)]
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::config::Config;
 use kvroute_core::request::parse_request;
