@@ -172,3 +172,17 @@ def test_guide_names_the_shipped_weights():
     for cfg in filters:
         w = cfg["weights"]
         assert [w["prefill"], w["decode"], w["queue"], w["kv_usage"]] == shipped
+
+
+def test_guide_config_defaults_match_the_schema():
+    section = guide_text().split("## 5. Plugin configuration and weights", 1)[1].split("### What each weight does", 1)[0]
+    props = meshlib.plugin_config_schema()["properties"]
+    checked = 0
+    for field, default in re.findall(r"^\|\s*`([a-z_]+)`\s*\|\s*`([^`]*)`\s*\|", section, re.M):
+        assert field in props, field
+        assert json.loads(default) == props[field]["default"], field
+        checked += 1
+    assert checked >= 12
+    w = re.search(r"`weights.prefill`, `.decode`, `.queue`, `.kv_usage` \| `([^`]*)`", section).group(1)
+    assert [float(x) for x in w.split(",")] == [props["weights"]["properties"][k]["default"]
+                                                 for k in ("prefill", "decode", "queue", "kv_usage")]
