@@ -109,3 +109,27 @@ def test_bad_plugin_config_is_refused_at_configure_time(path, tmp_path):
     rc, out = envoy_validate(cfg, tmp_path)
     assert rc != 0, out
     assert "weigths" in out, "the refusal names the field"
+
+
+@pytest.mark.parametrize(
+    "extra,accepted",
+    [
+        # what a DestinationRule for the vLLM host may add to its cluster, and whether Envoy keeps
+        # the override_host policy with it (docs/operator-guide.md, section 9)
+        ({"outlier_detection": {"consecutive_5xx": 5}}, True),
+        ({"lb_policy": "ROUND_ROBIN"}, True),
+        ({"least_request_lb_config": {"choice_count": 2}}, True),
+        ({"common_lb_config": {"healthy_panic_threshold": {"value": 0}}}, True),
+        ({"common_lb_config": {"locality_weighted_lb_config": {}}}, False),
+        ({"common_lb_config": {"zone_aware_lb_config": {"min_cluster_size": 6}}}, False),
+    ],
+    ids=["outlier_detection", "lb_policy", "least_request_cfg", "panic_threshold", "locality_weighted", "zone_aware"],
+)
+def test_destination_rule_fields_with_override_host(extra, accepted, tmp_path):
+    (cfg,) = meshlib.load_yaml_docs(meshlib.ENVOY_DIR / "mesh-gateway.yaml")
+    cfg = without_wasm(cfg)
+    cfg["static_resources"]["clusters"][0].update(extra)
+    rc, out = envoy_validate(cfg, tmp_path)
+    assert (rc == 0) == accepted, out
+    if not accepted:
+        assert "load_balancing_policy cannot be combined" in out
