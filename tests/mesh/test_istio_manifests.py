@@ -136,6 +136,7 @@ def test_overlay_contents(overlay):
         ("NetworkPolicy", "kvroute-indexer-feed"),
         ("ConfigMap", "kvroute-bootstrap"),
         ("EnvoyFilter", f"kvroute-{overlay}"),
+        ("DestinationRule", "vllm-kvroute"),
     ]:
         assert (kind, name) in names, (kind, name)
 
@@ -439,3 +440,21 @@ def test_indexer_deployment_uses_existing_flags():
     for arg in idx["spec"]["template"]["spec"]["containers"][0]["args"]:
         name = arg.split("=", 1)[0]
         assert name.startswith("--") and name[2:] in flags, f"kvroute-indexer has no flag {name}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_destination_rule_keeps_the_cluster_acceptable(overlay):
+    """The vLLM host's DestinationRule turns locality load balancing off, so Istio adds no
+    locality-weighted common_lb_config, which Envoy refuses with load_balancing_policy
+    (tests/mesh/test_envoy_configs.py::test_destination_rule_fields_with_override_host)."""
+    objs = rendered(overlay)
+    _, patches = envoyfilter_patches(objs)
+    drs = [d for d in find(objs, "DestinationRule") if d["spec"]["host"] == patches["CLUSTER"]["match"]["cluster"]["service"]]
+    assert len(drs) == 1, "exactly one DestinationRule for the vLLM host"
+    lb = drs[0]["spec"]["trafficPolicy"]["loadBalancer"]
+    assert lb["localityLbSetting"] == {"enabled": False}
+    assert "consistentHash" not in lb
+    assert lb["simple"] == "LEAST_REQUEST"
+    bad = copy.deepcopy(drs[0])
+    bad["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"] = {"httpHeaderName": "x"}
+    assert meshlib.manifest_errors(bad), "simple and consistentHash are exclusive"
