@@ -30,6 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 WASM = REPO / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
 GATEWAY = REPO / "envoy" / "gateway.yaml"
+GATEWAY_PRECISE = REPO / "envoy" / "gateway-precise.yaml"
 
 
 def envoy_binary() -> str:
@@ -68,11 +69,13 @@ def _http_filters(cfg: dict) -> list:
 
 def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener_port: int | None = None,
                    admin_port: int | None = None, kvroute: bool = True, lb_policy: str = "LEAST_REQUEST",
-                   template: Path = GATEWAY, wasm: Path = WASM) -> str:
+                   template: Path = GATEWAY, wasm: Path = WASM, indexer: str | None = None) -> str:
     """Envoy config text: envoy/gateway.yaml with these pods, ports and plugin configuration.
 
     kvroute=False gives the same Envoy without the filter and with a plain `lb_policy`
     (RANDOM, ROUND_ROBIN, LEAST_REQUEST): the baseline for comparisons.
+    With template=GATEWAY_PRECISE, `indexer` ("ip:port" of kvroute-indexer) fills the indexer
+    cluster, and the tokenizer cluster gets the same pods.
     """
     cfg = yaml.safe_load(template.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port or free_port()
@@ -80,6 +83,14 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     listener["address"]["socket_address"]["port_value"] = listener_port or free_port()
     cluster = cfg["static_resources"]["clusters"][0]
     cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(a)} for a in endpoints]}]
+    for extension in cfg.get("bootstrap_extensions", []):
+        extension["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    for other in cfg["static_resources"]["clusters"][1:]:
+        if other["name"] == "kvroute_indexer" and indexer:
+            other["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(indexer)}]}]
+        if other["name"] == "vllm_tokenizer":
+            other["load_assignment"]["endpoints"] = [
+                {"lb_endpoints": [{"endpoint": _socket(a)} for a in endpoints]}]
     filters = _http_filters(cfg)
     if kvroute:
         wasm_cfg = filters[0]["typed_config"]["config"]

@@ -5,6 +5,7 @@
 use crate::host;
 use crate::metrics::FailOpen;
 use crate::worker::SharedWorker;
+use kvroute_core::hash::Domain;
 use kvroute_core::request::{self, Prompt, PromptRequest};
 use kvroute_core::router::hash_prompt;
 use kvroute_core::wire::PeerMessage;
@@ -123,11 +124,18 @@ impl RequestFilter {
         let prompt_blocks = u32::try_from(hashed.hashes.len()).unwrap_or(u32::MAX);
         w.cluster
             .record_routed(&decision.pod, prompt_blocks, &hashed.hashes, now_s);
-        w.tell_peers(PeerMessage::Routed {
-            pod: decision.pod.clone(),
-            prompt_blocks,
-            hashes: hashed.hashes,
-        });
+        // Token blocks are reported by the pods themselves (KV events): a
+        // learned guess shared through the indexer could outlive the pod's
+        // own removal of the block. Byte chunks have no other source.
+        let to_indexer = hashed.domain == Domain::Bytes;
+        w.tell_peers(
+            PeerMessage::Routed {
+                pod: decision.pod.clone(),
+                prompt_blocks,
+                hashes: hashed.hashes,
+            },
+            to_indexer,
+        );
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
             m.decision_prefix.inc()
@@ -155,7 +163,7 @@ impl RequestFilter {
         if let Some((pod, prompt_blocks)) = self.in_flight.take() {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cluster.record_finished(&pod, prompt_blocks);
-                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks });
+                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks }, false);
             }
         }
     }

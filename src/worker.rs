@@ -90,13 +90,13 @@ impl Worker {
         );
     }
 
-    /// Tells peers (and the singleton) about a routing event.
-    pub fn tell_peers(&self, message: PeerMessage) {
-        let to_singleton = matches!(message, PeerMessage::Routed { .. });
+    /// Tells peers about a routing event; `to_indexer` also hands it to the
+    /// singleton, which reports it to the indexer as a learned entry.
+    pub fn tell_peers(&self, message: PeerMessage, to_indexer: bool) {
         match wire::encode_batch(&[message]) {
             Ok(bytes) => {
                 self.peers
-                    .broadcast(&bytes, to_singleton && self.config.indexer.is_some());
+                    .broadcast(&bytes, to_indexer && self.config.indexer.is_some());
             }
             Err(e) => host::log(
                 LogLevel::Warn,

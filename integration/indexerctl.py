@@ -1,0 +1,139 @@
+"""Run the real kvroute-indexer for tests, `make run-precise` and benchmarks.
+
+    with IndexerProcess(pods=["127.0.0.1:P1", ...], model="Qwen/Qwen3-32B") as idx:
+        idx.address        # "127.0.0.1:H", for the Envoy cluster kvroute_indexer
+        idx.zmq_endpoint   # "tcp://127.0.0.1:Z": vllm-sim --kv-events-endpoint (pods connect)
+        idx.blocks("127.0.0.1:P1")
+
+Ports are free ones chosen at construction and kept across stop()/start(), so a test can
+kill the indexer and bring it back where the proxies expect it. The binary is
+$KVROUTE_INDEXER_BIN, else target/release/kvroute-indexer (built with cargo when missing).
+The process runs in its own session and is stopped by its PID. Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BIN = REPO / "target" / "release" / "kvroute-indexer"
+
+
+def indexer_binary() -> Path:
+    env = os.environ.get("KVROUTE_INDEXER_BIN")
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise FileNotFoundError(f"KVROUTE_INDEXER_BIN={env} does not exist")
+        return path
+    if not DEFAULT_BIN.is_file():
+        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
+        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=REPO, env=env_build,
+                       check=True, stdin=subprocess.DEVNULL)
+    return DEFAULT_BIN
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class IndexerProcess:
+    def __init__(self, pods: list[str] = (), *flags: str, model: str = "Qwen/Qwen3-32B", block_size: int = 16,
+                 startup_timeout: float = 30.0):
+        self.pods = list(pods)
+        self.flags = list(flags)
+        self.model = model
+        self.block_size = block_size
+        self.startup_timeout = startup_timeout
+        self.http_port = free_port()
+        self.zmq_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        fd, name = tempfile.mkstemp(prefix="kvroute-indexer-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def zmq_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.zmq_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def argv(self) -> list[str]:
+        argv = [str(indexer_binary()), f"--listen={self.address}", f"--zmq-bind={self.zmq_endpoint}",
+                f"--model={self.model}", f"--block-size={self.block_size}"]
+        return argv + [f"--pod={p}" for p in self.pods] + self.flags
+
+    def start(self) -> "IndexerProcess":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvroute-indexer exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"kvroute-indexer not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+    def __enter__(self) -> "IndexerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.log_path.unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def pods_debug(self) -> dict[str, dict]:
+        """GET /v1/debug/pods, keyed by pod address."""
+        with urllib.request.urlopen(self.url + "/v1/debug/pods", timeout=5) as r:
+            return {p["address"]: p for p in json.load(r)}
+
+    def blocks(self, address: str) -> int:
+        return self.pods_debug().get(address, {}).get("blocks", 0)
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            return r.read().decode()

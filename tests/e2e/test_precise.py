@@ -1,0 +1,136 @@
+"""Precise mode end to end (issue 4): vllm-sim pods publish real KV events over ZMQ to the real
+kvroute-indexer; the singleton in Envoy polls its feed and every worker routes on what the pods
+truly hold — including after eviction (BlockRemoved), after a flush (AllBlocksCleared), through
+the /tokenize call-out, and across an indexer outage."""
+
+import signal
+import time
+
+import pytest
+import requests
+
+from e2elib import MODEL, POD, decision, require_wasm
+from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
+from indexerctl import IndexerProcess
+from simcluster import SimCluster
+
+CAPACITY = 256  # blocks per pod: small, so eviction is cheap to provoke
+
+
+@pytest.fixture(scope="module")
+def stack():
+    require_wasm()
+    indexer = IndexerProcess((), "--scrape-interval-ms=200")
+    with SimCluster(pods=3, time_scale=0.2, num_gpu_blocks=CAPACITY, kv_events_endpoint=indexer.zmq_endpoint) as sims:
+        indexer.pods = sims.addresses
+        with indexer:
+            config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY},
+                                    template=GATEWAY_PRECISE, indexer=indexer.address)
+            with EnvoyProcess(config) as envoy:
+                envoy.wait_for_peers()
+                yield sims, indexer, envoy
+
+
+def feed_ok(envoy) -> int:
+    return envoy.stats("wasmcustom.kvroute.feed.ok").get("wasmcustom.kvroute.feed.ok", 0)
+
+
+def wait_for(what, condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def settle(envoy, polls=3):
+    """Lets the singleton poll the feed a few more times and the workers apply it."""
+    start = feed_ok(envoy)
+    wait_for("feed polls", lambda: feed_ok(envoy) >= start + polls)
+    time.sleep(0.1)
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 + 100 for i in range(blocks * 16)]
+
+
+def direct_completion(sims, pod: int, ids: list[int]) -> None:
+    r = requests.post(sims.urls[pod] + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1},
+                      timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def routed_completion(envoy, ids: list[int]) -> requests.Response:
+    r = requests.post(envoy.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_routes_to_the_pod_that_truly_holds_the_prefix(stack):
+    sims, indexer, envoy = stack
+    for pod in range(3):
+        ids = tokens(100 + pod, 20)
+        direct_completion(sims, pod, ids)  # only the KV events can tell Envoy about this
+        wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[pod]) >= 20)
+        settle(envoy)
+        d = decision(routed_completion(envoy, ids + [1, 2, 3]))
+        assert (d["pod"], d["matched"], d["domain"]) == (sims.addresses[pod], 20, "tokens"), d["raw"]
+
+
+def test_eviction_and_flush_remove_entries(stack):
+    sims, indexer, envoy = stack
+    ids = tokens(200, 20)
+    direct_completion(sims, 1, ids)
+    wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[1]) >= 20)
+    settle(envoy)
+    assert decision(routed_completion(envoy, ids))["matched"] == 20
+    # Other prompts on pod 1 evict ours (LRU): BlockRemoved events remove them everywhere.
+    for seed in range(300, 300 + 2 * CAPACITY // 20 + 2):
+        direct_completion(sims, 1, tokens(seed, 20))
+    settle(envoy)
+    d = decision(routed_completion(envoy, ids))
+    assert d["matched"] == 0, d["raw"]
+    # A flushed pod (AllBlocksCleared) holds nothing.
+    fresh = tokens(400, 12)
+    direct_completion(sims, 2, fresh)
+    wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[2]) >= 12)
+    settle(envoy)
+    assert decision(routed_completion(envoy, fresh))["pod"] == sims.addresses[2]
+    requests.post(sims.urls[2] + "/admin/flush", timeout=10).raise_for_status()
+    wait_for("indexer drops the pod's blocks", lambda: indexer.blocks(sims.addresses[2]) == 0)
+    settle(envoy)
+    d = decision(routed_completion(envoy, fresh))
+    assert d["matched"] == 0, d["raw"]
+
+
+def test_chat_requests_get_token_ids_from_the_tokenizer_call_out(stack):
+    sims, indexer, envoy = stack
+    body = {"model": MODEL, "max_tokens": 1,
+            "messages": [{"role": "system", "content": "precise chat " * 200}, {"role": "user", "content": "hi"}]}
+    r = requests.post(sims.urls[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    settle(envoy, polls=5)
+    r = requests.post(envoy.url + "/v1/chat/completions", json=body, timeout=30)
+    d = decision(r)
+    assert (d["pod"], d["domain"]) == (sims.addresses[0], "tokens"), d["raw"]
+    assert d["matched"] >= d["total"] - 1 > 10, d["raw"]
+    stats = envoy.stats("wasmcustom.kvroute.tokenizer")
+    assert stats["wasmcustom.kvroute.tokenizer.ok"] >= 1
+
+
+def test_indexer_outage_fails_open_and_recovers(stack):
+    sims, indexer, envoy = stack
+    errors = lambda: envoy.stats("wasmcustom.kvroute.feed.errors").get("wasmcustom.kvroute.feed.errors", 0)  # noqa: E731
+    before = errors()
+    indexer.stop(signal.SIGKILL)
+    for i in range(10):
+        assert routed_completion(envoy, tokens(500 + i, 4)).headers[POD] in sims.addresses
+    wait_for("feed errors counted", lambda: errors() > before)
+    indexer.start()  # same ports; a new epoch: the singleton gets a snapshot
+    ids = tokens(600, 16)
+    direct_completion(sims, 2, ids)
+    wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[2]) >= 16)
+    settle(envoy)
+    d = decision(routed_completion(envoy, ids))
+    assert (d["pod"], d["matched"]) == (sims.addresses[2], 16), d["raw"]
