@@ -134,3 +134,22 @@ def test_indexer_outage_fails_open_and_recovers(stack):
     settle(envoy)
     d = decision(routed_completion(envoy, ids))
     assert (d["pod"], d["matched"]) == (sims.addresses[2], 16), d["raw"]
+
+
+def test_gateway_replicas_learn_as_one(stack):
+    """Byte-fallback decisions of one proxy reach the others through the indexer (POST /v1/learned
+    → feed), so a second gateway sends the same prefix to the same pod without ever seeing it."""
+    sims, indexer, envoy = stack
+    config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY},
+                            template=GATEWAY_PRECISE, indexer=indexer.address)
+    with EnvoyProcess(config) as other:
+        other.wait_for_peers()
+        for i in range(3):
+            prompt = f"replica-{i} " + "a shared preamble for every replica " * 40
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            first = decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+            assert first["domain"] == "bytes"
+            settle(envoy)  # the singleton reports it
+            settle(other)  # the other proxy's singleton reads it from the feed
+            d = decision(requests.post(other.url + "/v1/completions", json=body, timeout=30))
+            assert (d["pod"], d["matched"]) == (first["pod"], first["total"]), (first["raw"], d["raw"])
