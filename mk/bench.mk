@@ -1,5 +1,5 @@
 # Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
-# `make bench`           quick profile: every strategy on 4 vllm-sim pods (~20 min on 2 cores)
+# `make bench`           quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
 # `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; hours)
 # `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
 # BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
@@ -21,10 +21,7 @@ $(BENCH_VENV)/.installed: integration/bench/requirements.txt integration/bench/c
 	touch $@
 
 # The parts under test: vllm-sim, kvroute.wasm, kvroute-indexer (release builds).
-bench-prereqs: bench-venv
-	cargo build --release -p vllm-sim
-	$(MAKE) build
-	@if grep -q 'kvroute-indexer' indexer/Cargo.toml 2>/dev/null; then cargo build --release -p kvroute-indexer; fi
+bench-prereqs: bench-venv build native
 
 bench: bench-prereqs
 	$(BENCH_PY) integration/bench/run.py --profile quick $(BENCH_ARGS)

@@ -3,10 +3,11 @@
 
     .venv-bench/bin/python integration/bench/overhead.py [--rounds 5] [--duration 10] [--connections 4]
 
-Targets, all in front of the same vllm-sim pods (fast time scale so the pods
-answer in well under a millisecond of simulated time, fallback tokenizer):
-  direct          wrk -> pod (round robin over pods in the Lua script is not
-                  possible with one URL, so: pod 0)            [baseline of the peers' hop]
+Targets, all in front of the same vllm-sim pod (one by default, so that every
+target, `direct` included, reaches the very same upstream; fast time scale so
+the pod answers in well under a millisecond of simulated time; vllm-sim's
+fallback tokenizer):
+  direct          wrk -> the pod                               [baseline of the peers' hop]
   envoy           Envoy, LB only (integration/bench/envoy/lb-only.yaml, LEAST_REQUEST)
   envoy+kvroute   the same Envoy with kvroute.wasm (approximate mode, default config)
   sglang-router   sglang-router launch --policy cache_aware
@@ -98,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--sizes", default="4096,30720")
-    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--pods", type=int, default=1,
+                    help="upstream pods (default 1: `direct` can only reach one pod, so more would favour the routers)")
     ap.add_argument("--time-scale", type=float, default=0.001, help="vllm-sim --time-scale for the upstream pods")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,sglang-router,vllm-router")
     ap.add_argument("--out")

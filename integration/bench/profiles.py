@@ -12,9 +12,10 @@ requests in flight (inference-perf workers × per-worker concurrency) at 640,
 the cap benchmark.md's cross-check found the published numbers imply.
 
 `quick` keeps the shape that makes routing matter — the resident prefix set
-is ~73% of cluster KV, six or more times one pod — at a size that runs in a
-few minutes per strategy on 2 shared cores: 4 pods, prompts and KV scaled
-down together, short outputs, three short stages into overload.
+is ~73% of cluster KV, about three times one pod — at a size that runs in
+about two minutes per strategy on 2 shared cores: 4 pods, prompts and KV
+scaled down together (same 5:1 prefix:question ratio), 100-token outputs,
+three 15-second stages into overload, the same 80-per-pod in-flight cap.
 """
 
 from __future__ import annotations
@@ -112,16 +113,19 @@ def quick() -> Profile:
     # Resident set 48 groups × (1,500 + 5 × 300) = 144,000 tokens = 73%.
     # One pod holds 49,152 tokens: ~16 of the 48 prefixes, so random routing
     # thrashes while prefix-aware routing can keep each group on one pod.
+    # Stages: 15 QPS (every strategy keeps up), 30 and 45 QPS (beyond what 4
+    # pods serve without prefix reuse: random's queues grow, prefix-aware
+    # routing's need not). Cap 320 in flight = the reference's 80 per pod.
     return Profile(
         name="quick",
-        description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 3 short Poisson stages",
+        description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, Poisson 15/30/45 QPS x 15 s",
         sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192),
         workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
         load=LoadSpec(
-            warmup=(8.0, 15),
-            stages=[(6.0, 20), (12.0, 20), (18.0, 20)],
+            warmup=(10.0, 15),
+            stages=[(15.0, 15), (30.0, 15), (45.0, 15)],
             num_workers=1,
-            worker_max_concurrency=160,
+            worker_max_concurrency=320,
             request_timeout=300.0,
             stage_teardown_grace_seconds=60.0,
         ),

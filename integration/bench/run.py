@@ -514,6 +514,33 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
 
 # ------------------------------------------------------------------ main
 
+RAW_KEEP = ("result.json", "requests.jsonl.gz", "pod-samples.jsonl", "arrival-schedule.jsonl", "inference-perf.yaml",
+            "envoy.yaml", "plugin.json", "router-metrics.txt", "indexer-metrics.txt")
+
+
+def publish(out: str, dst: str) -> None:
+    """Copy report.md, plot.png, results.json and a compact raw archive (raw.tar.gz) to dst."""
+    import tarfile
+
+    os.makedirs(dst, exist_ok=True)
+    for f in ("report.md", "plot.png", "results.json"):
+        if os.path.exists(os.path.join(out, f)):
+            shutil.copyfile(os.path.join(out, f), os.path.join(dst, f))
+    raw = os.path.join(out, "raw")
+    with tarfile.open(os.path.join(dst, "raw.tar.gz"), "w:gz") as tar:
+        for strat in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
+            sd = os.path.join(raw, strat)
+            for f in RAW_KEEP:
+                if os.path.exists(os.path.join(sd, f)):
+                    tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
+            ipd = os.path.join(sd, "inference-perf")
+            if os.path.isdir(ipd):
+                for f in sorted(os.listdir(ipd)):
+                    if f.endswith(".json") or f.endswith(".yaml"):
+                        tar.add(os.path.join(ipd, f), arcname=f"raw/{strat}/inference-perf/{f}")
+    log(f"published report.md, plot.png, results.json, raw.tar.gz to {dst}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="quick", choices=sorted(profiles.PROFILES))
@@ -566,12 +593,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report.write(out)
     log(f"report: {os.path.join(out, 'report.md')}")
     if args.results_dir:
-        dst = os.path.abspath(args.results_dir)
-        os.makedirs(dst, exist_ok=True)
-        for f in ("report.md", "plot.png", "results.json"):
-            if os.path.exists(os.path.join(out, f)):
-                shutil.copyfile(os.path.join(out, f), os.path.join(dst, f))
-        log(f"copied report.md, plot.png, results.json to {dst}")
+        publish(out, os.path.abspath(args.results_dir))
     ok = sum(1 for r in results if r["status"] == "ok")
     log(f"{ok}/{len(results)} strategies ran to completion")
     return 0 if ok == len(results) else 1
