@@ -56,5 +56,14 @@ e2e: build native venv
 .PHONY: test
 test: lint unit e2e
 
+
+# Precise-mode latencies: event-to-routable CDF and the /tokenize call-out's added latency.
+.PHONY: bench-latency
+bench-latency: build native venv
+	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
+	  $(PY) integration/latency.py event-to-routable
+	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
+	  $(PY) integration/latency.py tokenizer
+
 # Component makefiles (simulator, indexer, mesh packaging, benchmark) add their targets here.
 -include mk/*.mk

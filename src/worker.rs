@@ -38,7 +38,7 @@ impl Worker {
         let (now_s, _) = host::now();
         let peers = Peers::join(vm_id, now_s);
         let mut cluster = Cluster::default();
-        cluster.set_configured(&config);
+        cluster.set_configured(&config, now_s);
         if let Some((raw, _)) = host::shared_get(SNAPSHOT_KEY) {
             if let Some((&flag, body)) = raw.split_first() {
                 match feed::decode(body) {
@@ -62,7 +62,7 @@ impl Worker {
     }
 
     pub fn reconfigure(&mut self, config: Rc<Config>) {
-        self.cluster.set_configured(&config);
+        self.cluster.set_configured(&config, host::now().0);
         self.config = config;
     }
 

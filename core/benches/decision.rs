@@ -69,7 +69,7 @@ fn token_body(tokens: usize, seed: u32) -> Vec<u8> {
 /// the benchmarked prompts on pod 3 so their lookups find a full match.
 fn populated(config: &Config, hot: &[Vec<u8>]) -> Cluster {
     let mut cluster = Cluster::default();
-    cluster.set_configured(config);
+    cluster.set_configured(config, 0);
     let mut stored = 0;
     let mut seed = 1000;
     while stored < INDEX_BLOCKS {

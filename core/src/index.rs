@@ -186,6 +186,16 @@ impl PodTable {
         }
     }
 
+    /// The same entries in a table of another capacity, in LRU order (the
+    /// oldest go first if they no longer fit). Learned entries restart their TTL.
+    pub fn resized(&self, capacity: usize, now_s: u32) -> PodTable {
+        let mut table = PodTable::new(capacity);
+        for (hash, tier) in self.entries_oldest_first() {
+            table.touch_chain(&[hash], tier, now_s);
+        }
+        table
+    }
+
     /// Live entries as (hash, tier), oldest first: what a snapshot carries.
     pub fn entries_oldest_first(&self) -> Vec<(u64, Tier)> {
         let mut entries: Vec<(u32, u64, Tier)> = self
@@ -562,6 +572,22 @@ mod tests {
             .entries_oldest_first()
             .iter()
             .all(|&(_, tier)| tier == Tier::Cpu));
+    }
+
+    #[test]
+    fn resizing_keeps_the_newest_entries() {
+        let mut t = PodTable::new(100);
+        let old = chain(1, 30);
+        let new = chain(2, 30);
+        t.touch_chain(&old, Tier::Learned, 0);
+        t.touch_chain(&new, Tier::Gpu, 0);
+        let bigger = t.resized(1000, 5);
+        assert_eq!(bigger.len(), 60);
+        assert_eq!(bigger.prefix_match(&new, &TRUST_ALL).blocks, 30);
+        let smaller = t.resized(40, 5);
+        assert_eq!(smaller.prefix_match(&new, &TRUST_ALL).blocks, 30);
+        assert!(smaller.prefix_match(&old, &TRUST_ALL).blocks < 30);
+        assert!(smaller.len() <= 40);
     }
 
     #[test]

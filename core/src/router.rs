@@ -158,12 +158,15 @@ pub struct Cluster {
     discovered: bool,
     /// Precise entries are trusted until this second (feed freshness).
     precise_until_s: u32,
+    /// Capacity of discovered pods whose capacity the indexer does not know.
+    default_capacity: u32,
 }
 
 impl Cluster {
     /// Pods from the plugin configuration; ignored once the indexer feed has
     /// named the pods (discovery then owns the set).
-    pub fn set_configured(&mut self, config: &Config) {
+    pub fn set_configured(&mut self, config: &Config, now_s: u32) {
+        self.default_capacity = config.default_capacity_blocks;
         if self.discovered {
             return;
         }
@@ -172,12 +175,12 @@ impl Cluster {
             models: e.models.clone(),
             capacity_blocks: config.capacity_of(e),
         });
-        self.set_pods(specs.collect());
+        self.set_pods(specs.collect(), now_s);
     }
 
     /// Replaces the pod set, keeping the table and load of every pod that
-    /// stays with the same capacity.
-    pub fn set_pods(&mut self, specs: Vec<PodSpec>) {
+    /// stays (its table resized when its capacity changed).
+    pub fn set_pods(&mut self, specs: Vec<PodSpec>, now_s: u32) {
         let mut old: HashMap<String, Pod> = self
             .pods
             .drain(..)
@@ -189,11 +192,14 @@ impl Cluster {
                 continue;
             }
             let pod = match old.remove(&spec.address) {
-                Some(mut kept) if kept.spec.capacity_blocks == spec.capacity_blocks => {
+                Some(mut kept) => {
+                    if kept.spec.capacity_blocks != spec.capacity_blocks {
+                        kept.table = kept.table.resized(spec.capacity_blocks as usize, now_s);
+                    }
                     kept.spec = spec;
                     kept
                 }
-                _ => Pod::new(spec),
+                None => Pod::new(spec),
             };
             self.by_address
                 .insert(pod.spec.address.clone(), self.pods.len());
@@ -297,7 +303,7 @@ impl Cluster {
     /// its block operations. Precise entries are trusted for `trust_for_s`.
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
         if !update.pods.is_empty() || self.discovered {
-            self.adopt_pods(update);
+            self.adopt_pods(update, now_s);
         }
         self.apply_ops(update, now_s);
         self.precise_until_s = now_s.saturating_add(trust_for_s);
@@ -307,7 +313,7 @@ impl Cluster {
     /// is adopted only if it came from discovery; configured pods stay.
     pub fn restore(&mut self, snapshot: &FeedUpdate, discovered: bool, now_s: u32) {
         if discovered {
-            self.adopt_pods(snapshot);
+            self.adopt_pods(snapshot, now_s);
         }
         self.apply_ops(snapshot, now_s);
     }
@@ -317,14 +323,20 @@ impl Cluster {
         self.discovered
     }
 
-    fn adopt_pods(&mut self, update: &FeedUpdate) {
+    fn adopt_pods(&mut self, update: &FeedUpdate, now_s: u32) {
         self.discovered = true;
+        let default_capacity = self.default_capacity.max(1);
         let specs = update.pods.iter().map(|p| PodSpec {
             address: p.address.clone(),
             models: p.models.clone(),
-            capacity_blocks: p.capacity_blocks.max(1),
+            // 0: the indexer has not scraped the pod's capacity yet.
+            capacity_blocks: if p.capacity_blocks == 0 {
+                default_capacity
+            } else {
+                p.capacity_blocks
+            },
         });
-        self.set_pods(specs.collect());
+        self.set_pods(specs.collect(), now_s);
     }
 
     fn apply_ops(&mut self, update: &FeedUpdate, now_s: u32) {
@@ -429,7 +441,7 @@ mod tests {
             r#"[{"address":"a:1"},{"address":"b:1"},{"address":"c:1"},{"address":"d:1","models":["other"]}]"#,
         );
         let mut cluster = Cluster::default();
-        cluster.set_configured(&c);
+        cluster.set_configured(&c, 0);
         (c, cluster)
     }
 
@@ -486,7 +498,7 @@ mod tests {
         };
         let only_other = config(r#"[{"address":"d:1","models":["other"]}]"#);
         let mut cl = Cluster::default();
-        cl.set_configured(&only_other);
+        cl.set_configured(&only_other, 0);
         assert_eq!(
             cl.decide(&only_other, &hash_prompt(&only_other, &other), 0, 0),
             Err(NoRoute::NoEndpointForModel)
@@ -591,7 +603,7 @@ mod tests {
         };
         cluster.apply_feed(&update, 100, 5);
         assert_eq!(cluster.len(), 2);
-        cluster.set_configured(&c);
+        cluster.set_configured(&c, 0);
         assert_eq!(
             cluster.len(),
             2,
@@ -620,12 +632,54 @@ mod tests {
     }
 
     #[test]
+    fn discovered_pods_of_unknown_capacity_get_the_configured_default() {
+        let (c, mut cluster) = four_pods();
+        let update = FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: true,
+            pods: vec![PodInfo {
+                address: "x:1".into(),
+                models: vec![],
+                capacity_blocks: 0,
+                waiting: 0,
+                running: 0,
+                kv_usage: 0.0,
+            }],
+            ops: vec![BlockOp::Stored {
+                pod: 0,
+                tier: Tier::Gpu,
+                hashes: (1..=50).collect(),
+            }],
+        };
+        cluster.apply_feed(&update, 10, 5);
+        assert_eq!(
+            cluster.index_size().0,
+            50,
+            "a 0-capacity table would hold one block"
+        );
+        assert!(c.default_capacity_blocks >= 50);
+        // Capacity learned later: the table is resized, its entries kept.
+        let scraped = FeedUpdate {
+            pods: vec![PodInfo {
+                capacity_blocks: 1000,
+                ..update.pods[0].clone()
+            }],
+            ops: vec![],
+            snapshot: false,
+            ..update
+        };
+        cluster.apply_feed(&scraped, 11, 5);
+        assert_eq!(cluster.index_size().0, 50);
+    }
+
+    #[test]
     fn snapshot_restores_the_index() {
         let (c, mut cluster) = four_pods();
         let request = chat(&"z".repeat(2000), "q");
         let first = route(&c, &mut cluster, &request, 1);
         let mut fresh = Cluster::default();
-        fresh.set_configured(&c);
+        fresh.set_configured(&c, 0);
         let snap = cluster.snapshot();
         let bytes = crate::feed::encode(&snap);
         fresh.restore(&crate::feed::decode(&bytes).unwrap(), false, 10);
@@ -649,7 +703,7 @@ mod tests {
             .collect();
         endpoints.sort();
         let c2 = config(&format!("[{}]", endpoints.join(",")));
-        cluster.set_configured(&c2);
+        cluster.set_configured(&c2, 0);
         assert_eq!(cluster.len(), 4);
         let d = cluster
             .decide(&c2, &hash_prompt(&c2, &request), 10, 5)
