@@ -154,7 +154,9 @@ def test_make_oci(tmp_path, module_bytes):
     """`make oci` (mk/mesh.mk) writes a verified layout and tarball from the built module."""
     if not meshlib.WASM_PATH.exists():
         pytest.skip("make oci packages the built module; not built here (CI builds it)")
-    res = subprocess.run(["make", "-s", "oci", f"OCI_OUT={tmp_path}", "OCI_VERSION=7.7.7"], cwd=meshlib.ROOT,
+    # -o: the test runs inside the venv already; never let make rebuild it here
+    res = subprocess.run(["make", "-s", "-o", ".venv/.installed", "oci", f"OCI_OUT={tmp_path}", "OCI_VERSION=7.7.7",
+                          f"PY={sys.executable}"], cwd=meshlib.ROOT,
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "kvroute-wasm-7.7.7.oci.tar").is_file()
