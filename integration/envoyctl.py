@@ -113,14 +113,15 @@ def plugin_config(config_text: str) -> dict:
 
 class EnvoyProcess:
     def __init__(self, config_text: str, *, concurrency: int = 2, log_level: str = "info",
-                 startup_timeout: float = 30.0):
+                 startup_timeout: float = 30.0, listener_port: int | None = None):
         self.config_text = config_text
         self.concurrency = concurrency
         self.log_level = log_level
         self.startup_timeout = startup_timeout
         cfg = yaml.safe_load(config_text)
         self.admin_port = cfg["admin"]["address"]["socket_address"]["port_value"]
-        self.listener_port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        self.listener_port = listener_port or \
+            cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="kvroute-envoy-")
         self.config_path = Path(self._dir) / "envoy.yaml"
@@ -181,7 +182,11 @@ class EnvoyProcess:
             return ""
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        """The last lines of Envoy's log, led by every error and critical line (startup failures
+        hide among hundreds of extension listings)."""
+        text = self.log_text().splitlines()
+        errors = [line for line in text if "][critical][" in line or "][error][" in line]
+        return "\n".join(errors[-10:] + ["..."] + text[-lines:])
 
     def stats(self, contains: str = "") -> dict[str, int]:
         """Counters and gauges from the admin endpoint whose name contains `contains`."""

@@ -26,6 +26,35 @@ proxy_wasm::main! {{
 /// Tick of a worker VM: peer discovery, heartbeat, gauges, snapshot duty.
 const WORKER_TICK_MS: u32 = 200;
 
+thread_local! {
+    /// The routing state of this VM. A configuration update creates a new root
+    /// context in the same VM; it adopts this state, so the index survives.
+    static WORKER: RefCell<Option<worker::SharedWorker>> = const { RefCell::new(None) };
+}
+
+/// This VM's worker, reconfigured; started on first use.
+fn worker_of_this_vm(config: Rc<Config>, vm_id: &str) -> worker::SharedWorker {
+    WORKER.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        match slot.as_ref() {
+            Some(existing) => {
+                if let Ok(mut w) = existing.try_borrow_mut() {
+                    w.reconfigure(config);
+                    // The queue's callbacks go to the root context that
+                    // registered it last; the old one may be draining away.
+                    w.peers.reclaim_queue();
+                }
+                existing.clone()
+            }
+            None => {
+                let started = Rc::new(RefCell::new(worker::Worker::start(config, vm_id)));
+                *slot = Some(started.clone());
+                started
+            }
+        }
+    })
+}
+
 enum Root {
     Unconfigured,
     Filter(worker::SharedWorker),
@@ -72,7 +101,7 @@ impl RootContext for Root {
             }
             (_, Role::Filter) => {
                 let endpoints = config.endpoints.len();
-                *self = Root::Filter(Rc::new(RefCell::new(worker::Worker::start(config, &vm_id))));
+                *self = Root::Filter(worker_of_this_vm(config, &vm_id));
                 host::set_tick_period(WORKER_TICK_MS);
                 host::log(
                     LogLevel::Info,

@@ -59,6 +59,14 @@ impl Peers {
         peers
     }
 
+    /// Registers this VM's queue again from the current root context, which
+    /// then receives its `on_queue_ready` callbacks.
+    pub fn reclaim_queue(&mut self) {
+        if let Some(name) = &self.own_name {
+            self.own_queue = host::queue_register(name).or(self.own_queue);
+        }
+    }
+
     pub fn own_queue(&self) -> Option<u32> {
         self.own_queue
     }

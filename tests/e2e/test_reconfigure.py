@@ -1,0 +1,74 @@
+"""A plugin configuration update (Envoy calls on_configure again, in the same VMs) takes effect
+without losing the index: the listener comes from a file (LDS) that the test rewrites."""
+
+import json
+import os
+import time
+
+import pytest
+import requests
+import yaml
+
+from e2elib import chat, decision, require_wasm, unique_system
+from envoyctl import EnvoyProcess, render_gateway
+
+
+def split_lds(config_text: str, directory: str) -> tuple[str, dict, str]:
+    """Moves the listener into an LDS file; returns (bootstrap text, listener, lds path)."""
+    cfg = yaml.safe_load(config_text)
+    listener = cfg["static_resources"].pop("listeners")[0]
+    lds = os.path.join(directory, "lds.yaml")
+    cfg["node"] = {"id": "kvroute-e2e", "cluster": "kvroute-e2e"}  # required by file-based LDS
+    cfg["dynamic_resources"] = {"lds_config": {"path_config_source": {"path": lds}, "resource_api_version": "V3"}}
+    return yaml.safe_dump(cfg, sort_keys=False), listener, lds
+
+
+def write_lds(path: str, listener: dict) -> None:
+    doc = {"resources": [dict({"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"}, **listener)]}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    os.rename(tmp, path)  # Envoy watches for the move
+
+
+def plugin_of(listener: dict) -> dict:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"][0]["typed_config"]["config"]["configuration"]
+
+
+def test_config_update_keeps_the_index(sims, tmp_path):
+    require_wasm()
+    # No snapshot refresh during the test: only state kept inside the VMs can explain a match.
+    plugin = {"index": {"snapshot_interval_ms": 600000}}
+    bootstrap, listener, lds = split_lds(render_gateway(sims.addresses, plugin), str(tmp_path))
+    write_lds(lds, listener)
+    port = listener["address"]["socket_address"]["port_value"]
+    with EnvoyProcess(bootstrap, listener_port=port) as envoy:
+        envoy.wait_for_peers()
+        system = unique_system()
+        first = decision(chat(envoy, system, "same question"))
+
+        configuration = plugin_of(listener)
+        updated = json.loads(configuration["value"])
+        updated["decision_header"] = "x-kvroute-why"
+        updated["weights"] = {"prefill": 1.0, "decode": 2.0}
+        configuration["value"] = json.dumps(updated)
+        listener["name"] = "llm_gateway"  # same listener, new filter config
+        write_lds(lds, listener)
+
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            r = chat(envoy, unique_system(words=5), "probe")
+            if "x-kvroute-why" in r.headers:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the update never took effect:\n{envoy.log_tail()}")
+        r = chat(envoy, system, "same question")
+        raw = r.headers["x-kvroute-why"]
+        assert f"pod={first['pod']};" in raw and f"matched={first['total']}/{first['total']}" in raw, raw
+        # Peer messages still reach every worker after the update (queues re-registered).
+        fresh = unique_system()
+        pods = {chat(envoy, fresh, f"q{i}").headers["x-vllm-sim-pod"] for i in range(10)}
+        assert len(pods) == 1, pods
+        assert requests.get(envoy.admin_url + "/ready", timeout=5).status_code == 200
