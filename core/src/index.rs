@@ -301,18 +301,22 @@ impl PodTable {
         }
     }
 
-    /// Evicts about `count` of the oldest entries: a histogram of stamps finds
-    /// the cut, one pass empties the slots, one pass re-seats the survivors.
-    fn evict_oldest(&mut self, count: usize) {
-        const BUCKETS: usize = 256;
-        let oldest = self
-            .keys
+    /// The stamp of the least recently used entry (the clock when empty).
+    fn oldest_stamp(&self) -> u32 {
+        self.keys
             .iter()
             .zip(&self.meta)
             .filter(|(&k, _)| k != EMPTY)
             .map(|(_, &m)| m & STAMP_MASK)
             .min()
-            .unwrap_or(self.clock);
+            .unwrap_or(self.clock)
+    }
+
+    /// Evicts about `count` of the oldest entries: a histogram of stamps finds
+    /// the cut, one pass empties the slots, one pass re-seats the survivors.
+    fn evict_oldest(&mut self, count: usize) {
+        const BUCKETS: usize = 256;
+        let oldest = self.oldest_stamp();
         let span = (self.clock - oldest).max(1) as u64;
         let bucket_of = |stamp: u32| {
             (((stamp - oldest) as u64 * BUCKETS as u64) / span).min(BUCKETS as u64 - 1) as usize
@@ -371,14 +375,7 @@ impl PodTable {
         if self.clock as u64 + n as u64 <= STAMP_MASK as u64 {
             return;
         }
-        let oldest = self
-            .keys
-            .iter()
-            .zip(&self.meta)
-            .filter(|(&k, _)| k != EMPTY)
-            .map(|(_, &m)| m & STAMP_MASK)
-            .min()
-            .unwrap_or(self.clock);
+        let oldest = self.oldest_stamp();
         for (k, m) in self.keys.iter().zip(self.meta.iter_mut()) {
             if *k != EMPTY {
                 *m = (*m & !STAMP_MASK) | ((*m & STAMP_MASK) - oldest);
