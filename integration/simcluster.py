@@ -6,7 +6,7 @@
         c.topics      # KV-event topics, "kv@127.0.0.1:P@<model>"
 
 Every keyword option becomes the binary's `--flag value` (underscores to dashes; lists repeat the
-values; None is left out), e.g. num_gpu_blocks=2000, max_num_seqs=64, tokenizer=PATH,
+values; None is left out), e.g. num_gpu_blocks=2000 (or a list, one capacity per pod), max_num_seqs=64, tokenizer=PATH,
 served_model_name=["a", "b"]. `kv_events_replay=True` picks free replay ports
 (`.replay_ports`). Ports are chosen free at run time; the process runs in its own session and is
 stopped by its PID. The binary is $KVROUTE_SIM_BIN, else target/release/vllm-sim, built with
@@ -17,6 +17,7 @@ Standard library only, so it runs in the test venv (3.11) and the benchmark venv
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -47,13 +48,20 @@ def sim_binary(build: bool = True) -> Path:
         if not p.is_file():
             raise FileNotFoundError(f"KVROUTE_SIM_BIN={env} does not exist")
         return p
-    if not DEFAULT_BIN.is_file():
+    if not DEFAULT_BIN.is_file() or _stale(DEFAULT_BIN):
         if not build:
-            raise FileNotFoundError(f"{DEFAULT_BIN} missing; run `make sim`")
+            raise FileNotFoundError(f"{DEFAULT_BIN} missing or older than its sources; run `make sim`")
         env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
         subprocess.run(["cargo", "build", "--release", "-p", "vllm-sim"], cwd=REPO, env=env_build, check=True,
                        stdin=subprocess.DEVNULL)
     return DEFAULT_BIN
+
+
+def _stale(binary: Path) -> bool:
+    """True when a source of vllm-sim is newer than the binary (so a checkout never runs an old build)."""
+    src = REPO / "integration" / "vllm-sim"
+    built = binary.stat().st_mtime
+    return any(p.stat().st_mtime > built for p in [src / "Cargo.toml", *src.glob("src/**/*.rs")])
 
 
 def ensure_tokenizer() -> Path:
@@ -138,6 +146,14 @@ class SimCluster:
     @property
     def replay_ports(self) -> list[int]:
         return [self.replay_port + i for i in range(self.pods)] if self.replay_port else []
+
+    @property
+    def capacities(self) -> list[int]:
+        """KV blocks of each pod (num_gpu_blocks: one value for all, or a list with one per pod)."""
+        v = self.opts.get("num_gpu_blocks", 19208)
+        if isinstance(v, (list, tuple)):
+            return [int(x) for x in v] if len(v) == self.pods else [int(v[0])] * self.pods
+        return [int(v)] * self.pods
 
     @property
     def model(self) -> str:
@@ -255,3 +271,39 @@ class SimCluster:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python integration/simcluster.py --pods 8 [--opt key=value ...]`: run a cluster until Ctrl-C / SIGTERM."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Run simulated vLLM pods until interrupted; prints their addresses.")
+    ap.add_argument("--pods", type=int, default=8)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--replay", action="store_true", help="open KV-event replay sockets")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="any vllm-sim flag, e.g. num_gpu_blocks=19208, kv_events_endpoint=tcp://127.0.0.1:5557")
+    a = ap.parse_args(argv)
+    opts = {}
+    for kv in a.opt:
+        k, _, v = kv.partition("=")
+        opts[k.replace("-", "_")] = v
+    stop = {"now": False}
+
+    def on_term(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    with SimCluster(pods=a.pods, host=a.host, kv_events_replay=a.replay, **opts) as c:
+        print(json.dumps({"pid": c.pid, "addresses": c.addresses, "topics": c.topics, "replay_ports": c.replay_ports}),
+              flush=True)
+        try:
+            while not stop["now"] and c.proc and c.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

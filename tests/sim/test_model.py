@@ -54,6 +54,18 @@ def test_queueing_when_max_num_seqs_reached(sim_bin):
         assert float(line("vllm:kv_cache_usage_perc").rsplit(" ", 1)[1]) > 0
 
 
+def test_per_pod_capacities(sim_bin):
+    with simcluster.SimCluster(pods=2, time_scale=0.02, num_gpu_blocks=[64, 8]) as c:
+        assert c.capacities == [64, 8]
+        for url, blocks in zip(c.urls, c.capacities):
+            m = requests.get(url + "/metrics", timeout=5).text
+            assert f'num_gpu_blocks="{blocks}"' in m
+        big = {"prompt": list(range(200)), "max_tokens": 10}  # 210 tokens = 14 blocks
+        assert requests.post(c.urls[0] + "/v1/completions", json=big, timeout=10).status_code == 200
+        r = requests.post(c.urls[1] + "/v1/completions", json=big, timeout=10)
+        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+
+
 @pytest.fixture(scope="module")
 def tokenizer_path():
     return simcluster.ensure_tokenizer()

@@ -221,12 +221,14 @@ fn message_text(content: &Value) -> ApiResult<String> {
                             "messages: text part without `text`",
                         ))
                     }
-                    (Some(other), _) => return Err(ApiError::bad_param(
-                        "messages",
-                        format!(
+                    (Some(other), _) => {
+                        return Err(ApiError::bad_param(
+                            "messages",
+                            format!(
                             "messages: content part type `{other}` is not supported by this model"
                         ),
-                    )),
+                        ))
+                    }
                     (None, _) => {
                         return Err(ApiError::bad_param(
                             "messages",

@@ -41,8 +41,9 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// KV blocks per pod (19,208 × 16 = 307,328 tokens: Qwen3-32B on 2×H100, llm-d's reference).
-    #[arg(long, default_value_t = 19_208)]
-    num_gpu_blocks: usize,
+    /// One value for every pod, or one per pod (`19208,9604,…`) for unequal capacities.
+    #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "19208")]
+    num_gpu_blocks: Vec<usize>,
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]
@@ -105,8 +106,11 @@ fn validate(a: &Args) -> Result<(), SimError> {
     if a.pods == 0 {
         return bad("--pods must be at least 1");
     }
+    if a.num_gpu_blocks.len() != 1 && a.num_gpu_blocks.len() != usize::from(a.pods) {
+        return bad("--num-gpu-blocks takes one value, or one per pod");
+    }
     if a.block_size == 0
-        || a.num_gpu_blocks == 0
+        || a.num_gpu_blocks.contains(&0)
         || a.max_num_seqs == 0
         || a.max_num_batched_tokens == 0
     {
@@ -125,6 +129,12 @@ fn validate(a: &Args) -> Result<(), SimError> {
         return bad("--port + --pods exceeds 65535");
     }
     Ok(())
+}
+
+/// KV blocks of pod `i` (`--num-gpu-blocks` has one value or one per pod; validated).
+fn pod_blocks(a: &Args, i: u16) -> usize {
+    let v = &a.num_gpu_blocks;
+    v.get(usize::from(i)).or(v.first()).copied().unwrap_or(1)
 }
 
 /// The engine loop of one pod: schedule, wait the step's simulated time, commit, publish.
@@ -183,7 +193,7 @@ async fn start_pod(
     }
     let cfg = EngineConfig {
         block_size: a.block_size,
-        num_gpu_blocks: a.num_gpu_blocks,
+        num_gpu_blocks: pod_blocks(a, i),
         max_num_seqs: a.max_num_seqs,
         max_num_batched_tokens: a.max_num_batched_tokens,
         max_model_len: a.max_model_len,
@@ -237,7 +247,7 @@ async fn run(a: Args) -> Result<(), SimError> {
         start_pod(&a, i, tokenizer.clone(), vocab.clone(), output_ids.clone()).await?;
     }
     eprintln!(
-        "vllm-sim: {} pod(s) on {}:{}..{} model {} ({} blocks × {} tokens, time scale {})",
+        "vllm-sim: {} pod(s) on {}:{}..{} model {} ({:?} blocks × {} tokens, time scale {})",
         a.pods,
         a.host,
         a.port,
