@@ -220,6 +220,7 @@ fn main() {
     // The delta log is bounded separately (--feed-log-hashes); measure the index alone too.
     let with_log = LIVE.load(Ordering::Relaxed).saturating_sub(before);
     let est = ix.memory_bytes();
+    ix.update_gauges();
     println!(
         "memory: {:.1} bytes per (block, pod) measured by the allocator including a full delta log of {} hashes; estimate {:.1}",
         with_log as f64 / total_blocks as f64,

@@ -566,9 +566,7 @@ impl Index {
             }
         }
         let rank = batch.data_parallel_rank.unwrap_or(0);
-        let req = self.sequence(key, rank, seq, batch, m.received_ms, now_ms);
-        self.update_gauges();
-        req
+        self.sequence(key, rank, seq, batch, m.received_ms, now_ms)
     }
 
     fn sequence(
@@ -751,7 +749,6 @@ impl Index {
         for (s, b, r) in pending.buffered {
             self.apply_in_order(key, req.rank, s, b, r, now_ms);
         }
-        self.update_gauges();
     }
 
     fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
@@ -1149,7 +1146,9 @@ impl Index {
         self.pods.values().map(|p| p.blocks.len()).sum()
     }
 
-    fn update_gauges(&self) {
+    /// Refreshes the size gauges (a walk over the pods: called by housekeeping,
+    /// not per message).
+    pub fn update_gauges(&self) {
         let g = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
         self.metrics.pods.set(g(self.pods.len()));
         self.metrics.blocks.set(g(self.blocks()));

@@ -549,11 +549,18 @@ async fn route(req: Request<Body>, shared: Shared) -> Response<Full<Bytes>> {
             }
         }
         (&Method::GET, "/healthz") => respond(StatusCode::OK, "text/plain", "ok\n"),
-        (&Method::GET, "/metrics") => respond(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            shared.metrics.encode(),
-        ),
+        (&Method::GET, "/metrics") => {
+            {
+                let ix = shared.lock();
+                ix.update_gauges();
+                ix.update_memory_gauge();
+            }
+            respond(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                shared.metrics.encode(),
+            )
+        }
         (&Method::GET, "/v1/debug/pods") => {
             let now = shared.now_ms();
             let pods = shared.lock().debug_pods(now);
