@@ -36,3 +36,8 @@ bench-overhead: bench-prereqs
 # Re-render report.md and plot.png of a run directory: make bench-report RUN=build/bench/<run>
 bench-report: bench-venv
 	$(BENCH_PY) integration/bench/report.py $(RUN)
+
+# The harness's own checks (parsers, seeded arrivals, Envoy configs, report): seconds, no processes.
+.PHONY: bench-selftest
+bench-selftest: bench-venv
+	$(BENCH_PY) integration/bench/selftest.py

@@ -156,6 +156,14 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
                         shutil.copyfile(c.log_path, os.path.join(out, "vllm-sim.log"))
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs from /proc/stat."""
+    with open("/proc/stat") as fh:
+        vals = [float(x) for x in fh.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
 def wait_pods_idle(addresses: List[str], timeout: float = 300.0) -> Dict[str, Any]:
     """Bounded wait until no pod runs or queues a request (leftovers of the previous strategy)."""
     t0 = time.monotonic()
@@ -444,8 +452,14 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         log(f"{strategy.name}: NOT RUN — {why}")
         return res
     res["idle_before"] = wait_pods_idle(addresses)
+    if res["idle_before"].get("idle_after_s") is None:
+        res.setdefault("warnings", []).append(f"pods still busy after {res['idle_before'].get('timeout')} s before the flush")
     res["flush"] = flush_pods(addresses)
+    if any(v != 200 for v in res["flush"].values()):
+        res.setdefault("warnings", []).append(f"flush did not answer 200 on every pod: {res['flush']}")
     time.sleep(1.0)
+    cpu0 = machine_cpu()
+    sim_cpu0 = cluster.cpu_seconds() if hasattr(cluster, "cpu_seconds") else None
     before = podmetrics.scrape_all(addresses)
     res["t_start"] = time.time()
     try:
@@ -478,6 +492,11 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         res["traceback"] = traceback.format_exc()
         log(f"{strategy.name}: FAILED — {e}")
     res["t_end"] = time.time()
+    cpu1 = machine_cpu()
+    if cpu1[1] > cpu0[1]:
+        res["machine_cpu_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
+    if sim_cpu0 is not None:
+        res["sim_cpu_s"] = round(cluster.cpu_seconds() - sim_cpu0, 1)
     try:
         after = podmetrics.scrape_all(addresses)
     except Exception as e:

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Self-checks of the benchmark harness's pure parts (no processes, no network).
+
+    .venv-bench/bin/python integration/bench/selftest.py      (make bench-selftest)
+
+Covers: profile arithmetic, Prometheus parsing and counter deltas, wrk output
+parsing, the seeded arrival schedule (two timers from the same seed give the
+same gaps, a different seed does not), the Envoy configs (baseline and kvroute
+precise: overlay present, filter removed or singleton added), and the report on
+a synthetic run directory (numbers, the not-run line, and the
+"does not beat it everywhere" verdict).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import podmetrics  # noqa: E402
+import profiles  # noqa: E402
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+@check
+def profile_numbers():
+    full = profiles.get("full")
+    assert full.sim.num_gpu_blocks * full.sim.block_size == 307_328
+    assert abs(full.resident_fraction() - 0.73) < 0.01
+    assert full.load.inflight_cap == 640
+    assert [r for r, _ in full.load.stages][0] == 3 and full.load.stages[-1] == (60.0, 20)
+    assert all(20 <= d <= 38 for _, d in full.load.stages)
+    quick = profiles.get("quick")
+    assert abs(quick.resident_fraction() - 0.73) < 0.01
+    assert quick.expected_requests() == [150, 225, 450, 675]
+    o = profiles.get("quick", ["load.stages=[[5,10]]", "workload.groups=4"])
+    assert o.load.stages == [(5, 10)] and o.workload.groups == 4
+
+
+@check
+def prometheus_and_deltas():
+    text = ('# HELP x\nvllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 5\n')
+    m = podmetrics.parse_prometheus(text)
+    assert m["vllm:num_requests_waiting"] == 3.0 and m["vllm:prefix_cache_hits_total"] == 15.0
+    before = {"a": {"c": 10.0}, "b": {"c": 4.0}}
+    after = {"a": {"c": 25.0}, "b": {"c": 1.0}}  # b was reset (flush): counts its new value
+    assert podmetrics.counter_delta(before, after, "c") == 16.0
+    rows = [{"t": 1.0, "pods": {"a": {"vllm:num_requests_waiting": 2}, "b": {"vllm:num_requests_waiting": 4}}},
+            {"t": 2.0, "pods": {"a": {"vllm:num_requests_waiting": 0}, "b": {"error": "x"}}}]
+    assert podmetrics.summarize_samples(rows)["vllm:num_requests_waiting"] == 2.0
+
+
+@check
+def wrk_parsing():
+    import overhead
+
+    out = """Running 10s test @ http://127.0.0.1:1
+  1 threads and 4 connections
+  Latency Distribution
+     50%  180.00us
+     75%  203.00us
+     90%  335.00us
+     99%    2.79ms
+  18465 requests in 10.00s, 3.06MB read
+  Non-2xx or 3xx responses: 7
+Requests/sec:   1846.50
+"""
+    r = overhead.parse_wrk(out)
+    assert abs(r["p50"] - 180e-6) < 1e-12 and abs(r["p99"] - 2.79e-3) < 1e-12
+    assert r["requests"] == 18465 and r["non2xx"] == 7 and r["rps"] == 1846.5
+
+
+@check
+def seeded_arrivals():
+    import importlib
+
+    import ipwrap
+    from inference_perf.loadgen import load_timer
+
+    def gaps(seed):
+        importlib.reload(load_timer)
+        ipwrap._install_seeded_timers(seed, None)
+        t = load_timer.PoissonLoadTimer(rate=20.0, duration=5)
+        g = t.start_timer(0.0)
+        return [round(next(g), 9) for _ in range(50)]
+
+    a, b, c = gaps(7), gaps(7), gaps(8)
+    importlib.reload(load_timer)
+    assert a == b, "same seed must give the same arrival schedule"
+    assert a != c, "another seed must give another schedule"
+    assert all(y >= x for x, y in zip(a, a[1:]))
+
+
+@check
+def envoy_configs():
+    import yaml
+
+    import envoy_bench
+
+    eps = ["127.0.0.1:1001", "127.0.0.1:1002"]
+    base = yaml.safe_load(envoy_bench.baseline(eps, "random"))
+    hcm = base["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["stream_idle_timeout"] == "0s"
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
+    cl = base["static_resources"]["clusters"][0]
+    assert cl["lb_policy"] == "RANDOM" and cl["circuit_breakers"]["thresholds"][0]["max_requests"] == 100000
+    plugin = {"indexer": {"cluster": envoy_bench.INDEXER_CLUSTER, "authority": "kvroute-indexer"},
+              "tokenizer": {"cluster": envoy_bench.TOKENIZER_CLUSTER, "authority": "vllm", "path": "/tokenize"}}
+    pr = yaml.safe_load(envoy_bench.kvroute(eps, plugin, indexer_address="127.0.0.1:9", tokenizer_addresses=eps))
+    names = [c["name"] for c in pr["static_resources"]["clusters"]]
+    assert envoy_bench.INDEXER_CLUSTER in names and envoy_bench.TOKENIZER_CLUSTER in names
+    single = json.loads(pr["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"])
+    assert single["role"] == "singleton" and single["indexer"]["cluster"] == envoy_bench.INDEXER_CLUSTER
+    hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["name"] == "kvroute" and hcm["stream_idle_timeout"] == "0s"
+
+
+@check
+def report_on_synthetic_run():
+    import report
+
+    d = tempfile.mkdtemp(prefix="bench-selftest-")
+    prof = profiles.get("quick")
+
+    def strat(name, label, kind, ttft90, tok, ref=None, status="ok"):
+        stages = [{"stage": 0, "rate": 10.0, "duration": 15, "warmup": True, "expected": 150, "recorded": 150,
+                   "successes": 150, "failures": 0, "not_recorded": 0, "output_tok_s": 1.0, "ttft_p90": 9.0}]
+        for i, (q, t9, tk) in enumerate(zip((15.0, 30.0), ttft90, tok), start=1):
+            stages.append({"stage": i, "rate": q, "duration": 15, "warmup": False, "expected": int(q * 15),
+                           "recorded": int(q * 15), "successes": int(q * 15) - 1, "failures": 1, "not_recorded": 0,
+                           "output_tok_s": tk, "ttft_p50": t9 / 2, "ttft_p90": t9, "ttft_mean": t9 / 2})
+        os.makedirs(os.path.join(d, "raw", name), exist_ok=True)
+        with gzip.open(os.path.join(d, "raw", name, "requests.jsonl.gz"), "wt") as fh:
+            for k in (1, 2):
+                fh.write(json.dumps({"stage": k, "start": k * 10.0, "end": k * 10.0 + 2, "ttft": ttft90[k - 1],
+                                     "out": 100, "in": 1800, "error": None}) + "\n")
+        return {"strategy": name, "label": label, "kind": kind, "params": {}, "reference_row": ref,
+                "description": label, "status": status, "stages": stages if status == "ok" else [],
+                "requests_file": f"raw/{name}/requests.jsonl.gz",
+                "pods": {"hit_rate_measured": 0.5, "measured": {"vllm:num_requests_waiting": 1.5}}}
+
+    results = [strat("envoy-random", "Envoy random", "envoy_lb", (1.0, 9.0), (1000.0, 1500.0), "random"),
+               strat("kvroute-approx", "kvroute approximate", "kvroute", (0.5, 2.0), (1100.0, 1400.0), "approximate"),
+               strat("kvroute-precise", "kvroute precise", "kvroute", (0.2, 0.3), (1200.0, 2500.0), "precise",
+                     status="not run")]
+    results[2]["reason"] = "kvroute-indexer binary not built"
+    meta = {"command": "x", "profile": prof.to_dict(), "overrides": [], "expected_requests": prof.expected_requests(),
+            "resident_fraction": prof.resident_fraction(), "started_utc": "T", "machine": {}, "git": {},
+            "versions": {}, "pods_external": False}
+    with open(os.path.join(d, "results.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh)
+    md = open(report.write(d)).read()
+    assert "| Envoy random | ok | 1,250.0 | 2.500 s | 5.000 s |" in md, md
+    assert "kvroute precise: not run — kvroute-indexer binary not built" in md
+    assert "**kvroute does not beat it everywhere**: lower throughput at 30 QPS" in md
+    assert "errors / planned" in md and "| 2 / 675 |" in md
+    assert os.path.exists(os.path.join(d, "plot.png"))
+
+
+def main() -> int:
+    failed = 0
+    for fn in CHECKS:
+        try:
+            fn()
+            print(f"ok   {fn.__name__}")
+        except Exception as e:  # report every failure, then exit non-zero
+            failed += 1
+            print(f"FAIL {fn.__name__}: {type(e).__name__}: {e}")
+    print(f"{len(CHECKS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
