@@ -20,6 +20,8 @@ pub struct RequestFilter {
     /// The pod and prompt blocks counted as in flight, released at the end.
     in_flight: Option<(String, u32)>,
     explanation: Option<String>,
+    /// Why the request was left to Envoy's LB, for the decision header.
+    fallback: Option<FailOpen>,
     /// Pending tokenizer call-out: (token, the request, start in µs).
     tokenizing: Option<(u32, PromptRequest, u64)>,
 }
@@ -32,11 +34,13 @@ impl RequestFilter {
             request_id: String::new(),
             in_flight: None,
             explanation: None,
+            fallback: None,
             tokenizing: None,
         }
     }
 
-    fn fail_open(&self, cause: FailOpen, detail: &str) {
+    fn fail_open(&mut self, cause: FailOpen, detail: &str) {
+        self.fallback = Some(cause);
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.fail_open(cause, &self.request_id, detail);
         }
@@ -103,6 +107,7 @@ impl RequestFilter {
         let decision = match w.cluster.decide(&config, &hashed, now_s, seed) {
             Ok(d) => d,
             Err(e) => {
+                self.fallback = Some(FailOpen::from(e));
                 w.fail_open(
                     FailOpen::from(e),
                     &self.request_id,
@@ -114,6 +119,7 @@ impl RequestFilter {
         if let Err(status) =
             host::set_request_header(&config.destination_header, Some(&decision.destination()))
         {
+            self.fallback = Some(FailOpen::HeaderRejected);
             w.fail_open(
                 FailOpen::HeaderRejected,
                 &self.request_id,
@@ -154,9 +160,7 @@ impl RequestFilter {
             ),
         );
         self.in_flight = Some((decision.pod, prompt_blocks));
-        if !config.decision_header.is_empty() {
-            self.explanation = Some(explanation);
-        }
+        self.explanation = Some(explanation);
     }
 
     fn release(&mut self) {
@@ -289,9 +293,13 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if let Some(explanation) = self.explanation.take() {
-            if let Ok(w) = self.worker.try_borrow() {
-                host::add_response_header(&w.config.decision_header, &explanation);
+        let explanation = self
+            .explanation
+            .take()
+            .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())));
+        if let (Some(text), Ok(w)) = (explanation, self.worker.try_borrow()) {
+            if !w.config.decision_header.is_empty() {
+                host::add_response_header(&w.config.decision_header, &text);
             }
         }
         Action::Continue

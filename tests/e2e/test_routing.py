@@ -133,6 +133,7 @@ def test_malformed_bodies_fail_open(gateway):
     before = fallback(gateway, "malformed")
     r = requests.post(url, data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
     assert POD in r.headers and r.status_code == 400, "served by a pod, which rejects it as vLLM would"
+    assert r.headers["x-kvroute-decision"] == "fallback=malformed"
     r = requests.post(url, data="\udcff".encode("utf-8", "surrogatepass"), timeout=10)
     assert POD in r.headers
     r = requests.post(url, json={"model": MODEL, "messages": "not a list"}, timeout=10)
@@ -150,7 +151,7 @@ def test_oversize_body_fails_open_and_is_served(gateway):
     r = chat(gateway, big, "q", max_tokens=1)
     assert POD in r.headers
     assert r.status_code in (200, 400), r.text[:200]
-    assert "x-kvroute-decision" not in r.headers
+    assert r.headers["x-kvroute-decision"] == "fallback=body_too_large"
     assert fallback(gateway, "body_too_large") == before + 1
 
 
