@@ -4,10 +4,10 @@
   the same Envoy (listener, route, cluster, buffer limits) with the kvroute
   filter removed and a plain Envoy LB policy (RANDOM, ROUND_ROBIN,
   LEAST_REQUEST = power of two choices).
-- kvroute: `render_gateway(endpoints, plugin)`; for precise mode this module
-  adds what the mesh configs (envoy/mesh-gateway.yaml) add: the singleton
-  `wasm_service` that polls kvroute-indexer, a cluster for the indexer, and a
-  cluster for the tokenizer call-out (the pods' own `/tokenize`).
+- kvroute: `render_gateway(endpoints, plugin)`; precise mode renders
+  envoy/gateway-precise.yaml instead (the singleton `wasm_service` polling
+  kvroute-indexer, its cluster, and the `vllm_tokenizer` cluster = the pods'
+  own `/tokenize` for the tokenizer call-out).
 
 The same benchmark overlay is applied to every Envoy strategy, with or without
 kvroute (the peers are not Envoy and keep their defaults):
@@ -34,8 +34,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 POLICIES = {"random": "RANDOM", "round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST"}
-INDEXER_CLUSTER = "kvroute_indexer"
-TOKENIZER_CLUSTER = "kvroute_tokenizer"
 
 
 def _envoyctl():
@@ -69,43 +67,12 @@ def baseline(endpoints: List[str], policy: str) -> str:
     return yaml.safe_dump(overlay(yaml.safe_load(text)), sort_keys=False)
 
 
-def _static_cluster(name: str, addresses: List[str], lb: str = "ROUND_ROBIN") -> Dict[str, Any]:
-    eps = []
-    for a in addresses:
-        host, _, port = a.rpartition(":")
-        eps.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}})
-    return {"name": name, "type": "STATIC", "connect_timeout": "1s", "lb_policy": lb,
-            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": eps}]}}
-
-
-def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None,
-            tokenizer_addresses: Optional[List[str]] = None, poll_ms: int = 100) -> str:
-    """Gateway with kvroute; with indexer_address: the singleton and the indexer cluster too."""
-    text = _envoyctl().render_gateway(endpoints, plugin)
-    cfg = overlay(yaml.safe_load(text))
-    if tokenizer_addresses:
-        cfg["static_resources"]["clusters"].append(_static_cluster(TOKENIZER_CLUSTER, tokenizer_addresses))
+def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None) -> str:
+    """kvroute gateway (envoy/gateway.yaml); with indexer_address the precise one (envoy/gateway-precise.yaml:
+    singleton feed poller, kvroute_indexer cluster, vllm_tokenizer cluster = the pods' /tokenize)."""
+    ctl = _envoyctl()
     if indexer_address:
-        cfg["static_resources"]["clusters"].append(_static_cluster(INDEXER_CLUSTER, [indexer_address]))
-        wasm = _hcm(cfg)["http_filters"][0]["typed_config"]["config"]
-        filt = json.loads(wasm["configuration"]["value"])
-        singleton = {
-            "role": "singleton",
-            "indexer": dict(filt.get("indexer") or {}, poll_ms=poll_ms),
-            "block_size": filt.get("block_size", 16),
-        }
-        cfg["bootstrap_extensions"] = [{
-            "name": "envoy.bootstrap.wasm",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
-                "singleton": True,
-                "config": {
-                    "name": "kvroute-singleton",
-                    "root_id": wasm["root_id"],
-                    "vm_config": copy.deepcopy(wasm["vm_config"]),
-                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                      "value": json.dumps(singleton)},
-                },
-            },
-        }]
-    return yaml.safe_dump(cfg, sort_keys=False)
+        text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address)
+    else:
+        text = ctl.render_gateway(endpoints, plugin)
+    return yaml.safe_dump(overlay(yaml.safe_load(text)), sort_keys=False)

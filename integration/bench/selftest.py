@@ -117,13 +117,11 @@ def envoy_configs():
     assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
     cl = base["static_resources"]["clusters"][0]
     assert cl["lb_policy"] == "RANDOM" and cl["circuit_breakers"]["thresholds"][0]["max_requests"] == 100000
-    plugin = {"indexer": {"cluster": envoy_bench.INDEXER_CLUSTER, "authority": "kvroute-indexer"},
-              "tokenizer": {"cluster": envoy_bench.TOKENIZER_CLUSTER, "authority": "vllm", "path": "/tokenize"}}
-    pr = yaml.safe_load(envoy_bench.kvroute(eps, plugin, indexer_address="127.0.0.1:9", tokenizer_addresses=eps))
+    pr = yaml.safe_load(envoy_bench.kvroute(eps, {"block_size": 16}, indexer_address="127.0.0.1:9"))
     names = [c["name"] for c in pr["static_resources"]["clusters"]]
-    assert envoy_bench.INDEXER_CLUSTER in names and envoy_bench.TOKENIZER_CLUSTER in names
+    assert "kvroute_indexer" in names and "vllm_tokenizer" in names
     single = json.loads(pr["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"])
-    assert single["role"] == "singleton" and single["indexer"]["cluster"] == envoy_bench.INDEXER_CLUSTER
+    assert single["role"] == "singleton" and single["indexer"]["cluster"] == "kvroute_indexer"
     hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["http_filters"][0]["name"] == "kvroute" and hcm["stream_idle_timeout"] == "0s"
 

@@ -134,7 +134,10 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 # ---------------------------------------------------------------- kvroute
 
 def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int) -> Dict[str, Any]:
-    """Plugin config per mode; everything not set here is envoy/gateway.yaml's (the documented defaults)."""
+    """Plugin config per mode, merged over envoy/gateway.yaml (precise: envoy/gateway-precise.yaml).
+
+    Only the pods, their KV capacity (the simulated pods' real one) and the block size are set for
+    every mode; load-only sets weights.prefill = 0. Everything else is the shipped config."""
     cfg: Dict[str, Any] = {
         "block_size": block_size,
         "endpoints": [{"address": a, "capacity_blocks": capacity_blocks} for a in endpoints],
@@ -144,8 +147,7 @@ def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int,
     elif mode == "approximate":
         pass
     elif mode == "precise":
-        cfg["indexer"] = {"cluster": envoy_bench.INDEXER_CLUSTER, "authority": "kvroute-indexer"}
-        cfg["tokenizer"] = {"cluster": envoy_bench.TOKENIZER_CLUSTER, "authority": "vllm", "path": "/tokenize"}
+        pass  # envoy/gateway-precise.yaml's indexer, tokenizer and weights
     else:
         raise ValueError(mode)
     return cfg
@@ -199,7 +201,7 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         idx = None
         if mode == "precise":
             idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size))
-            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"], tokenizer_addresses=endpoints)
+            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"])
             notes.append("token ids: kvroute asks the pods' /tokenize (tokenizer call-out) for requests without them; "
                          "see the kvroute.tokenizer.ok / .failed counters below for how many it got")
         else:
