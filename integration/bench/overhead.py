@@ -10,6 +10,9 @@ fallback tokenizer):
   direct          wrk -> the pod                               [baseline of the peers' hop]
   envoy           Envoy, LB only (integration/bench/envoy/lb-only.yaml, LEAST_REQUEST)
   envoy+kvroute   the same Envoy with kvroute.wasm (approximate mode, default config)
+  envoy+kvroute-precise  envoy/gateway-precise.yaml + kvroute-indexer: every chat request
+                  also makes the tokenizer call-out to the pod's /tokenize (no KV events
+                  here: the cost of the call-out and the feed, not routing quality)
   sglang-router   sglang-router launch --policy cache_aware
   vllm-router     vllm-router --policy cache_aware
 Bodies: OpenAI chat JSON of 4 KiB and 30 KiB (overhead/body.lua, 16 variants,
@@ -102,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--pods", type=int, default=1,
                     help="upstream pods (default 1: `direct` can only reach one pod, so more would favour the routers)")
     ap.add_argument("--time-scale", type=float, default=0.001, help="vllm-sim --time-scale for the upstream pods")
-    ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,sglang-router,vllm-router")
+    ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
     ap.add_argument("--out")
     ap.add_argument("--results-dir", help="copy overhead.md and overhead.json here")
     args = ap.parse_args(argv)
@@ -135,6 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, strat, kw in (
             ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request"}), {}),
             ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute", {"mode": "approximate"}), {}),
+            ("envoy+kvroute-precise", strategies.Strategy("ovh-kvroute-precise", "Envoy + kvroute precise", "kvroute",
+                                                          {"mode": "precise", "require_events": False}), {}),
             ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
             ("vllm-router", strategies.Strategy("ovh-vllm-router", "vllm-router", "vllm_router", {"policy": "cache_aware"}), {}),
         ):
@@ -153,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 notes[name] = f"failed to start: {e}"
                 log(f"{name}: failed to start — {e}")
                 continue
-            targets[name] = {"url": h.base_url, "pid": h.pids[0] if h.pids else None, "argv": h.argv}
+            targets[name] = {"url": h.base_url, "pid": h.pids[0] if h.pids else None, "argv": h.argv, "stats": h.stats}
         # Warm every target once per size (connections, tries, caches) before measuring.
         for name, t in targets.items():
             for size in sizes:
@@ -177,6 +182,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                     log(f"round {rnd} {size} B {name}: p50 {r.get('p50', 0) * 1e3:.3f} ms p99 {r.get('p99', 0) * 1e3:.3f} ms "
                         f"{r.get('rps', 0):.0f} req/s non2xx {r.get('non2xx')} cpu/req {r.get('cpu_us_per_req', float('nan')):.0f} us")
         meta["loadavg_end"] = open("/proc/loadavg").read().strip()
+        for name, t in targets.items():
+            st = t.pop("stats", None)
+            if st is not None:
+                try:
+                    kv = st().get("kvroute") or {}
+                    t["kvroute_counters"] = {k.replace("wasmcustom.", ""): v for k, v in kv.items()
+                                             if k.startswith("wasmcustom.kvroute.") and v}
+                except Exception as e:
+                    t["kvroute_counters_error"] = str(e)
         _ = proc_cpu_seconds
     data = {"meta": meta, "targets": {k: {kk: vv for kk, vv in v.items()} for k, v in targets.items()}, "notes": notes, "runs": runs}
     with open(os.path.join(out, "overhead.json"), "w") as fh:
@@ -192,7 +206,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "sglang-router": "direct", "vllm-router": "direct"}
+BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "envoy+kvroute-precise": "envoy",
+            "sglang-router": "direct", "vllm-router": "direct"}
 
 
 def render(data: Dict[str, Any]) -> str:
@@ -231,7 +246,8 @@ def render(data: Dict[str, Any]) -> str:
          "Added latency = median over rounds of (target − baseline in the same round). Baselines: the peers and plain "
          "Envoy against `direct` (wrk straight to a pod: the cost of the HTTP hop); `envoy+kvroute` against `envoy` "
          "(same Envoy without the filter: the in-proxy cost of kvroute). CPU per request: the router process's "
-         "utime+stime during the run ÷ requests served.", "",
+         "utime+stime during the run ÷ requests served (Envoy's process for the Envoy targets: the indexer and the "
+         "pod's tokenizer work for the precise call-out are not in it).", "",
          "| target | body | p50 | p99 | added p50 | added p99 | vs | req/s | router CPU / req | non-2xx |",
          "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for size in sizes:
@@ -246,6 +262,14 @@ def render(data: Dict[str, Any]) -> str:
     L.append("")
     for n, why in data.get("notes", {}).items():
         L.append(f"- {n}: {why}")
+    L.append("")
+    for n, t in data["targets"].items():
+        kv = t.get("kvroute_counters")
+        if kv:
+            fb = [f"{k.split('.')[-1]} {v}" for k, v in sorted(kv.items()) if ".fallback." in k]
+            L.append(f"- {n} counters: requests {kv.get('kvroute.requests', 0)}, tokenizer call-outs ok "
+                     f"{kv.get('kvroute.tokenizer.ok', 0)} / failed {kv.get('kvroute.tokenizer.failed', 0)}"
+                     + (f", fail-open fallbacks: {', '.join(fb)}" if fb else ", no fail-open fallback"))
     L.append("")
     L.append("Router command lines:")
     for n, t in data["targets"].items():

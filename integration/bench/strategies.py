@@ -169,16 +169,19 @@ def indexer_binary() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, block_size: int) -> Iterator[Dict[str, Any]]:
+def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, block_size: int,
+                  require_events: bool = True) -> Iterator[Dict[str, Any]]:
     """kvroute-indexer reading every pod's KV events (through the relay) and scraping their /metrics."""
-    sources = kv_event_sources(cluster, endpoints)
-    if not sources:
+    sources = kv_event_sources(cluster, endpoints) if cluster is not None else {}
+    if not sources and require_events:
         raise RuntimeError("the pods expose no KV-event endpoints")
     (http_port,) = free_ports(1)
     argv = [indexer_binary() or "kvroute-indexer", f"--listen=127.0.0.1:{http_port}", "--zmq-bind", "none",
             f"--model={model}", f"--block-size={block_size}"]
     for a in endpoints:
-        argv += ["--pod", f"{a}@{model}", "--zmq-connect", f"{sources[a]}={a}@{model}"]
+        argv += ["--pod", f"{a}@{model}"]
+        if a in sources:
+            argv += ["--zmq-connect", f"{sources[a]}={a}@{model}"]
     p = Proc("kvroute-indexer", argv, os.path.join(workdir, "indexer.log"))
     try:
         wait_http_ok(f"http://127.0.0.1:{http_port}/healthz", 60, p)
@@ -200,7 +203,8 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size)
         idx = None
         if mode == "precise":
-            idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size))
+            idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size,
+                                                    require_events=strategy.params.get("require_events", True)))
             text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"])
             notes.append("token ids: kvroute asks the pods' /tokenize (tokenizer call-out) for requests without them; "
                          "see the kvroute.tokenizer.ok / .failed counters below for how many it got")
@@ -325,7 +329,8 @@ def missing_prerequisite(strategy: Strategy, cluster: Any = None) -> Optional[st
         if strategy.params["mode"] == "precise":
             if not indexer_binary():
                 return "kvroute-indexer binary not built (target/release/kvroute-indexer)"
-            if cluster is not None and not kv_event_sources(cluster, cluster.addresses):
+            if (strategy.params.get("require_events", True) and cluster is not None
+                    and not kv_event_sources(cluster, cluster.addresses)):
                 return "pods publish no KV events the indexer can subscribe to"
         return None
     if strategy.kind == "sglang":
