@@ -604,33 +604,51 @@ impl Index {
             // A sequence below the replay start: the publisher restarted.
             source.replay = None;
         }
-        match source.next_seq {
+        // The first sequence that should have come: a gap starts there.
+        let missing_from = match source.next_seq {
             Some(next) if seq > next => {
                 self.metrics.seq_gaps.inc();
                 self.metrics.seq_missed.inc_by(seq - next);
-                if let Some(endpoint) = endpoint {
-                    self.next_replay_id += 1;
-                    source.replay = Some(PendingReplay {
-                        id: replay_id,
-                        from: next,
-                        buffered: vec![(seq, batch, received_ms)],
-                    });
-                    let address = pod.address.clone();
-                    return Some(ReplayRequest {
-                        pod: address,
-                        rank,
-                        id: replay_id,
-                        endpoint,
-                        from_seq: next,
-                    });
-                }
-                self.metrics.seq_gaps_unrecovered.inc();
+                Some(next)
             }
             Some(next) if seq < next => {
                 self.metrics.restarts.inc();
                 self.clear_source(key, rank);
+                None
             }
-            _ => {}
+            Some(_) => None,
+            // Joined a running publisher (the indexer started after the pod):
+            // what it published before is in its replay buffer.
+            None if seq > 0 => {
+                self.metrics.joined_midstream.inc();
+                Some(0)
+            }
+            None => None,
+        };
+        if let Some(from) = missing_from {
+            match (endpoint, self.pods.get_mut(&key)) {
+                (Some(endpoint), Some(pod)) => {
+                    self.next_replay_id += 1;
+                    let source = pod.sources.entry(rank).or_default();
+                    source.replay = Some(PendingReplay {
+                        id: replay_id,
+                        from,
+                        buffered: vec![(seq, batch, received_ms)],
+                    });
+                    return Some(ReplayRequest {
+                        pod: pod.address.clone(),
+                        rank,
+                        id: replay_id,
+                        endpoint,
+                        from_seq: from,
+                    });
+                }
+                _ => {
+                    if from > 0 {
+                        self.metrics.seq_gaps_unrecovered.inc();
+                    }
+                }
+            }
         }
         self.apply_seq(key, rank, seq, &batch, received_ms, now_ms);
         None

@@ -42,6 +42,8 @@ pub struct Metrics {
     pub seq_gaps_unrecovered: Counter,
     /// Publisher restarts detected (sequence went back).
     pub restarts: Counter,
+    /// Publishers first heard mid-stream (first sequence above 0).
+    pub joined_midstream: Counter,
     /// Messages applied from replay sockets.
     pub replayed_messages: Counter,
     /// Learned hashes accepted / rejected (unknown pod).
@@ -106,6 +108,7 @@ impl Metrics {
             seq_missed: Counter::default(),
             seq_gaps_unrecovered: Counter::default(),
             restarts: Counter::default(),
+            joined_midstream: Counter::default(),
             replayed_messages: Counter::default(),
             learned_accepted: Counter::default(),
             learned_rejected: Counter::default(),
@@ -214,6 +217,11 @@ impl Metrics {
             "restarts",
             "Publisher restarts detected (sequence went back)",
             m.restarts
+        );
+        add!(
+            "joined_midstream",
+            "Publishers first heard mid-stream (replayed from 0 when a replay endpoint is known)",
+            m.joined_midstream
         );
         add!(
             "replayed_messages",

@@ -778,3 +778,53 @@ fn golden_capture_sequence_applies() {
     assert_eq!(ix.metrics().counter_value("decode_errors", "truncated"), 0);
     assert_eq!(ix.metrics().counter_value("events", "AllBlocksCleared"), 4);
 }
+
+#[test]
+fn joining_a_running_publisher_replays_its_buffer_from_zero() {
+    let toks = tokens(0, 3);
+    let ev = |i: usize| {
+        let parent = if i == 0 {
+            None
+        } else {
+            Some(10 + i as u64 - 1)
+        };
+        batch(
+            vec![stored(
+                &[10 + i as u64],
+                parent,
+                toks[16 * i..16 * (i + 1)].to_vec(),
+                None,
+            )],
+            0,
+        )
+    };
+    // Without a replay endpoint: applied as is, counted.
+    let mut ix = index();
+    assert!(ix.handle(&msg(POD, 2, &ev(0)), 0).is_none());
+    assert_eq!(ix.metrics().joined_midstream.get(), 1);
+    assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 0);
+    assert_eq!(fresh(&ix).of(POD).len(), 1);
+
+    // With one: the history is fetched from seq 0 first.
+    let mut ix = index_with(IndexConfig {
+        replay_port: Some(5600),
+        ..IndexConfig::default()
+    });
+    let req = ix.handle(&msg(POD, 2, &ev(2)), 0).expect("replay from 0");
+    assert_eq!(req.from_seq, 0);
+    let replayed = (0..=2)
+        .map(|i| {
+            (
+                i as u64,
+                encode_batch(&ev(i), Encoding::Map, HashForm::Uint),
+            )
+        })
+        .collect();
+    ix.finish_replay(&req, Ok(replayed), 0);
+    let want: HashMap<u64, Tier> = kv_chain(&toks)
+        .into_iter()
+        .map(|h| (h, Tier::Gpu))
+        .collect();
+    assert_eq!(fresh(&ix).of(POD), want);
+    assert_eq!(ix.metrics().stored_unknown_parent.get(), 0);
+}

@@ -164,9 +164,9 @@ class FeedClient:
 class Indexer:
     """The real kvroute-indexer on free ports; stopped by PID."""
 
-    def __init__(self, *flags: str, bind: bool = True):
+    def __init__(self, *flags: str, bind: bool = True, zmq_port: int | None = None):
         self.http_port = free_port()
-        self.zmq_port = free_port()
+        self.zmq_port = zmq_port or free_port()
         self.flags = list(flags)
         self.bind = bind
         self.proc: subprocess.Popen | None = None
