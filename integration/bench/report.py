@@ -400,6 +400,12 @@ def write(out: str) -> str:
              f"({'identical' if len(fps) == 1 else 'NOT identical'}); arrival schedule sha256 {', '.join(sorted(scheds)) or '—'} "
              f"({'identical' if len(scheds) == 1 else 'NOT identical'}). Arrivals are seeded by integration/bench/ipwrap.py "
              "(inference-perf 0.7.0 does not seed its Poisson timer); nothing else in inference-perf is changed.")
+    L.append("- KV events: every pod binds its publisher on an `ipc://` path in the run directory; "
+             "integration/bench/kvrelay.py republishes each pod's messages unchanged on its own 127.0.0.1 TCP port, "
+             "which kvroute-indexer (kvroute precise) and vllm-router (kv_aware) subscribe to.")
+    L.append("- Envoy strategies (with and without kvroute) share one overlay on the project's gateway config: "
+             "`stream_idle_timeout: 0s`, cluster circuit-breaker limits 100,000 (integration/bench/envoy_bench.py). "
+             "Peers run with their defaults apart from the flags listed below.")
     if meta.get("overrides"):
         L.append(f"- Profile overrides: {', '.join('`' + o + '`' for o in meta['overrides'])}")
     L.append("")
