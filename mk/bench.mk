@@ -1,6 +1,6 @@
 # Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
 # `make bench`           quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
-# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; hours)
+# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; estimated 5-6 hours, not run yet)
 # `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
 # BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
 # --set load.stages='[[6,20]]', --results-dir docs/results/<name>).
