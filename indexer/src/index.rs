@@ -589,7 +589,6 @@ impl Index {
                     return None;
                 }
                 // Buffer full: give up on the replay, apply what we have.
-                self.metrics.dropped("replay_buffer_full", 0);
                 self.metrics.replay("abandoned");
                 let pending = source.replay.take();
                 if let Some(p) = pending {
@@ -812,7 +811,15 @@ impl Index {
         };
         let source = pod.sources.entry(rank).or_default();
         let parent_kv = match e.parent_block_hash {
-            None => root_hash(Domain::Tokens, model, e.lora_name.as_deref()),
+            None => match (&e.lora_name, e.lora_id) {
+                (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
+                // Older vLLM names no adapter, only its id: scope the chain by the id
+                // so that it can never pass for the base model's blocks.
+                (None, Some(id)) => {
+                    root_hash(Domain::Tokens, model, Some(&format!("#lora-id:{id}")))
+                }
+                (None, None) => root_hash(Domain::Tokens, model, None),
+            },
             Some(p) => match source.blocks.get(&p) {
                 Some(entry) => entry.kv,
                 None => {

@@ -202,12 +202,27 @@ fn lora_name_scopes_the_chain() {
         c.of(POD).keys().copied().collect::<Vec<_>>(),
         token_block_hashes(root, &toks, 16, 1)
     );
+    // An adapter known only by its id (older vLLM) never passes for the base model.
+    let by_id = BlockStored {
+        block_hashes: vec![9],
+        token_ids: toks.clone(),
+        block_size: 16,
+        lora_id: Some(3),
+        ..BlockStored::default()
+    };
+    ix.handle(
+        &msg(POD, 0, &batch(vec![KvEvent::BlockStored(by_id)], 1)),
+        0,
+    );
+    let got = fresh(&ix).of(POD);
+    assert_eq!(got.len(), 2);
+    assert!(!got.contains_key(&kv_chain(&toks)[0]));
     // Block size other than configured: not indexed, counted.
     e.block_size = 8;
     e.block_hashes = vec![2, 3];
     ix.handle(&msg(POD, 1, &batch(vec![KvEvent::BlockStored(e)], 0)), 0);
     assert_eq!(ix.metrics().stored_block_size_mismatch.get(), 1);
-    assert_eq!(fresh(&ix).of(POD).len(), 1);
+    assert_eq!(fresh(&ix).of(POD).len(), 2);
 }
 
 #[test]
