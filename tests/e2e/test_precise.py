@@ -128,6 +128,11 @@ def test_indexer_outage_fails_open_and_recovers(stack):
         assert routed_completion(envoy, tokens(500 + i, 4)).headers[POD] in sims.addresses
     wait_for("feed errors counted", lambda: errors() > before)
     indexer.start()  # same ports; a new epoch: the singleton gets a snapshot
+    # The pods' publishers reconnect; events published before the new subscription reaches
+    # them are lost (ZMQ slow joiner), so wait until one gets through.
+    seed = iter(range(700, 800))
+    wait_for("events flow again", lambda: direct_completion(sims, 2, tokens(next(seed), 2)) or
+             indexer.pods_debug()[sims.addresses[2]]["sources"], timeout=15)
     ids = tokens(600, 16)
     direct_completion(sims, 2, ids)
     wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[2]) >= 16)

@@ -15,7 +15,13 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use rmp::encode as enc;
 use tokio::sync::mpsc;
+use futures_util::StreamExt;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// How long one connect attempt of a connecting publisher may take.
+const RECONNECT_ATTEMPT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Pause between connect attempts (libzmq's default reconnect interval is 100 ms).
+const RECONNECT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// One KV-cache event (the fields the simulator sets).
 #[derive(Debug, Clone, PartialEq)]
@@ -235,26 +241,44 @@ impl Publisher {
 }
 
 /// Starts the PUB socket task (bind or connect by vLLM's rule) and returns the publisher.
-/// Connecting never blocks the pod: batches queue until the peer is reached.
+/// Connecting never blocks the pod: batches published while no subscriber is
+/// connected are dropped, as a PUB socket does. Like libzmq under vLLM, a
+/// connecting publisher reconnects when its subscriber goes away (a restarted
+/// indexer must get the events again).
 pub async fn start_publisher(endpoint: String, topic: &str) -> Result<Publisher, zeromq::ZmqError> {
     let (tx, mut rx) = mpsc::unbounded_channel::<ZmqMessage>();
     let mut opts = zeromq::SocketOptions::default();
-    opts.no_connect_timeout();
+    opts.connect_timeout(RECONNECT_ATTEMPT);
     let mut sock = zeromq::PubSocket::with_options(opts);
     let bind = should_bind(&endpoint);
     if bind {
         sock.bind(&bind_addr(&endpoint)).await?;
     }
+    let mut monitor = sock.monitor();
     tokio::spawn(async move {
-        if !bind {
-            if let Err(e) = sock.connect(&endpoint).await {
-                eprintln!("vllm-sim: kv-events connect to {endpoint} failed: {e}");
-                return;
-            }
-        }
-        while let Some(msg) = rx.recv().await {
-            if let Err(e) = sock.send(msg).await {
-                eprintln!("vllm-sim: kv-events send failed: {e}");
+        let mut connected = bind;
+        let mut retry = tokio::time::interval(RECONNECT_INTERVAL);
+        loop {
+            tokio::select! {
+                msg = rx.recv() => {
+                    let Some(msg) = msg else { break };
+                    if connected {
+                        if let Err(e) = sock.send(msg).await {
+                            eprintln!("vllm-sim: kv-events send failed: {e}");
+                        }
+                    }
+                }
+                event = monitor.next() => {
+                    if let Some(zeromq::SocketEvent::Disconnected(_)) = event {
+                        connected = bind;
+                    }
+                }
+                _ = retry.tick(), if !connected => {
+                    match sock.connect(&endpoint).await {
+                        Ok(()) => connected = true,
+                        Err(e) => eprintln!("vllm-sim: kv-events connect to {endpoint} failed (retrying): {e}"),
+                    }
+                }
             }
         }
     });
