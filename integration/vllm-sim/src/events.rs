@@ -13,9 +13,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use rmp::encode as enc;
 use tokio::sync::mpsc;
-use futures_util::StreamExt;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// How long one connect attempt of a connecting publisher may take.
