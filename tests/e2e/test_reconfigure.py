@@ -72,3 +72,37 @@ def test_config_update_keeps_the_index(sims, tmp_path):
         pods = {chat(envoy, fresh, f"q{i}").headers["x-vllm-sim-pod"] for i in range(10)}
         assert len(pods) == 1, pods
         assert requests.get(envoy.admin_url + "/ready", timeout=5).status_code == 200
+
+
+def test_new_vms_start_warm_from_the_snapshot(sims, tmp_path):
+    """A new VM configuration (as a module upgrade would bring) starts new VMs with the same
+    vm_id: they restore the index snapshot that the old VMs keep in shared data."""
+    require_wasm()
+    plugin = {"index": {"snapshot_interval_ms": 500}}
+    bootstrap, listener, lds = split_lds(render_gateway(sims.addresses, plugin), str(tmp_path))
+    write_lds(lds, listener)
+    port = listener["address"]["socket_address"]["port_value"]
+    with EnvoyProcess(bootstrap, listener_port=port) as envoy:
+        envoy.wait_for_peers()
+        system = unique_system()
+        first = decision(chat(envoy, system, "same question"))
+        time.sleep(1.5)  # a snapshot is written after the decision
+
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        vm_config = hcm["http_filters"][0]["typed_config"]["config"]["vm_config"]
+        vm_config["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "v2"}
+        plugin_config = plugin_of(listener)
+        updated = json.loads(plugin_config["value"])
+        updated["decision_header"] = "x-kvroute-v2"
+        plugin_config["value"] = json.dumps(updated)
+        write_lds(lds, listener)
+
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if "x-kvroute-v2" in chat(envoy, unique_system(words=5), "probe").headers:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the new VMs never took over:\n{envoy.log_tail()}")
+        raw = chat(envoy, system, "same question").headers["x-kvroute-v2"]
+        assert f"pod={first['pod']};" in raw and f"matched={first['total']}/{first['total']}" in raw, raw
