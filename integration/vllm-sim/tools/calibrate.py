@@ -210,14 +210,15 @@ def cmd_curve(args):
 def cmd_random8(args):
     prompts = workload(150, 5)
     stages = [(15, args.warmup)] + [(q, args.stage) for q in args.qps]
-    for name, route in [("random", lambda g, r: r.randrange(8)), ("group affinity (ideal prefix routing)",
-                                                                  lambda g, r: g % 8)]:
+    strategies = {"random": lambda g, r: r.randrange(8), "affinity": lambda g, r: g % 8}
+    for name in args.strategies:
+        route = strategies[name]
         with simcluster.SimCluster(pods=8, time_scale=args.scale) as c:
             t0 = time.monotonic()
             cpu0 = c.cpu_seconds()
-            rows = asyncio.run(run_stages(c, prompts, stages, route, args.scale, args.max_inflight))
+            rows = asyncio.run(run_stages(c, prompts, stages, route, args.scale, args.max_inflight, drain=args.drain))
             cpu = (c.cpu_seconds() - cpu0) / (time.monotonic() - t0)
-        print_rows(f"8 pods, 150 groups x 5 prompts, {name}, cap {args.max_inflight} in flight, time scale "
+        print_rows(f"8 pods, 150 groups x 5 prompts, {name} routing, cap {args.max_inflight} in flight, time scale "
                    f"{args.scale} (sim CPU {cpu:.2f} cores)", rows)
 
 
@@ -239,6 +240,9 @@ def main():
     ap.add_argument("--warmup", type=float, default=30.0)
     ap.add_argument("--qps", type=float, nargs="+", default=[10, 30, 60])
     ap.add_argument("--max-inflight", type=int, default=640)
+    ap.add_argument("--drain", type=float, default=120.0, help="simulated s to wait for first tokens after the last stage")
+    ap.add_argument("--strategies", nargs="+", default=["random", "affinity"], choices=["random", "affinity"],
+                    help="random8: routing strategies (affinity = each group on one pod, ideal prefix routing)")
     args = ap.parse_args()
     for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu)]:
         if args.what in (name, "all"):
