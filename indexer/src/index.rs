@@ -521,9 +521,14 @@ impl Index {
     /// filled from the pod's replay socket.
     pub fn handle(&mut self, m: &Incoming, now_ms: u64) -> Option<ReplayRequest> {
         self.metrics.messages_received.inc();
-        let (address, model) = match &m.identity {
-            Some((a, model)) => (a.clone(), model.clone()),
-            None => match std::str::from_utf8(&m.topic).ok().and_then(parse_topic) {
+        let topic = std::str::from_utf8(&m.topic).ok().and_then(parse_topic);
+        let (address, model) = match (&m.identity, topic) {
+            // Configured identity wins; a model it does not name may come from the topic.
+            (Some((a, model)), t) if model.is_empty() => {
+                (a.clone(), t.map(|t| t.model).unwrap_or_default())
+            }
+            (Some((a, model)), _) => (a.clone(), model.clone()),
+            (None, t) => match t {
                 Some(t) => (t.address, t.model),
                 None => {
                     self.metrics.rejected("no_identity");

@@ -843,3 +843,21 @@ fn joining_a_running_publisher_replays_its_buffer_from_zero() {
     assert_eq!(fresh(&ix).of(POD), want);
     assert_eq!(ix.metrics().stored_unknown_parent.get(), 0);
 }
+
+#[test]
+fn configured_identity_takes_its_model_from_the_topic_when_it_names_none() {
+    let mut ix = index();
+    let mut m = msg(
+        "10.9.9.9:1",
+        0,
+        &batch(vec![stored(&[1], None, tokens(0, 1), None)], 0),
+    );
+    m.identity = Some((POD.into(), String::new()));
+    ix.handle(&m, 0);
+    let c = fresh(&ix);
+    assert_eq!(
+        c.of(POD).keys().copied().collect::<Vec<_>>(),
+        kv_chain(&tokens(0, 1))
+    );
+    assert_eq!(ix.debug_pods(0)[0].models, vec![MODEL.to_string()]);
+}
