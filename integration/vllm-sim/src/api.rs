@@ -661,6 +661,13 @@ async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
 
 // ---------------------------------------------------------------- tokenize and render
 
+fn json_or_error(r: ApiResult<Value>) -> Response {
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
     let r: ApiResult<Value> = (|| {
         let m = parse_body(&body)?;
@@ -686,10 +693,7 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
             json!({"count": tokens.len(), "max_model_len": pod.max_model_len(), "tokens": tokens, "token_strs": null}),
         )
     })();
-    match r {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_or_error(r)
 }
 
 fn sampling_params(m: &Map<String, Value>, chat: bool) -> ApiResult<Value> {
@@ -706,10 +710,7 @@ async fn chat_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
             json!({"request_id": pod.new_id("chatcmpl"), "token_ids": tokens, "sampling_params": sampling_params(&m, true)?, "model": model}),
         )
     })();
-    match r {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_or_error(r)
 }
 
 async fn completions_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
@@ -723,10 +724,7 @@ async fn completions_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Respons
             .collect();
         Ok(Value::Array(out))
     })();
-    match r {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_or_error(r)
 }
 
 // ---------------------------------------------------------------- the rest
