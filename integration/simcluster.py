@@ -8,7 +8,8 @@
 Every keyword option becomes the binary's `--flag value` (underscores to dashes; lists repeat the
 values; None is left out), e.g. num_gpu_blocks=2000 (or a list, one capacity per pod), max_num_seqs=64, tokenizer=PATH,
 served_model_name=["a", "b"]. `kv_events_replay=True` picks free replay ports
-(`.replay_ports`). Ports are chosen free at run time; the process runs in its own session and is
+(`.replay_ports`); env={...} adds environment variables (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0": 32-byte
+hashes, as vLLM). Ports are chosen free at run time; the process runs in its own session and is
 stopped by its PID. The binary is $KVROUTE_SIM_BIN, else target/release/vllm-sim, built with
 `cargo build --release -p vllm-sim` when missing.
 
@@ -114,12 +115,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class SimCluster:
     def __init__(self, pods: int = 1, *, host: str = "127.0.0.1", startup_timeout: float = 60.0,
-                 kv_events_replay: bool = False, **opts):
+                 kv_events_replay: bool = False, env: dict[str, str] | None = None, **opts):
         self.pods = pods
         self.host = host
         self.startup_timeout = startup_timeout
         self.kv_events_replay = kv_events_replay
         self.opts = dict(opts)
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.replay_port: int | None = None
@@ -193,7 +195,7 @@ class SimCluster:
         self.log_path = Path(name)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **self.env})
         deadline = time.monotonic() + self.startup_timeout
         pending = list(self.urls)
         while pending:

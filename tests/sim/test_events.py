@@ -160,3 +160,22 @@ def test_metrics_prefix_counters_match_events(sim_bin, sub):
         assert vals["vllm:prefix_cache_queries_total"] == 64 + 80
         assert vals["vllm:prefix_cache_hits_total"] == 0 + 64
         assert json.loads(json.dumps(vals))  # plain numbers
+
+
+def test_bytes_hashes_when_vllm_env_says_so(sim_bin, sub):
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: hashes are 32-byte bins whose last 8 bytes are the int form.
+    with simcluster.SimCluster(pods=1, time_scale=0.02, kv_events_endpoint=sub.endpoint,
+                               env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}) as c:
+        complete(c.urls[0], list(range(50)))
+        evs, _ = sub.events(lambda got: n_stored_blocks(got) >= 3)
+        st = stored(evs)
+        hs = sum((e["block_hashes"] for e in st), [])
+        assert all(isinstance(h, bytes) and len(h) == 32 for h in hs)
+        assert st[0]["parent_block_hash"] is None
+        for prev, cur in zip(st, st[1:]):
+            assert cur["parent_block_hash"] == prev["block_hashes"][-1]
+    with simcluster.SimCluster(pods=1, time_scale=0.02, kv_events_endpoint=sub.endpoint) as c:
+        complete(c.urls[0], list(range(50)))
+        evs, _ = sub.events(lambda got: n_stored_blocks(got) >= 3)
+        ints = sum((e["block_hashes"] for e in stored(evs)), [])
+        assert [int.from_bytes(h[-8:], "big") for h in hs] == ints

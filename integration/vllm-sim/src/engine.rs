@@ -21,7 +21,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use crate::events::KvEvent;
-use crate::hash::{event_hash, extend_chain, BlockHash};
+use crate::hash::{extend_chain, BlockHash};
 use crate::kv::BlockPool;
 use crate::metrics::Histogram;
 
@@ -408,10 +408,10 @@ impl Engine {
                         break;
                     };
                     self.pool.cache_block(bid, h);
-                    ev_hashes.push(event_hash(h));
+                    ev_hashes.push(h);
                 }
                 let parent = if first > 0 {
-                    r.hashes.get(first - 1).map(|h| event_hash(*h))
+                    r.hashes.get(first - 1).copied()
                 } else {
                     None
                 };
@@ -674,10 +674,7 @@ mod tests {
             }
         }
         assert_eq!(all.len(), 4);
-        let expect: Vec<u64> = crate::hash::chain(&(0..64).collect::<Vec<u32>>(), 16, None)
-            .iter()
-            .map(|h| event_hash(*h))
-            .collect();
+        let expect = crate::hash::chain(&(0..64).collect::<Vec<u32>>(), 16, None);
         assert_eq!(all, expect);
         assert_eq!(parents, vec![None, Some(expect[1])]);
     }

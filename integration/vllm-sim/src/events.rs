@@ -18,24 +18,27 @@ use rmp::encode as enc;
 use tokio::sync::mpsc;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::hash::{event_hash, BlockHash};
+
 /// How long one connect attempt of a connecting publisher may take.
 const RECONNECT_ATTEMPT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Pause between connect attempts (libzmq's default reconnect interval is 100 ms).
 const RECONNECT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// One KV-cache event (the fields the simulator sets).
+/// One KV-cache event (the fields the simulator sets). Hashes are full digests; the
+/// wire form is chosen by [`HashEncoding`] when the batch is encoded.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
     BlockStored {
-        block_hashes: Vec<u64>,
-        parent_block_hash: Option<u64>,
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
         token_ids: Vec<u32>,
         block_size: u32,
         lora_id: Option<u32>,
         lora_name: Option<String>,
     },
     BlockRemoved {
-        block_hashes: Vec<u64>,
+        block_hashes: Vec<BlockHash>,
     },
     AllBlocksCleared,
 }
@@ -62,15 +65,55 @@ fn uint(w: &mut W, v: u64) {
     let _ = enc::write_uint(w, v);
 }
 
-/// Hash values: msgspec writes non-negative ints in the smallest unsigned form.
-fn hashes(w: &mut W, hs: &[u64]) {
-    let _ = enc::write_array_len(w, hs.len() as u32);
-    for h in hs {
-        uint(w, *h);
+/// How block hashes go on the wire, as vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashEncoding {
+    /// `=1` (vLLM's default): the last 8 bytes of the digest as an unsigned int.
+    Int,
+    /// `=0`: the digest as 32 bytes (msgpack bin8). Ours is `XXH3-128(digest) ‖ digest`
+    /// (big-endian), so its last 8 bytes are the int form, as with vLLM's digests.
+    Bytes,
+}
+
+impl HashEncoding {
+    /// vLLM's environment switch; anything but `0`/`false` keeps ints.
+    pub fn from_env() -> Self {
+        match std::env::var("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+            .map(|v| v.trim().to_ascii_lowercase())
+        {
+            Ok(v) if v == "0" || v == "false" => HashEncoding::Bytes,
+            _ => HashEncoding::Int,
+        }
     }
 }
 
-fn encode_event(w: &mut W, ev: &KvEvent) {
+/// The 32-byte wire form of a digest (see [`HashEncoding::Bytes`]).
+pub fn hash_bytes32(h: BlockHash) -> [u8; 32] {
+    let digest = h.to_be_bytes();
+    let mut out = [0u8; 32];
+    out[..16].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(&digest).to_be_bytes());
+    out[16..].copy_from_slice(&digest);
+    out
+}
+
+fn hash_value(w: &mut W, h: BlockHash, e: HashEncoding) {
+    match e {
+        // msgspec writes non-negative ints in the smallest unsigned form.
+        HashEncoding::Int => uint(w, event_hash(h)),
+        HashEncoding::Bytes => {
+            let _ = enc::write_bin(w, &hash_bytes32(h));
+        }
+    }
+}
+
+fn hashes(w: &mut W, hs: &[BlockHash], e: HashEncoding) {
+    let _ = enc::write_array_len(w, hs.len() as u32);
+    for h in hs {
+        hash_value(w, *h, e);
+    }
+}
+
+fn encode_event(w: &mut W, ev: &KvEvent, e: HashEncoding) {
     match ev {
         KvEvent::BlockStored {
             block_hashes,
@@ -88,10 +131,10 @@ fn encode_event(w: &mut W, ev: &KvEvent) {
             str_(w, "type");
             str_(w, "BlockStored");
             str_(w, "block_hashes");
-            hashes(w, block_hashes);
+            hashes(w, block_hashes, e);
             str_(w, "parent_block_hash");
             match parent_block_hash {
-                Some(p) => uint(w, *p),
+                Some(p) => hash_value(w, *p, e),
                 None => nil(w),
             }
             str_(w, "token_ids");
@@ -121,7 +164,7 @@ fn encode_event(w: &mut W, ev: &KvEvent) {
             str_(w, "type");
             str_(w, "BlockRemoved");
             str_(w, "block_hashes");
-            hashes(w, block_hashes);
+            hashes(w, block_hashes, e);
             str_(w, "medium");
             str_(w, MEDIUM_GPU);
             str_(w, "group_idx");
@@ -135,14 +178,20 @@ fn encode_event(w: &mut W, ev: &KvEvent) {
     }
 }
 
-/// Encodes one batch `[ts, events, data_parallel_rank]`.
+/// Encodes one batch `[ts, events, data_parallel_rank]` with int hashes (vLLM's default).
+#[cfg(test)]
 pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u8> {
+    encode_batch_with(ts, events, dp_rank, HashEncoding::Int)
+}
+
+/// Encodes one batch `[ts, events, data_parallel_rank]`.
+pub fn encode_batch_with(ts: f64, events: &[KvEvent], dp_rank: u32, e: HashEncoding) -> Vec<u8> {
     let mut w = Vec::with_capacity(64 + events.len() * 64);
     let _ = enc::write_array_len(&mut w, 3);
     let _ = enc::write_f64(&mut w, ts);
     let _ = enc::write_array_len(&mut w, events.len() as u32);
     for ev in events {
-        encode_event(&mut w, ev);
+        encode_event(&mut w, ev, e);
     }
     uint(&mut w, u64::from(dp_rank));
     let _ = w.flush();
@@ -191,16 +240,18 @@ pub struct Publisher {
     seq: u64,
     tx: Option<mpsc::UnboundedSender<ZmqMessage>>,
     replay: ReplayBuffer,
+    encoding: HashEncoding,
 }
 
 impl Publisher {
     /// A publisher that only numbers batches (no socket): used when events are disabled and in tests.
-    pub fn detached(topic: &str) -> Self {
+    pub fn detached(topic: &str, encoding: HashEncoding) -> Self {
         Self {
             topic: Bytes::copy_from_slice(topic.as_bytes()),
             seq: 0,
             tx: None,
             replay: Arc::default(),
+            encoding,
         }
     }
 
@@ -217,7 +268,7 @@ impl Publisher {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        let payload = Bytes::from(encode_batch(ts, &events, 0));
+        let payload = Bytes::from(encode_batch_with(ts, &events, 0, self.encoding));
         let seq = self.seq;
         self.seq += 1;
         {
@@ -245,7 +296,11 @@ impl Publisher {
 /// connected are dropped, as a PUB socket does. Like libzmq under vLLM, a
 /// connecting publisher reconnects when its subscriber goes away (a restarted
 /// indexer must get the events again).
-pub async fn start_publisher(endpoint: String, topic: &str) -> Result<Publisher, zeromq::ZmqError> {
+pub async fn start_publisher(
+    endpoint: String,
+    topic: &str,
+    encoding: HashEncoding,
+) -> Result<Publisher, zeromq::ZmqError> {
     let (tx, mut rx) = mpsc::unbounded_channel::<ZmqMessage>();
     let mut opts = zeromq::SocketOptions::default();
     opts.connect_timeout(RECONNECT_ATTEMPT);
@@ -287,6 +342,7 @@ pub async fn start_publisher(endpoint: String, topic: &str) -> Result<Publisher,
         seq: 0,
         tx: Some(tx),
         replay: Arc::default(),
+        encoding,
     })
 }
 
@@ -363,7 +419,7 @@ mod tests {
     }
 
     const TS: f64 = 1_700_000_000.5;
-    const H: [u64; 4] = [
+    const H: [u128; 4] = [
         3262291359910021016,
         7142137847444424233,
         11309060389865205804,
@@ -391,11 +447,11 @@ mod tests {
         let g = golden("int_01_stored_2blocks_with_parent.payload.msgpack");
         let v = rmpv::decode::read_value(&mut &g[..]).unwrap();
         let ev = &v[1][0];
-        let hs: Vec<u64> = ev["block_hashes"]
+        let hs: Vec<u128> = ev["block_hashes"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|x| x.as_u64().unwrap())
+            .map(|x| u128::from(x.as_u64().unwrap()))
             .collect();
         let toks: Vec<u32> = ev["token_ids"]
             .as_array()
@@ -405,7 +461,7 @@ mod tests {
             .collect();
         let ours = KvEvent::BlockStored {
             block_hashes: hs,
-            parent_block_hash: ev["parent_block_hash"].as_u64(),
+            parent_block_hash: ev["parent_block_hash"].as_u64().map(u128::from),
             token_ids: toks,
             block_size: 16,
             lora_id: None,
@@ -522,7 +578,7 @@ mod tests {
 
     #[test]
     fn publisher_numbers_batches_and_bounds_replay() {
-        let mut p = Publisher::detached("t");
+        let mut p = Publisher::detached("t", HashEncoding::Int);
         p.publish(vec![]);
         assert!(p.replay_buffer().lock().unwrap().is_empty());
         for _ in 0..3 {
@@ -548,23 +604,21 @@ mod interop_tests {
     #[test]
     fn kvroute_core_decodes_what_we_publish() {
         let toks: Vec<u32> = (0..48).collect();
-        let hashes: Vec<u64> = crate::hash::chain(&toks, 16, None)
-            .into_iter()
-            .map(crate::hash::event_hash)
-            .collect();
+        let digests = crate::hash::chain(&toks, 16, None);
+        let hashes: Vec<u64> = digests.iter().map(|h| event_hash(*h)).collect();
         let batch = encode_batch(
             1.25,
             &[
                 KvEvent::BlockStored {
-                    block_hashes: hashes[1..].to_vec(),
-                    parent_block_hash: Some(hashes[0]),
+                    block_hashes: digests[1..].to_vec(),
+                    parent_block_hash: Some(digests[0]),
                     token_ids: toks[16..].to_vec(),
                     block_size: 16,
                     lora_id: None,
                     lora_name: None,
                 },
                 KvEvent::BlockRemoved {
-                    block_hashes: vec![hashes[2]],
+                    block_hashes: vec![digests[2]],
                 },
                 KvEvent::AllBlocksCleared,
             ],
@@ -614,5 +668,84 @@ mod interop_tests {
         let theirs = kvroute_core::hash::token_block_hashes(root, &toks, 16, 64);
         assert_eq!(theirs.len(), ours.len());
         assert!(ours.iter().all(|h| !theirs.contains(h)));
+    }
+}
+
+/// vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` form against the `bytes_*` golden captures.
+#[cfg(test)]
+mod bytes_tests {
+    use super::*;
+
+    fn golden(name: &str) -> Vec<u8> {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/vllm-golden/frames")
+            .join(name);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+    }
+
+    /// The value with every hash (bin) replaced by a marker, so structures compare.
+    fn shape(v: &rmpv::Value) -> rmpv::Value {
+        use rmpv::Value as V;
+        match v {
+            V::Binary(b) => V::from(format!("bin{}", b.len())),
+            V::Array(a) => V::Array(a.iter().map(shape).collect()),
+            V::Map(m) => V::Map(m.iter().map(|(k, x)| (k.clone(), shape(x))).collect()),
+            other => other.clone(),
+        }
+    }
+
+    fn decode(b: &[u8]) -> rmpv::Value {
+        rmpv::decode::read_value(&mut &b[..]).unwrap()
+    }
+
+    #[test]
+    fn bytes_hashes_match_golden_structure() {
+        let d = crate::hash::chain(&(0..64).collect::<Vec<u32>>(), 16, None);
+        let e = HashEncoding::Bytes;
+        let stored = KvEvent::BlockStored {
+            block_hashes: d.clone(),
+            parent_block_hash: None,
+            token_ids: (0..64).collect(),
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+        };
+        let ours = encode_batch_with(1_700_000_000.5, &[stored], 0, e);
+        let g = golden("bytes_00_stored_4blocks_root.payload.msgpack");
+        assert_eq!(ours.len(), g.len());
+        assert_eq!(shape(&decode(&ours)), shape(&decode(&g)));
+        let with_parent = KvEvent::BlockStored {
+            block_hashes: d[2..].to_vec(),
+            parent_block_hash: Some(d[1]),
+            token_ids: (32..64).collect(),
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+        };
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![d[3]],
+        };
+        let mixed = encode_batch_with(
+            1_700_000_000.5,
+            &[with_parent, removed, KvEvent::AllBlocksCleared],
+            0,
+            e,
+        );
+        let g = golden("bytes_06_mixed_stored_removed_cleared.payload.msgpack");
+        assert_eq!(mixed.len(), g.len());
+        assert_eq!(shape(&decode(&mixed)), shape(&decode(&g)));
+    }
+
+    #[test]
+    fn bytes_form_ends_with_the_int_form() {
+        let h: BlockHash = 0x0102_0304_0506_0708_1122_3344_5566_7788;
+        let b = hash_bytes32(h);
+        assert_eq!(b[24..], event_hash(h).to_be_bytes());
+        assert_eq!(b[16..], h.to_be_bytes());
+        // vLLM's captures have the same relation between their two forms.
+        let g = golden("bytes_03_removed_gpu.payload.msgpack");
+        let v = decode(&g);
+        let bin = v[1][0]["block_hashes"][0].as_slice().unwrap().to_vec();
+        assert_eq!(bin[24..], 4393453693117533255u64.to_be_bytes());
     }
 }

@@ -16,7 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::events::KvEvent;
-use crate::hash::{event_hash, BlockHash};
+use crate::hash::BlockHash;
 
 #[derive(Debug, Clone, Default)]
 struct Block {
@@ -158,7 +158,7 @@ impl BlockPool {
             }
         }
         self.events.push(KvEvent::BlockRemoved {
-            block_hashes: vec![event_hash(h)],
+            block_hashes: vec![h],
         });
     }
 
@@ -213,7 +213,7 @@ mod tests {
     use super::*;
     use crate::hash::chain;
 
-    fn removed(evs: &[KvEvent]) -> Vec<u64> {
+    fn removed(evs: &[KvEvent]) -> Vec<BlockHash> {
         evs.iter()
             .filter_map(|e| match e {
                 KvEvent::BlockRemoved { block_hashes } => Some(block_hashes[0]),
@@ -271,17 +271,14 @@ mod tests {
         // Need one block: evicts A's tail block first.
         let x = p.allocate(1).unwrap();
         assert_eq!(x, vec![ia[1]]);
-        assert_eq!(removed(&p.take_events()), vec![event_hash(ha[1])]);
+        assert_eq!(removed(&p.take_events()), vec![ha[1]]);
         assert_eq!(p.cached_prefix(&ha), vec![ia[0]]);
         // Touch B (a hit) then free it again: it moves to the MRU end.
         p.touch(&ib);
         p.free_blocks(&ib);
         let y = p.allocate(2).unwrap();
         assert_eq!(y, vec![ia[0], ib[1]]);
-        assert_eq!(
-            removed(&p.take_events()),
-            vec![event_hash(ha[0]), event_hash(hb[1])]
-        );
+        assert_eq!(removed(&p.take_events()), vec![ha[0], hb[1]]);
         assert_eq!(p.cached_prefix(&hb), vec![ib[0]]);
         assert_eq!(p.num_cached(), 1);
     }

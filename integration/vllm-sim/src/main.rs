@@ -176,14 +176,15 @@ async fn start_pod(
         .replace("{host}", &a.host)
         .replace("{port}", &port.to_string())
         .replace("{model}", &first_name);
+    let encoding = events::HashEncoding::from_env();
     let publisher = match &a.kv_events_endpoint {
         Some(ep) => {
             let ep = events::pod_endpoint(ep, i);
-            events::start_publisher(ep.clone(), &topic)
+            events::start_publisher(ep.clone(), &topic, encoding)
                 .await
                 .map_err(|e| SimError::Zmq(format!("kv events endpoint {ep}"), e))?
         }
-        None => Publisher::detached(&topic),
+        None => Publisher::detached(&topic, encoding),
     };
     if let Some(rp) = a.kv_events_replay_port {
         let ep = format!("tcp://{}:{}", a.host, u32::from(rp) + u32::from(i));
