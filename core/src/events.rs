@@ -286,10 +286,26 @@ impl<'a> Reader<'a> {
     }
 
     fn be(&mut self, n: usize) -> Result<u64, EventError> {
-        Ok(self
-            .take(n)?
-            .iter()
-            .fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+        Ok(match n {
+            1 => u64::from(self.arr::<1>()?[0]),
+            2 => u64::from(u16::from_be_bytes(self.arr()?)),
+            4 => u64::from(u32::from_be_bytes(self.arr()?)),
+            8 => u64::from_be_bytes(self.arr()?),
+            _ => self
+                .take(n)?
+                .iter()
+                .fold(0u64, |acc, b| (acc << 8) | u64::from(*b)),
+        })
+    }
+
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], EventError> {
+        match self.buf.split_first_chunk::<N>() {
+            Some((head, tail)) => {
+                self.buf = tail;
+                Ok(*head)
+            }
+            None => Err(EventError::Truncated),
+        }
     }
 
     /// Checks that `count` items of at least `min_item` bytes each fit.
@@ -530,9 +546,19 @@ impl<'a> Reader<'a> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let m = self.peek()?;
+            // Fast paths for the encodings token ids take (positive fixint, uint 8/16/32).
             let t = if m <= 0x7f {
                 self.buf = &self.buf[1..];
                 u32::from(m)
+            } else if m == 0xcd {
+                self.buf = &self.buf[1..];
+                u32::from(u16::from_be_bytes(self.arr()?))
+            } else if m == 0xce {
+                self.buf = &self.buf[1..];
+                u32::from_be_bytes(self.arr()?)
+            } else if m == 0xcc {
+                self.buf = &self.buf[1..];
+                u32::from(self.arr::<1>()?[0])
             } else {
                 match self.scalar(WHAT)? {
                     Scalar::Uint(v) => {

@@ -836,6 +836,7 @@ impl Index {
         let kvs = token_block_hashes(parent_kv, &e.token_ids[..need], bs, n);
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
+        let mut applied = 0u64;
         for (&vh, &kv) in e.block_hashes.iter().zip(&kvs) {
             match source.blocks.entry(vh) {
                 Entry::Occupied(mut o) => {
@@ -858,15 +859,16 @@ impl Index {
                 Entry::Vacant(v) => {
                     if pod.source_blocks >= self.cfg.max_blocks_per_pod {
                         self.metrics.blocks_refused_capacity.inc();
-                        return;
+                        break;
                     }
                     v.insert(SourceEntry { kv, tiers: bit });
                     pod.source_blocks += 1;
                     adjust(&mut pod.blocks, sink, key, kv, tier, true);
                 }
             }
-            self.metrics.blocks_stored.inc();
+            applied += 1;
         }
+        self.metrics.blocks_stored.inc_by(applied);
     }
 
     fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
@@ -876,6 +878,7 @@ impl Index {
         let source = pod.sources.entry(rank).or_default();
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
+        let mut removed = 0u64;
         for vh in &e.block_hashes {
             let Entry::Occupied(mut o) = source.blocks.entry(*vh) else {
                 self.metrics.removed_unknown.inc();
@@ -893,8 +896,9 @@ impl Index {
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
             }
             adjust(&mut pod.blocks, sink, key, kv, tier, false);
-            self.metrics.blocks_removed.inc();
+            removed += 1;
         }
+        self.metrics.blocks_removed.inc_by(removed);
     }
 
     fn clear_source(&mut self, key: u64, rank: i64) {
