@@ -618,20 +618,35 @@ async fn collect(
     Ok(axum::Json(body).into_response())
 }
 
+/// Runs request parsing and tokenisation (the CPU-heavy part of a request) on tokio's blocking
+/// pool, so the one runtime thread that times every pod's engine steps is never held up.
+async fn off_thread<T: Send + 'static>(
+    f: impl FnOnce() -> ApiResult<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("request worker failed: {e}")))?
+}
+
 async fn generate(pod: Arc<Pod>, body: Bytes, chat: bool) -> ApiResult<Response> {
-    let m = parse_body(&body)?;
-    let model = check_model(&pod, &m)?;
-    let (stream, include_usage, max_tokens) = sampling(&m, chat)?;
-    let prompts = if chat {
-        vec![chat_tokens(&pod, &m)?]
-    } else {
-        completion_prompts(&pod, &m)?
-    };
-    let mut reqs = Vec::with_capacity(prompts.len());
-    for p in prompts {
-        let mt = check_lengths(&pod, &p, max_tokens)?;
-        reqs.push((p, mt));
-    }
+    let p = pod.clone();
+    let (model, stream, include_usage, reqs) = off_thread(move || {
+        let m = parse_body(&body)?;
+        let model = check_model(&p, &m)?;
+        let (stream, include_usage, max_tokens) = sampling(&m, chat)?;
+        let prompts = if chat {
+            vec![chat_tokens(&p, &m)?]
+        } else {
+            completion_prompts(&p, &m)?
+        };
+        let mut reqs = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            let mt = check_lengths(&p, &prompt, max_tokens)?;
+            reqs.push((prompt, mt));
+        }
+        Ok((model, stream, include_usage, reqs))
+    })
+    .await?;
     let n = reqs.len();
     let gen = Gen {
         chat,
@@ -669,7 +684,7 @@ fn json_or_error(r: ApiResult<Value>) -> Response {
 }
 
 async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let r: ApiResult<Value> = (|| {
+    let r: ApiResult<Value> = off_thread(move || {
         let m = parse_body(&body)?;
         check_model(&pod, &m)?;
         let tokens = if m.contains_key("messages") {
@@ -692,7 +707,8 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         Ok(
             json!({"count": tokens.len(), "max_model_len": pod.max_model_len(), "tokens": tokens, "token_strs": null}),
         )
-    })();
+    })
+    .await;
     json_or_error(r)
 }
 
@@ -702,19 +718,20 @@ fn sampling_params(m: &Map<String, Value>, chat: bool) -> ApiResult<Value> {
 }
 
 async fn chat_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let r: ApiResult<Value> = (|| {
+    let r: ApiResult<Value> = off_thread(move || {
         let m = parse_body(&body)?;
         let model = check_model(&pod, &m)?;
         let tokens = chat_tokens(&pod, &m)?;
         Ok(
             json!({"request_id": pod.new_id("chatcmpl"), "token_ids": tokens, "sampling_params": sampling_params(&m, true)?, "model": model}),
         )
-    })();
+    })
+    .await;
     json_or_error(r)
 }
 
 async fn completions_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let r: ApiResult<Value> = (|| {
+    let r: ApiResult<Value> = off_thread(move || {
         let m = parse_body(&body)?;
         let model = check_model(&pod, &m)?;
         let sp = sampling_params(&m, false)?;
@@ -723,7 +740,8 @@ async fn completions_render(State(pod): State<Arc<Pod>>, body: Bytes) -> Respons
             .map(|t| json!({"request_id": pod.new_id("cmpl"), "token_ids": t, "sampling_params": sp, "model": model}))
             .collect();
         Ok(Value::Array(out))
-    })();
+    })
+    .await;
     json_or_error(r)
 }
 
