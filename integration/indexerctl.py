@@ -1,14 +1,15 @@
-"""Run the real kvroute-indexer for tests, `make run-precise` and benchmarks.
+"""Run the real kvroute-indexer for tests, benchmarks and demos.
 
-    with IndexerProcess(pods=["127.0.0.1:P1", ...], model="Qwen/Qwen3-32B") as idx:
+    with IndexerProcess(["127.0.0.1:P1", ...], "--scrape-interval-ms=200") as idx:
         idx.address        # "127.0.0.1:H", for the Envoy cluster kvroute_indexer
         idx.zmq_endpoint   # "tcp://127.0.0.1:Z": vllm-sim --kv-events-endpoint (pods connect)
-        idx.blocks("127.0.0.1:P1")
+        idx.blocks("127.0.0.1:P1"), idx.metric("kvroute_indexer_seq_gaps_total")
 
-Ports are free ones chosen at construction and kept across stop()/start(), so a test can
-kill the indexer and bring it back where the proxies expect it. The binary is
-$KVROUTE_INDEXER_BIN, else target/release/kvroute-indexer (built with cargo when missing).
-The process runs in its own session and is stopped by its PID. Standard library only.
+`pods` become `--pod ADDRESS@MODEL` flags; any other flag is passed as given. Ports are free
+ones chosen at construction and kept across stop()/start(), so a test can kill the indexer and
+bring it back where the proxies expect it. The binary is $KVROUTE_INDEXER_BIN, else
+target/release/kvroute-indexer (built with cargo when missing). The process runs in its own
+session and is stopped by its PID. Standard library only.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / "target" / "release" / "kvroute-indexer"
+MODEL = "Qwen/Qwen3-32B"
 
 
 def indexer_binary() -> Path:
@@ -48,15 +50,15 @@ def free_port() -> int:
 
 
 class IndexerProcess:
-    def __init__(self, pods: list[str] = (), *flags: str, model: str = "Qwen/Qwen3-32B", block_size: int = 16,
-                 startup_timeout: float = 30.0):
+    def __init__(self, pods: list[str] = (), *flags: str, model: str = MODEL, bind: bool = True,
+                 zmq_port: int | None = None, startup_timeout: float = 30.0):
         self.pods = list(pods)
         self.flags = list(flags)
         self.model = model
-        self.block_size = block_size
+        self.bind = bind
         self.startup_timeout = startup_timeout
         self.http_port = free_port()
-        self.zmq_port = free_port()
+        self.zmq_port = zmq_port or free_port()
         self.proc: subprocess.Popen | None = None
         fd, name = tempfile.mkstemp(prefix="kvroute-indexer-", suffix=".log")
         os.close(fd)
@@ -79,9 +81,9 @@ class IndexerProcess:
         return self.proc.pid if self.proc else None
 
     def argv(self) -> list[str]:
-        argv = [str(indexer_binary()), f"--listen={self.address}", f"--zmq-bind={self.zmq_endpoint}",
-                f"--model={self.model}", f"--block-size={self.block_size}"]
-        return argv + [f"--pod={p}" for p in self.pods] + self.flags
+        argv = [str(indexer_binary()), f"--listen={self.address}",
+                f"--zmq-bind={self.zmq_endpoint if self.bind else 'none'}"]
+        return argv + [f"--pod={p}@{self.model}" for p in self.pods] + self.flags
 
     def start(self) -> "IndexerProcess":
         with open(self.log_path, "ab") as log:
@@ -93,7 +95,7 @@ class IndexerProcess:
                 raise RuntimeError(f"kvroute-indexer exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.healthy():
                 return self
-            time.sleep(0.1)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"kvroute-indexer not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
 
@@ -120,20 +122,52 @@ class IndexerProcess:
         self.stop()
         self.log_path.unlink(missing_ok=True)
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=5) as r:
+            return r.read()
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, data=body, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
     def pods_debug(self) -> dict[str, dict]:
         """GET /v1/debug/pods, keyed by pod address."""
-        with urllib.request.urlopen(self.url + "/v1/debug/pods", timeout=5) as r:
-            return {p["address"]: p for p in json.load(r)}
+        return {p["address"]: p for p in json.loads(self.get("/v1/debug/pods"))}
 
     def blocks(self, address: str) -> int:
         return self.pods_debug().get(address, {}).get("blocks", 0)
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            return r.read().decode()
+        return self.get("/metrics").decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric, _, lab = head.partition("{")
+            if metric == name and all(f'{k}="{v}"' in lab for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0

@@ -2,21 +2,15 @@
 ports, publish vLLM-shaped ZMQ messages with pyzmq, read the feed (decoded here
 in Python from the wire format pinned in docs/contracts.md / core/src/feed.rs).
 
-The binary is $KVROUTE_INDEXER_BIN, else target/release/kvroute-indexer, built
-with `cargo build --release -p kvroute-indexer` when missing.
+The process is integration/indexerctl.py's IndexerProcess (binary, ports, stop by PID).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import struct
-import subprocess
+import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,34 +18,17 @@ import msgpack
 import zmq
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "integration"))
+
+from indexerctl import IndexerProcess, free_port, indexer_binary  # noqa: E402,F401  (re-exported)
+
 GOLDEN = REPO.parent / "shared" / "vllm-golden" / "frames"
-DEFAULT_BIN = REPO / "target" / "release" / "kvroute-indexer"
 MODEL = "Qwen/Qwen3-32B"
 
 # kvroute hashes of tokens 0..63 (block 16) for MODEL, pinned in core/src/hash.rs.
 TOKENS_0_63_QWEN = [0xB2B79674517D8D36, 0xA8E1D591ABB22B2D, 0xEBE25CDFBC418710, 0x6B2B308C32DE0F48]
 
 TIERS = {0: "gpu", 1: "cpu", 2: "disk", 3: "learned"}
-
-
-def indexer_binary() -> Path:
-    env = os.environ.get("KVROUTE_INDEXER_BIN")
-    if env:
-        p = Path(env)
-        if not p.is_file():
-            raise FileNotFoundError(f"KVROUTE_INDEXER_BIN={env} does not exist")
-        return p
-    if not DEFAULT_BIN.is_file():
-        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
-        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=REPO, env=env_build,
-                       check=True, stdin=subprocess.DEVNULL)
-    return DEFAULT_BIN
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------- feed codec
@@ -161,92 +138,14 @@ class FeedClient:
 # ----------------------------------------------------------------- process
 
 
-class Indexer:
-    """The real kvroute-indexer on free ports; stopped by PID."""
+class Indexer(IndexerProcess):
+    """The real kvroute-indexer with exactly the given flags (tests name every pod themselves)."""
 
     def __init__(self, *flags: str, bind: bool = True, zmq_port: int | None = None):
-        self.http_port = free_port()
-        self.zmq_port = zmq_port or free_port()
-        self.flags = list(flags)
-        self.bind = bind
-        self.proc: subprocess.Popen | None = None
-        self.log = b""
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def zmq_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.zmq_port}"
-
-    def __enter__(self) -> "Indexer":
-        args = [str(indexer_binary()), "--listen", f"127.0.0.1:{self.http_port}"]
-        args += ["--zmq-bind", f"tcp://127.0.0.1:{self.zmq_port}" if self.bind else "none"]
-        args += self.flags
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"indexer exited: {self.proc.stdout.read().decode()}")
-            try:
-                if self.get("/healthz") == b"ok\n":
-                    return self
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.05)
-        self.__exit__(None, None, None)
-        raise TimeoutError("indexer did not become healthy")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        if self.proc and self.proc.stdout:
-            self.log = self.proc.stdout.read()
-
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.base + path, timeout=5) as r:
-            return r.read()
-
-    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base + path, data=body, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def pods(self) -> dict[str, dict]:
-        return {p["address"]: p for p in json.loads(self.get("/v1/debug/pods"))}
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-        total = 0.0
-        for line in self.get("/metrics").decode().splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric, _, lab = head.partition("{")
-            if metric != name:
-                continue
-            if all(f'{k}="{v}"' in lab for k, v in labels.items()):
-                total += float(value)
-        return total
+        super().__init__((), *flags, bind=bind, zmq_port=zmq_port)
 
     def feed(self) -> FeedClient:
-        return FeedClient(self.base)
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return FeedClient(self.url)
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):

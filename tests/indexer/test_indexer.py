@@ -3,6 +3,7 @@ pyzmq (golden captures of vLLM's own publisher and hand-built messages), the
 feed decoded in Python."""
 
 import http.server
+import json
 import struct
 import threading
 import time
@@ -38,7 +39,7 @@ def test_golden_captures_over_zmq(ctx):
         assert ix.metric("kvroute_indexer_seq_gaps_total") == 0
         assert ix.metric("kvroute_indexer_events_total", type="BlockStored") == 8
         assert ix.metric("kvroute_indexer_events_total", type="BlockRemoved") == 6
-        pods = ix.pods()
+        pods = ix.pods_debug()
         assert pods[POD]["sources"] == [{"rank": 0, "next_seq": 7, "blocks": 0, "replay_pending": False}]
         pub.close()
 
@@ -56,7 +57,7 @@ def test_array_encoded_events_and_data_parallel_rank(ctx):
         # Same pod, data-parallel rank 1 (its own sequence): the golden dp1 clear only clears rank 1.
         dp1 = h.golden_payload("int_tcp_dp1_topic_cleared")
         pub.send(topic(POD), 0, dp1)
-        wait_for(lambda: {s["rank"] for s in ix.pods()[POD]["sources"]} == {0, 1}, what="rank 1 source")
+        wait_for(lambda: {s["rank"] for s in ix.pods_debug()[POD]["sources"]} == {0, 1}, what="rank 1 source")
         assert len(feed.of(POD)) == 2
         # Rank 0 removes one block with the positional BlockRemoved (signed hash).
         pub.send(topic(POD), 1, h.msgpack.packb([1.0, [["BlockRemoved", [-2], "GPU", 0]], 0]))
@@ -182,7 +183,7 @@ def test_rogue_publisher_is_rejected_unless_explicitly_enabled(ctx):
         feed = ix.feed()
         wait_for(lambda: len(feed.of(rogue)) == 1, what="pod discovered from events")
         assert feed.pods[0]["models"] == [MODEL]
-        assert ix.pods()[rogue]["origins"] == ["events"]
+        assert ix.pods_debug()[rogue]["origins"] == ["events"]
         pub.close()
 
 
@@ -202,7 +203,7 @@ def test_connect_mode_identity_from_configuration(ctx):
 
             wait_for(probe, what="connected SUB receives")
             assert feed.of(POD) == {h.TOKENS_0_63_QWEN[0]: "gpu"}
-            assert ix.pods()[POD]["origins"] == ["connect"]
+            assert ix.pods_debug()[POD]["origins"] == ["connect"]
     finally:
         pub.close()
 
@@ -211,7 +212,7 @@ def test_learned_entries_are_shared_with_a_ttl(ctx):
     with h.Indexer("--pod", f"{POD}@{MODEL}", "--scrape-interval-ms", "0", "--learned-ttl-seconds", "1") as ix:
         feed = ix.feed()
         status, body = ix.post("/v1/learned", h.encode_learned([(POD, [1, 2, 3]), ("10.9.9.9:80", [4])]))
-        assert status == 200 and h.json.loads(body) == {"accepted": 3, "rejected": 1}
+        assert status == 200 and json.loads(body) == {"accepted": 3, "rejected": 1}
         assert feed.of(POD) == {1: "learned", 2: "learned", 3: "learned"}
         status, body = ix.post("/v1/learned", b"KVRL\x01\x00\x00\x00\xff\xff\xff\xff")
         assert status == 400 and b"count" in body
@@ -266,8 +267,8 @@ def test_dns_discovery_and_silent_pod_timeout(ctx):
     with h.Indexer("--dns-service", f"localhost:{port}", "--dns-interval-ms", "200", "--model", MODEL,
                    "--scrape-interval-ms", "0", "--pod-timeout-seconds", "1") as ix:
         pod = f"127.0.0.1:{port}"
-        wait_for(lambda: pod in ix.pods(), what="pod from DNS")
-        assert ix.pods()[pod]["origins"] == ["dns"]
+        wait_for(lambda: pod in ix.pods_debug(), what="pod from DNS")
+        assert ix.pods_debug()[pod]["origins"] == ["dns"]
         pub = h.Publisher(ctx, ix.zmq_endpoint)
         h.wait_subscribed(ix, pub)
         feed = ix.feed()

@@ -12,10 +12,7 @@ builds vllm-sim / kvroute-indexer with cargo when missing.
 """
 
 import json
-import os
 import re
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +23,7 @@ import yaml
 
 import meshlib
 from envoyctl import EnvoyProcess, free_port
+from indexerctl import IndexerProcess
 from simcluster import SimCluster
 
 MODEL = "Qwen/Qwen3-32B"
@@ -34,64 +32,6 @@ POD = "x-vllm-sim-pod"
 PODS = 3
 
 
-
-
-def indexer_binary():
-    """$KVROUTE_INDEXER_BIN (set by `make e2e`), else target/release/kvroute-indexer, built if missing."""
-    env_bin = os.environ.get("KVROUTE_INDEXER_BIN")
-    if env_bin:
-        return meshlib.ROOT / env_bin
-    path = meshlib.ROOT / "target" / "release" / "kvroute-indexer"
-    if not path.is_file():
-        env = dict(os.environ, CARGO_TARGET_DIR=str(meshlib.ROOT / "target"))
-        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=meshlib.ROOT, env=env,
-                       check=True, stdin=subprocess.DEVNULL)
-    return path
-
-
-class Indexer:
-    """kvroute-indexer on free 127.0.0.1 ports, flags as in istio/base/indexer.yaml; stopped by PID."""
-
-    def __init__(self, pods):
-        self.http_port = free_port()
-        self.zmq_port = free_port()
-        self.pods = pods
-        self.proc = None
-
-    def __enter__(self):
-        argv = [str(indexer_binary()), f"--listen=127.0.0.1:{self.http_port}",
-                f"--zmq-bind=tcp://127.0.0.1:{self.zmq_port}", f"--model={MODEL}", "--block-size=16"]
-        argv += [f"--pod={p}" for p in self.pods]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_for(lambda: self.healthy(), 30, "indexer /healthz")
-        return self
-
-    def healthy(self):
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kvroute-indexer exited with {self.proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=1) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError):
-            return False
-
-    def blocks(self, address):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v1/debug/pods", timeout=5) as r:
-            pods = {p["address"]: p for p in json.load(r)}
-        return pods[address]["blocks"] if address in pods else 0
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def wait_for(cond, timeout, what):
@@ -147,9 +87,8 @@ def mesh(request):
     meshlib.require_module()
     zmq_port = free_port()
     with SimCluster(pods=PODS, time_scale=0.2, kv_events_endpoint=f"tcp://127.0.0.1:{zmq_port}") as sims:
-        indexer = Indexer(sims.addresses)
-        indexer.zmq_port = zmq_port
-        with indexer:
+        # flags as in istio/base/indexer.yaml
+        with IndexerProcess(sims.addresses, "--block-size=16", model=MODEL, zmq_port=zmq_port) as indexer:
             with EnvoyProcess(render_mesh(request.param, sims.addresses, indexer.http_port)) as envoy:
                 # pods come only from the feed: wait until the singleton has delivered them
                 wait_for(lambda: stat(envoy, "kvroute.feed.pods") == PODS, 30, "feed with every pod")

@@ -115,7 +115,7 @@ def test_http_module_with_sha256_runs_filter_and_singleton(sims, origin, module_
         assert envoy.stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter ran"
         # no indexer and no static endpoints: no pod is known, the request failed open
         assert envoy.stats("kvroute").get("wasmcustom.kvroute.fallback.no_endpoints") == 1
-        assert "x-kvroute-decision" not in r.headers
+        assert r.headers["x-kvroute-decision"] == "fallback=no_endpoints"
         # the singleton runs too: it polls the (absent) indexer and counts the failures
         deadline = time.monotonic() + 10
         while feed_errors(envoy) == 0 and time.monotonic() < deadline:
