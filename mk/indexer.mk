@@ -1,5 +1,5 @@
 # kvroute-indexer (indexer/), the vLLM KV-event decoder and feed codec (core/src/{events,feed}.rs),
-# their fuzz targets (fuzz/) and end-to-end tests (tests/indexer).
+# the fuzz targets of every decoder and parser (fuzz/) and end-to-end tests (tests/indexer).
 #   make indexer        release binary target/release/kvroute-indexer
 #   make indexer-lint   rustfmt + clippy (-D warnings) of kvroute-indexer and kvroute-core
 #   make indexer-test   cargo tests (decoder goldens, codec, index) + pytest tests/indexer
@@ -7,7 +7,7 @@
 #   make fuzz           cargo fuzz, FUZZ_SECONDS per target (stable toolchain: RUSTC_BOOTSTRAP=1)
 INDEXER_BIN := target/release/kvroute-indexer
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := events_decode feed_decode
+FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire
 GOLDEN_FRAMES := ../shared/vllm-golden/frames
 
 .PHONY: indexer indexer-lint indexer-test indexer-bench fuzz fuzz-build
@@ -33,9 +33,10 @@ fuzz-build:
 	cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build
 
 fuzz: fuzz-build
-	mkdir -p fuzz/corpus/events_decode fuzz/corpus/feed_decode
+	mkdir -p $(addprefix fuzz/corpus/,$(FUZZ_TARGETS))
 	cp $(GOLDEN_FRAMES)/*.payload.msgpack fuzz/corpus/events_decode/
 	cp fuzz/seeds/feed_decode/* fuzz/corpus/feed_decode/
+	cp fuzz/seeds/request_parse/* fuzz/corpus/request_parse/
 	set -e; for t in $(FUZZ_TARGETS); do \
 	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048); \
 	done

@@ -34,6 +34,7 @@ pub enum WireError {
     UnknownTag(u8),
     BadUtf8,
     TooLong,
+    TrailingBytes,
 }
 
 impl fmt::Display for WireError {
@@ -43,6 +44,7 @@ impl fmt::Display for WireError {
             WireError::UnknownTag(t) => write!(f, "peer message has unknown tag {t:#04x}"),
             WireError::BadUtf8 => write!(f, "peer message has a pod name that is not UTF-8"),
             WireError::TooLong => write!(f, "peer message field too long to encode"),
+            WireError::TrailingBytes => write!(f, "peer message has bytes after its last message"),
         }
     }
 }
@@ -124,6 +126,9 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
             tag => return Err(WireError::UnknownTag(tag)),
         };
         messages.push(message);
+    }
+    if !r.rest.is_empty() {
+        return Err(WireError::TrailingBytes);
     }
     Ok(messages)
 }
