@@ -32,6 +32,11 @@ $(VENV)/.installed: integration/requirements.txt
 run: build native venv
 	$(PY) integration/run_local.py
 
+# The same with KV events: pods -> kvroute-indexer (:8090) -> Envoy singleton -> precise routing.
+.PHONY: run-precise
+run-precise: build native venv
+	$(PY) integration/run_local.py --precise
+
 .PHONY: fmt
 fmt:
 	cargo fmt --all
