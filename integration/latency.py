@@ -43,7 +43,7 @@ def decision_of(response: requests.Response) -> tuple[str, int]:
     return fields["pod"], int(fields["matched"].split("/")[0])
 
 
-def event_to_routable(trials: int, delays_ms: list[int]) -> None:
+def event_to_routable(trials: int, delays_ms: list[int], verbose: bool = False) -> None:
     with SimCluster(pods=4, time_scale=0.05) as sims:
         target = sims.addresses[0]
         with IndexerProcess(sims.addresses, "--scrape-interval-ms=0") as indexer:
@@ -77,6 +77,8 @@ def event_to_routable(trials: int, delays_ms: list[int]) -> None:
                                           json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=10)
                         pod, matched = decision_of(r)
                         hits += pod == target and matched == BLOCKS
+                        if verbose and not (pod == target and matched == BLOCKS):
+                            print(f"  miss at {delay} ms: {r.headers['x-kvroute-decision']}")
                     cdf.append((delay, hits / trials))
                     print(f"{delay:8d}  {hits:8d}  {hits / trials:8.2f}")
                 pub.close(linger=0)
@@ -125,11 +127,12 @@ def main() -> int:
     e = sub.add_parser("event-to-routable")
     e.add_argument("--trials", type=int, default=20)
     e.add_argument("--delays", default="10,25,50,75,100,125,150,200,250,300")
+    e.add_argument("--verbose", action="store_true", help="print every probe that was not routable")
     t = sub.add_parser("tokenizer")
     t.add_argument("--requests", type=int, default=300)
     args = parser.parse_args()
     if args.what == "event-to-routable":
-        event_to_routable(args.trials, [int(d) for d in args.delays.split(",")])
+        event_to_routable(args.trials, [int(d) for d in args.delays.split(",")], args.verbose)
     else:
         tokenizer_latency(args.requests)
     return 0
