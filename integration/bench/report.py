@@ -437,6 +437,9 @@ def write(out: str) -> str:
              f"load average at start {m.get('loadavg_start', '?')}, at end {m.get('loadavg_end', '?')}.")
     g = meta.get("git", {})
     L.append(f"- kvroute commit {g.get('commit', '?')[:12]}{' (work tree dirty)' if g.get('dirty') else ''}.")
+    arts = meta.get("artifacts") or {}
+    if arts:
+        L.append("- Binaries: " + "; ".join(f"{k} sha256 {v['sha256']}… built {v['mtime_utc']}" for k, v in arts.items()) + ".")
     L.append("")
     L.append("Raw data per strategy (inference-perf reports, per-request records, pod samples, router logs and configs) "
              "is in the run directory's `raw/`.")

