@@ -196,11 +196,17 @@ class EnvoyProcess:
                 if "value" in s and contains in s["name"]}
 
     def wait_for_peers(self, timeout: float = 10.0) -> None:
-        """Waits until kvroute's VMs have found each other (each worker sees the others), so the
-        first requests already share what they learn. Steady for three reads in a row."""
+        """Waits until every worker's kvroute VM has joined the others (a VM joins on its first
+        request), so the first routed requests already share what they learn. Sends GETs to
+        /health on fresh connections (they land on every worker) until the workers' VMs report
+        `concurrency` serving peers, steadily for three reads."""
         deadline = time.monotonic() + timeout
         steady = 0
         while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+            except OSError:
+                pass
             peers = self.stats("wasmcustom.kvroute.peers").get("wasmcustom.kvroute.peers", 0)
             steady = steady + 1 if peers >= self.concurrency else 0
             if steady >= 3:

@@ -145,7 +145,12 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         match self {
-            Root::Filter(worker) => Some(Box::new(filter::RequestFilter::new(worker.clone()))),
+            Root::Filter(worker) => {
+                if let Ok(mut w) = worker.try_borrow_mut() {
+                    w.serve();
+                }
+                Some(Box::new(filter::RequestFilter::new(worker.clone())))
+            }
             _ => None,
         }
     }

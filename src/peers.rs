@@ -3,6 +3,11 @@
 //! senders enqueue to every queue whose heartbeat is fresh. Queues are
 //! unbounded in Envoy, so a queue whose VM is gone (stale heartbeat) gets
 //! nothing more.
+//!
+//! A line also says whether its VM serves requests. Envoy runs a copy of
+//! the filter's VM on the main thread that never does; per-request messages
+//! (routed, finished) go only to serving VMs, while indexer feed updates go
+//! to every VM so that a worker knows the pods before its first request.
 
 use crate::host;
 
@@ -17,14 +22,32 @@ const CAS_ATTEMPTS: usize = 8;
 /// How often a VM rewrites its registry line.
 const HEARTBEAT_MS: u64 = 1000;
 
+/// Who a message is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audience {
+    /// Every live VM (indexer feed updates).
+    All,
+    /// VMs that serve requests (routing decisions and their end).
+    Serving,
+}
+
+/// One registry line: `<queue name> <last heartbeat, epoch s> <serving 0|1>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    name: String,
+    seen_s: u32,
+    serving: bool,
+}
+
 /// This VM's view of its peers.
 #[derive(Debug, Default)]
 pub struct Peers {
     vm_id: String,
     own_name: Option<String>,
     own_queue: Option<u32>,
-    /// Resolved queues of live peers (not this VM).
-    live: Vec<u32>,
+    serving: bool,
+    /// Resolved queues of live peers (not this VM), with their serving flag.
+    live: Vec<(u32, bool)>,
     singleton: Option<u32>,
     /// CAS token of the registry when last resolved.
     seen_cas: u32,
@@ -32,7 +55,7 @@ pub struct Peers {
 }
 
 impl Peers {
-    /// Joins as a worker: registers a uniquely named queue and its line.
+    /// Joins as a worker VM: registers a uniquely named queue and its line.
     pub fn join(vm_id: &str, now_s: u32) -> Peers {
         let name = format!(
             "kvroute/q/{:016x}",
@@ -59,6 +82,21 @@ impl Peers {
         peers
     }
 
+    /// Marks this VM as serving requests (on its first one) and tells the
+    /// others at once. Returns true the first time.
+    pub fn start_serving(&mut self, now_s: u32) -> bool {
+        if self.serving || self.own_name.is_none() {
+            return false;
+        }
+        self.serving = true;
+        self.heartbeat(now_s);
+        true
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.serving
+    }
+
     /// Registers this VM's queue again from the current root context, which
     /// then receives its `on_queue_ready` callbacks.
     pub fn reclaim_queue(&mut self) {
@@ -75,8 +113,9 @@ impl Peers {
         self.own_name.as_deref().unwrap_or("")
     }
 
-    pub fn live_count(&self) -> usize {
-        self.live.len()
+    /// Live peers that serve requests.
+    pub fn serving_count(&self) -> usize {
+        self.live.iter().filter(|(_, serving)| *serving).count()
     }
 
     /// Called on every tick: heartbeats once a second, and in between
@@ -104,13 +143,17 @@ impl Peers {
     /// Refreshes this VM's line, forgets long-silent peers and re-resolves
     /// the live ones.
     fn heartbeat(&mut self, now_s: u32) {
-        let own = self.own_name.clone();
+        let own = self.own_name.clone().map(|name| Entry {
+            name,
+            seen_s: now_s,
+            serving: self.serving,
+        });
         let entries = update_registry(|entries| {
-            entries.retain(|(_, seen)| now_s.saturating_sub(*seen) <= FORGET_AFTER_S);
+            entries.retain(|e| now_s.saturating_sub(e.seen_s) <= FORGET_AFTER_S);
             if let Some(own) = &own {
-                match entries.iter_mut().find(|(name, _)| name == own) {
-                    Some(entry) => entry.1 = now_s,
-                    None => entries.push((own.clone(), now_s)),
+                match entries.iter_mut().find(|e| e.name == own.name) {
+                    Some(entry) => *entry = own.clone(),
+                    None => entries.push(own.clone()),
                 }
             }
         });
@@ -119,22 +162,24 @@ impl Peers {
         }
     }
 
-    fn resolve(&mut self, entries: &[(String, u32)], now_s: u32) {
+    fn resolve(&mut self, entries: &[Entry], now_s: u32) {
         let own = self.own_name.as_ref();
         self.live = entries
             .iter()
-            .filter(|(name, seen)| Some(name) != own && now_s.saturating_sub(*seen) <= LIVE_FOR_S)
-            .filter_map(|(name, _)| host::queue_resolve(&self.vm_id, name))
+            .filter(|e| Some(&e.name) != own && now_s.saturating_sub(e.seen_s) <= LIVE_FOR_S)
+            .filter_map(|e| host::queue_resolve(&self.vm_id, &e.name).map(|q| (q, e.serving)))
             .collect();
         self.singleton = host::queue_resolve(&self.vm_id, SINGLETON_QUEUE);
     }
 
-    /// Sends to every live peer (and the singleton when asked); returns how
-    /// many queues took it.
-    pub fn broadcast(&self, message: &[u8], to_singleton: bool) -> usize {
+    /// Sends to the live peers of `audience` (and the singleton when asked);
+    /// returns how many queues took it.
+    pub fn broadcast(&self, message: &[u8], audience: Audience, to_singleton: bool) -> usize {
         let singleton = self.singleton.filter(|_| to_singleton);
         self.live
             .iter()
+            .filter(|(_, serving)| audience == Audience::All || *serving)
+            .map(|(q, _)| q)
             .chain(singleton.iter())
             .filter(|&&q| host::queue_enqueue(q, message))
             .count()
@@ -143,7 +188,7 @@ impl Peers {
 
 /// Read-modify-write of the registry with CAS retries; returns the entries
 /// as written.
-fn update_registry(change: impl Fn(&mut Vec<(String, u32)>)) -> Option<Vec<(String, u32)>> {
+fn update_registry(change: impl Fn(&mut Vec<Entry>)) -> Option<Vec<Entry>> {
     for _ in 0..CAS_ATTEMPTS {
         let (raw, cas) = host::shared_get(REGISTRY_KEY).unwrap_or_default();
         let mut entries = parse(&raw);
@@ -155,21 +200,27 @@ fn update_registry(change: impl Fn(&mut Vec<(String, u32)>)) -> Option<Vec<(Stri
     None
 }
 
-/// Registry lines: `<queue name> <last heartbeat, epoch seconds>`.
-fn parse(raw: &[u8]) -> Vec<(String, u32)> {
+fn parse(raw: &[u8]) -> Vec<Entry> {
     String::from_utf8_lossy(raw)
         .lines()
         .filter_map(|line| {
-            let (name, seen) = line.split_once(' ')?;
-            Some((name.to_string(), seen.parse().ok()?))
+            let mut fields = line.split(' ');
+            let name = fields.next()?.to_string();
+            let seen_s = fields.next()?.parse().ok()?;
+            let serving = fields.next() == Some("1");
+            Some(Entry {
+                name,
+                seen_s,
+                serving,
+            })
         })
         .collect()
 }
 
-fn render(entries: &[(String, u32)]) -> String {
+fn render(entries: &[Entry]) -> String {
     entries
         .iter()
-        .map(|(name, seen)| format!("{name} {seen}\n"))
+        .map(|e| format!("{} {} {}\n", e.name, e.seen_s, u8::from(e.serving)))
         .collect()
 }
 
@@ -180,13 +231,33 @@ mod tests {
     #[test]
     fn registry_lines_round_trip_and_skip_garbage() {
         let entries = vec![
-            ("kvroute/q/1".to_string(), 5),
-            ("kvroute/q/2".to_string(), 7),
+            Entry {
+                name: "kvroute/q/1".into(),
+                seen_s: 5,
+                serving: true,
+            },
+            Entry {
+                name: "kvroute/q/2".into(),
+                seen_s: 7,
+                serving: false,
+            },
         ];
         assert_eq!(parse(render(&entries).as_bytes()), entries);
+        let parsed = parse(b"bad\nq 12\nq x 1\n\xff 3 1\n");
         assert_eq!(
-            parse(b"bad\nq 12\nq x\n\xff 3\n"),
-            vec![("q".to_string(), 12), ("\u{fffd}".to_string(), 3)]
+            parsed,
+            vec![
+                Entry {
+                    name: "q".into(),
+                    seen_s: 12,
+                    serving: false
+                },
+                Entry {
+                    name: "\u{fffd}".into(),
+                    seen_s: 3,
+                    serving: true
+                },
+            ]
         );
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::host;
 use crate::metrics::FeedMetrics;
-use crate::peers::{Peers, SINGLETON_QUEUE};
+use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
 use kvroute_core::config::{Config, IndexerSettings};
 use kvroute_core::feed::{self, LearnedBatch};
 use kvroute_core::wire::{self, PeerMessage};
@@ -189,7 +189,7 @@ impl Singleton {
         }
         match wire::encode_batch(&[PeerMessage::Feed(body)]) {
             Ok(message) => {
-                self.peers.broadcast(&message, false);
+                self.peers.broadcast(&message, Audience::All, false);
             }
             Err(e) => host::log(
                 LogLevel::Warn,

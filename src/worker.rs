@@ -3,7 +3,7 @@
 
 use crate::host;
 use crate::metrics::{FailOpen, FilterMetrics};
-use crate::peers::Peers;
+use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
 use kvroute_core::router::Cluster;
@@ -31,33 +31,41 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker VM joining the proxy: registers its queue, then restores the
-    /// newest snapshot so it starts warm (duplicates from the queue are
-    /// harmless: inserts are idempotent).
+    /// A worker VM joining the proxy's peers (it registers its queue).
     pub fn start(config: Rc<Config>, vm_id: &str) -> Worker {
         let (now_s, _) = host::now();
-        let peers = Peers::join(vm_id, now_s);
         let mut cluster = Cluster::default();
         cluster.set_configured(&config, now_s);
+        Worker {
+            config,
+            cluster,
+            peers: Peers::join(vm_id, now_s),
+            metrics: FilterMetrics::define(),
+            tie_seed: host::entropy(),
+            last_snapshot_ms: 0,
+            logged_causes: 0,
+        }
+    }
+
+    /// Called for every request: the first one makes this VM a serving peer
+    /// (sent routing decisions from then on) and restores the newest index
+    /// snapshot, so the VM starts warm. Envoy's main-thread copy of the VM
+    /// never serves, so it is never sent per-request messages.
+    pub fn serve(&mut self) {
+        let (now_s, _) = host::now();
+        if !self.peers.start_serving(now_s) {
+            return;
+        }
         if let Some((raw, _)) = host::shared_get(SNAPSHOT_KEY) {
             if let Some((&flag, body)) = raw.split_first() {
                 match feed::decode(body) {
-                    Ok(snapshot) => cluster.restore(&snapshot, flag == 1, now_s),
+                    Ok(snapshot) => self.cluster.restore(&snapshot, flag == 1, now_s),
                     Err(e) => host::log(
                         LogLevel::Warn,
                         &format!("kvroute: ignoring unreadable index snapshot: {e}"),
                     ),
                 }
             }
-        }
-        Worker {
-            config,
-            cluster,
-            peers,
-            metrics: FilterMetrics::define(),
-            tie_seed: host::entropy(),
-            last_snapshot_ms: 0,
-            logged_causes: 0,
         }
     }
 
@@ -95,8 +103,9 @@ impl Worker {
     pub fn tell_peers(&self, message: PeerMessage, to_indexer: bool) {
         match wire::encode_batch(&[message]) {
             Ok(bytes) => {
+                let to_singleton = to_indexer && self.config.indexer.is_some();
                 self.peers
-                    .broadcast(&bytes, to_indexer && self.config.indexer.is_some());
+                    .broadcast(&bytes, Audience::Serving, to_singleton);
             }
             Err(e) => host::log(
                 LogLevel::Warn,
@@ -160,10 +169,16 @@ impl Worker {
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
         self.peers.tick(now_s, now_ms);
+        if !self.peers.is_serving() {
+            return;
+        }
         let (blocks, bytes) = self.cluster.index_size();
         self.metrics.index_blocks.record(blocks as u64);
         self.metrics.index_bytes.record(bytes as u64);
-        self.metrics.peers.record(self.peers.live_count() as u64);
+        // Serving VMs sharing what they learn, this one included.
+        self.metrics
+            .peers
+            .record(self.peers.serving_count() as u64 + 1);
         let interval = u64::from(self.config.index.snapshot_interval_ms);
         if now_ms.saturating_sub(self.last_snapshot_ms) >= interval
             && self.take_lease(now_ms, interval)

@@ -210,9 +210,10 @@ impl PodTable {
     }
 
     fn home(&self, key: u64) -> usize {
-        // Keys are already uniform hashes: multiply-shift maps them onto any
-        // table size without a modulo.
-        ((key as u128 * self.keys.len() as u128) >> 64) as usize
+        // Keys are already uniform hashes: multiply-shift of the top 32 bits
+        // maps them onto any table size (< 2^32 slots) without a modulo or a
+        // 128-bit product, which wasm32 would emulate.
+        (((key >> 32) * self.keys.len() as u64) >> 32) as usize
     }
 
     fn next(&self, slot: usize) -> usize {
