@@ -36,6 +36,16 @@ def plugin_of(listener: dict) -> dict:
     return hcm["http_filters"][0]["typed_config"]["config"]["configuration"]
 
 
+def wait_for_header(envoy, header: str) -> None:
+    """Until responses carry `header`: the updated configuration is live."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if header in chat(envoy, unique_system(words=5), "probe").headers:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the update never took effect:\n{envoy.log_tail()}")
+
+
 def test_config_update_keeps_the_index(sims, tmp_path):
     require_wasm()
     # No snapshot refresh during the test: only state kept inside the VMs can explain a match.
@@ -56,14 +66,7 @@ def test_config_update_keeps_the_index(sims, tmp_path):
         listener["name"] = "llm_gateway"  # same listener, new filter config
         write_lds(lds, listener)
 
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            r = chat(envoy, unique_system(words=5), "probe")
-            if "x-kvroute-why" in r.headers:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the update never took effect:\n{envoy.log_tail()}")
+        wait_for_header(envoy, "x-kvroute-why")
         r = chat(envoy, system, "same question")
         raw = r.headers["x-kvroute-why"]
         assert f"pod={first['pod']};" in raw and f"matched={first['total']}/{first['total']}" in raw, raw
@@ -97,12 +100,6 @@ def test_new_vms_start_warm_from_the_snapshot(sims, tmp_path):
         plugin_config["value"] = json.dumps(updated)
         write_lds(lds, listener)
 
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if "x-kvroute-v2" in chat(envoy, unique_system(words=5), "probe").headers:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the new VMs never took over:\n{envoy.log_tail()}")
+        wait_for_header(envoy, "x-kvroute-v2")
         raw = chat(envoy, system, "same question").headers["x-kvroute-v2"]
         assert f"pod={first['pod']};" in raw and f"matched={first['total']}/{first['total']}" in raw, raw
