@@ -331,43 +331,38 @@ impl<'a> Reader<'a> {
     }
 
     fn array_len(&mut self, what: &'static str) -> Result<usize, EventError> {
-        let m = self.peek()?;
-        let n = match m {
-            0x90..=0x9f => {
-                self.buf = &self.buf[1..];
-                u64::from(m & 0x0f)
-            }
-            0xdc => {
-                self.buf = &self.buf[1..];
-                self.be(2)?
-            }
-            0xdd => {
-                self.buf = &self.buf[1..];
-                self.be(4)?
-            }
-            _ => return Err(self.unexpected(what)),
-        };
-        self.fits(what, n, 1)
+        self.container_len(what, 0x90, 0xdc, 0xdd, 1)
     }
 
     fn map_len(&mut self, what: &'static str) -> Result<usize, EventError> {
+        self.container_len(what, 0x80, 0xde, 0xdf, 2)
+    }
+
+    /// A msgpack array or map header: the fix form (`fix` plus a count up
+    /// to 15), or a 16- or 32-bit count after its marker byte. Each item
+    /// takes at least `min_item_bytes`, which bounds the count by the input.
+    fn container_len(
+        &mut self,
+        what: &'static str,
+        fix: u8,
+        wide16: u8,
+        wide32: u8,
+        min_item_bytes: u64,
+    ) -> Result<usize, EventError> {
         let m = self.peek()?;
-        let n = match m {
-            0x80..=0x8f => {
-                self.buf = &self.buf[1..];
-                u64::from(m & 0x0f)
-            }
-            0xde => {
-                self.buf = &self.buf[1..];
-                self.be(2)?
-            }
-            0xdf => {
-                self.buf = &self.buf[1..];
-                self.be(4)?
-            }
+        let width = match m {
+            _ if (fix..=fix | 0x0f).contains(&m) => 0,
+            _ if m == wide16 => 2,
+            _ if m == wide32 => 4,
             _ => return Err(self.unexpected(what)),
         };
-        self.fits(what, n, 2)
+        self.buf = &self.buf[1..];
+        let n = if width == 0 {
+            u64::from(m & 0x0f)
+        } else {
+            self.be(width)?
+        };
+        self.fits(what, n, min_item_bytes)
     }
 
     fn str_bytes(&mut self, what: &'static str) -> Result<&'a [u8], EventError> {
