@@ -1,6 +1,7 @@
 """A plugin configuration update (Envoy calls on_configure again, in the same VMs) takes effect
 without losing the index: the listener comes from a file (LDS) that the test rewrites."""
 
+import contextlib
 import json
 import os
 import time
@@ -46,15 +47,21 @@ def wait_for_header(envoy, header: str) -> None:
     pytest.fail(f"the update never took effect:\n{envoy.log_tail()}")
 
 
-def test_config_update_keeps_the_index(sims, tmp_path):
+@contextlib.contextmanager
+def lds_gateway(sims, directory, plugin: dict):
+    """The gateway with its listener in an LDS file; yields (envoy, listener, lds path)."""
     require_wasm()
-    # No snapshot refresh during the test: only state kept inside the VMs can explain a match.
-    plugin = {"index": {"snapshot_interval_ms": 600000}}
-    bootstrap, listener, lds = split_lds(render_gateway(sims.addresses, plugin), str(tmp_path))
+    bootstrap, listener, lds = split_lds(render_gateway(sims.addresses, plugin), str(directory))
     write_lds(lds, listener)
     port = listener["address"]["socket_address"]["port_value"]
     with EnvoyProcess(bootstrap, listener_port=port) as envoy:
         envoy.wait_for_peers()
+        yield envoy, listener, lds
+
+
+def test_config_update_keeps_the_index(sims, tmp_path):
+    # No snapshot refresh during the test: only state kept inside the VMs can explain a match.
+    with lds_gateway(sims, tmp_path, {"index": {"snapshot_interval_ms": 600000}}) as (envoy, listener, lds):
         system = unique_system()
         first = decision(chat(envoy, system, "same question"))
 
@@ -80,13 +87,7 @@ def test_config_update_keeps_the_index(sims, tmp_path):
 def test_new_vms_start_warm_from_the_snapshot(sims, tmp_path):
     """A new VM configuration (as a module upgrade would bring) starts new VMs with the same
     vm_id: they restore the index snapshot that the old VMs keep in shared data."""
-    require_wasm()
-    plugin = {"index": {"snapshot_interval_ms": 500}}
-    bootstrap, listener, lds = split_lds(render_gateway(sims.addresses, plugin), str(tmp_path))
-    write_lds(lds, listener)
-    port = listener["address"]["socket_address"]["port_value"]
-    with EnvoyProcess(bootstrap, listener_port=port) as envoy:
-        envoy.wait_for_peers()
+    with lds_gateway(sims, tmp_path, {"index": {"snapshot_interval_ms": 500}}) as (envoy, listener, lds):
         system = unique_system()
         first = decision(chat(envoy, system, "same question"))
         time.sleep(1.5)  # a snapshot is written after the decision
