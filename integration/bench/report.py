@@ -441,8 +441,9 @@ def write(out: str) -> str:
     if arts:
         L.append("- Binaries: " + "; ".join(f"{k} sha256 {v['sha256']}… built {v['mtime_utc']}" for k, v in arts.items()) + ".")
     L.append("")
-    L.append("Raw data per strategy (inference-perf reports, per-request records, pod samples, router logs and configs) "
-             "is in the run directory's `raw/`.")
+    L.append("Raw data per strategy (inference-perf reports, per-request records, pod samples, router configs and "
+             "metrics) is in the run directory's `raw/` (logs too); a published copy keeps it, without the logs and "
+             "inference-perf's per-token timings, in `raw.tar.gz` beside this report.")
     L.append("")
     path = os.path.join(out, "report.md")
     with open(path, "w") as fh:
