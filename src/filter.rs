@@ -127,7 +127,16 @@ impl RequestFilter {
             );
             return;
         }
-        let prompt_blocks = u32::try_from(hashed.hashes.len()).unwrap_or(u32::MAX);
+        // The pod's load is the prefill work routed to it and still in flight:
+        // blocks it must compute. Cached blocks are shared with the requests
+        // that put them there, so they add no work and must not push a
+        // group's requests away from the pod that holds its prefix.
+        let prompt_blocks = u32::try_from(
+            decision
+                .total_blocks
+                .saturating_sub(decision.matched_blocks),
+        )
+        .unwrap_or(u32::MAX);
         w.cluster
             .record_routed(&decision.pod, prompt_blocks, &hashed.hashes, now_s);
         // Token blocks are reported by the pods themselves (KV events): a

@@ -52,7 +52,8 @@ pub enum Role {
 pub struct Weights {
     /// Per uncached prompt block (prefill work the pod would redo).
     pub prefill: f64,
-    /// Per prompt block in flight on the pod (its decode load).
+    /// Per uncached prompt block in flight on the pod: prefill work routed
+    /// there and not finished (cached blocks are shared, so they add none).
     pub decode: f64,
     /// Per request waiting in the pod's queue (pod-reported).
     pub queue: f64,

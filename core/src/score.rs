@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cost(p) = w_prefill × uncached_prompt_blocks(p)
-//!         + w_decode  × in_flight_prompt_blocks(p)
+//!         + w_decode  × in_flight_uncached_blocks(p)
 //!         + w_queue   × waiting_requests(p)
 //!         + w_kv      × kv_usage(p) × capacity_blocks(p)
 //! ```
@@ -16,7 +16,8 @@ use crate::config::Weights;
 pub struct PodSignals {
     /// Prompt blocks already cached there, weighted by tier credit.
     pub cached_credit: f64,
-    /// Prompt blocks of requests in flight there (counted by the proxy).
+    /// Uncached prompt blocks of requests in flight there: prefill work the
+    /// proxy routed to it (counted by the proxy).
     pub inflight_blocks: u64,
     /// Requests in flight there (counted by the proxy).
     pub inflight_requests: u32,
