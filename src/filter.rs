@@ -172,6 +172,28 @@ impl RequestFilter {
         self.explanation = Some(explanation);
     }
 
+    /// The first response bytes mean the pod finished this prompt's prefill:
+    /// its blocks stop counting as that pod's pending work.
+    fn prefill_done(&mut self) {
+        let Some((pod, prompt_blocks)) = self.in_flight.as_mut() else {
+            return;
+        };
+        if *prompt_blocks == 0 {
+            return;
+        }
+        let blocks = std::mem::take(prompt_blocks);
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.cluster.record_prefill_done(pod, blocks);
+            w.tell_peers(
+                PeerMessage::PrefillDone {
+                    pod: pod.clone(),
+                    prompt_blocks: blocks,
+                },
+                false,
+            );
+        }
+    }
+
     fn release(&mut self) {
         if let Some((pod, prompt_blocks)) = self.in_flight.take() {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
@@ -311,6 +333,11 @@ impl HttpContext for RequestFilter {
                 host::add_response_header(&w.config.decision_header, &text);
             }
         }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        self.prefill_done();
         Action::Continue
     }
 

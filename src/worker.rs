@@ -143,6 +143,9 @@ impl Worker {
             } => self
                 .cluster
                 .record_routed(&pod, prompt_blocks, &hashes, now_s),
+            PeerMessage::PrefillDone { pod, prompt_blocks } => {
+                self.cluster.record_prefill_done(&pod, prompt_blocks)
+            }
             PeerMessage::Finished { pod, prompt_blocks } => {
                 self.cluster.record_finished(&pod, prompt_blocks)
             }

@@ -293,7 +293,15 @@ impl Cluster {
         }
     }
 
-    /// A request routed to `address` ended.
+    /// A request routed to `address` started answering: its prefill is done.
+    pub fn record_prefill_done(&mut self, address: &str, prompt_blocks: u32) {
+        if let Some(pod) = self.pod_mut(address) {
+            pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+        }
+    }
+
+    /// A request routed to `address` ended; `prompt_blocks` are those not
+    /// yet released by [`Cluster::record_prefill_done`].
     pub fn record_finished(&mut self, address: &str, prompt_blocks: u32) {
         if let Some(pod) = self.pod_mut(address) {
             pod.inflight_requests = pod.inflight_requests.saturating_sub(1);
@@ -501,6 +509,32 @@ mod tests {
             assert!(d.matched_blocks >= 18, "{}", d.explain());
             cluster.record_finished(&d.pod, d.total_blocks as u32);
         }
+    }
+
+    #[test]
+    fn prefill_work_is_released_at_first_bytes_and_the_request_at_the_end() {
+        let (c, mut cluster) = four_pods();
+        let request = chat(&"p".repeat(3000), "q");
+        let d = route(&c, &mut cluster, &request, 1);
+        let decide = |cluster: &Cluster| {
+            cluster
+                .decide(&c, &hash_prompt(&c, &request), 10, 1)
+                .unwrap()
+        };
+        // In flight with its prefill pending: the pod's load equals the match it offers.
+        assert_eq!(decide(&cluster).terms.total(), d.total_blocks as f64);
+        cluster.record_prefill_done(&d.pod, d.total_blocks as u32);
+        let again = decide(&cluster);
+        assert_eq!(
+            (
+                again.pod.as_str(),
+                again.signals.inflight_blocks,
+                again.signals.inflight_requests
+            ),
+            (d.pod.as_str(), 0, 1)
+        );
+        cluster.record_finished(&d.pod, 0);
+        assert_eq!(decide(&cluster).signals.inflight_requests, 0);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! batch   := u32 count, count × message
 //! message := u8 tag, body
 //!   'R' Routed:   str pod, u32 prompt_blocks, u32 n, n × u64 hash
+//!   'P' PrefillDone: str pod, u32 prompt_blocks
 //!   'F' Finished: str pod, u32 prompt_blocks
 //!   'D' Feed:     u32 len, len bytes of a kvroute_core::feed update
 //! str     := u16 len, UTF-8
@@ -23,7 +24,16 @@ pub enum PeerMessage {
         hashes: Vec<u64>,
     },
     /// A request routed to `pod` ended (its load is released).
-    Finished { pod: String, prompt_blocks: u32 },
+    /// A request routed to `pod` got its first response bytes: its prefill
+    /// blocks no longer load the pod.
+    PrefillDone {
+        pod: String,
+        prompt_blocks: u32,
+    },
+    Finished {
+        pod: String,
+        prompt_blocks: u32,
+    },
     /// An indexer feed update, forwarded verbatim by the singleton.
     Feed(Vec<u8>),
 }
@@ -52,6 +62,7 @@ impl fmt::Display for WireError {
 impl std::error::Error for WireError {}
 
 const ROUTED: u8 = b'R';
+const PREFILL_DONE: u8 = b'P';
 const FINISHED: u8 = b'F';
 const FEED: u8 = b'D';
 
@@ -73,6 +84,11 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
                 for hash in hashes {
                     out.extend_from_slice(&hash.to_le_bytes());
                 }
+            }
+            PeerMessage::PrefillDone { pod, prompt_blocks } => {
+                out.push(PREFILL_DONE);
+                put_str(&mut out, pod)?;
+                put_u32(&mut out, *prompt_blocks);
             }
             PeerMessage::Finished { pod, prompt_blocks } => {
                 out.push(FINISHED);
@@ -115,6 +131,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
                     hashes,
                 }
             }
+            PREFILL_DONE => PeerMessage::PrefillDone {
+                pod: r.str()?,
+                prompt_blocks: r.u32()?,
+            },
             FINISHED => PeerMessage::Finished {
                 pod: r.str()?,
                 prompt_blocks: r.u32()?,
@@ -196,6 +216,10 @@ mod tests {
                 prompt_blocks: 7,
             },
             PeerMessage::Feed(vec![1, 2, 3]),
+            PeerMessage::PrefillDone {
+                pod: "10.0.0.3:8000".into(),
+                prompt_blocks: 9,
+            },
             PeerMessage::Routed {
                 pod: String::new(),
                 prompt_blocks: 0,
