@@ -52,8 +52,8 @@ pub enum Role {
 pub struct Weights {
     /// Per uncached prompt block (prefill work the pod would redo).
     pub prefill: f64,
-    /// Per uncached prompt block in flight on the pod: prefill work routed
-    /// there and not finished (cached blocks are shared, so they add none).
+    /// Per uncached prompt block routed to the pod whose response has not
+    /// started: its pending prefill (cached blocks are shared, so add none).
     pub decode: f64,
     /// Per request waiting in the pod's queue (pod-reported).
     pub queue: f64,

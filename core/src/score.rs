@@ -16,8 +16,8 @@ use crate::config::Weights;
 pub struct PodSignals {
     /// Prompt blocks already cached there, weighted by tier credit.
     pub cached_credit: f64,
-    /// Uncached prompt blocks of requests in flight there: prefill work the
-    /// proxy routed to it (counted by the proxy).
+    /// Uncached prompt blocks routed there whose response has not started:
+    /// its pending prefill (counted by the proxy).
     pub inflight_blocks: u64,
     /// Requests in flight there (counted by the proxy).
     pub inflight_requests: u32,
