@@ -266,24 +266,39 @@ fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), Pars
     Ok(())
 }
 
-/// Body of a vLLM-compatible `POST /tokenize` call for a chat request: its
-/// model and messages, rendered with the generation prompt as the chat
-/// request itself would be. `None` for bodies without messages.
+/// Body of a vLLM-compatible `POST /tokenize` call for a request without
+/// token ids: a chat request's model and messages (rendered with the
+/// generation prompt, as the chat request itself is), or a completion's
+/// model and string prompt. `None` for other bodies.
 pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
     #[derive(Deserialize)]
-    struct Chat<'a> {
+    struct Untokenized<'a> {
         #[serde(borrow)]
         model: &'a RawValue,
-        #[serde(borrow)]
-        messages: &'a RawValue,
+        #[serde(borrow, default)]
+        messages: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        prompt: Option<&'a RawValue>,
     }
-    let chat: Chat = serde_json::from_slice(body).ok()?;
-    let mut out = Vec::with_capacity(chat.messages.get().len() + chat.model.get().len() + 64);
+    let request: Untokenized = serde_json::from_slice(body).ok()?;
+    let model = request.model.get();
+    let (field, value, tail): (&[u8], &str, &[u8]) = match (request.messages, request.prompt) {
+        (Some(messages), _) => (
+            b",\"messages\":",
+            messages.get(),
+            b",\"add_generation_prompt\":true}",
+        ),
+        (None, Some(prompt)) if prompt.get().trim_start().starts_with('"') => {
+            (b",\"prompt\":", prompt.get(), b"}")
+        }
+        _ => return None,
+    };
+    let mut out = Vec::with_capacity(model.len() + value.len() + 64);
     out.extend_from_slice(b"{\"model\":");
-    out.extend_from_slice(chat.model.get().as_bytes());
-    out.extend_from_slice(b",\"messages\":");
-    out.extend_from_slice(chat.messages.get().as_bytes());
-    out.extend_from_slice(b",\"add_generation_prompt\":true}");
+    out.extend_from_slice(model.as_bytes());
+    out.extend_from_slice(field);
+    out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(tail);
     Some(out)
 }
 
@@ -477,7 +492,12 @@ mod tests {
             call,
             serde_json::json!({"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true})
         );
-        assert!(tokenize_call_body(br#"{"model":"m","prompt":"p"}"#).is_none());
+        let completion: serde_json::Value = serde_json::from_slice(
+            &tokenize_call_body(br#"{"model":"m","prompt":"p","max_tokens":3}"#).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(completion, serde_json::json!({"model":"m","prompt":"p"}));
+        assert!(tokenize_call_body(br#"{"model":"m","prompt":[1,2]}"#).is_none());
         assert_eq!(
             parse_tokenize_response(br#"{"count":2,"max_model_len":9,"tokens":[5,6]}"#).unwrap(),
             vec![5, 6]

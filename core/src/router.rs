@@ -36,9 +36,9 @@ struct Pod {
 }
 
 impl Pod {
-    fn new(spec: PodSpec) -> Pod {
+    fn new(spec: PodSpec, table_blocks: usize) -> Pod {
         Pod {
-            table: PodTable::new(spec.capacity_blocks as usize),
+            table: PodTable::new(table_blocks),
             spec,
             inflight_requests: 0,
             inflight_blocks: 0,
@@ -196,12 +196,15 @@ impl Cluster {
             let pod = match old.remove(&spec.address) {
                 Some(mut kept) => {
                     if kept.spec.capacity_blocks != spec.capacity_blocks {
-                        kept.table = kept.table.resized(spec.capacity_blocks as usize, now_s);
+                        kept.table = kept.table.resized(self.table_blocks(&spec), now_s);
                     }
                     kept.spec = spec;
                     kept
                 }
-                None => Pod::new(spec),
+                None => {
+                    let table_blocks = self.table_blocks(&spec);
+                    Pod::new(spec, table_blocks)
+                }
             };
             self.by_address
                 .insert(pod.spec.address.clone(), self.pods.len());
@@ -211,6 +214,19 @@ impl Cluster {
 
     pub fn len(&self) -> usize {
         self.pods.len()
+    }
+
+    /// Table size for a pod. With the indexer, the pod's own token-block
+    /// entries (up to its capacity) share the table with learned byte-chunk
+    /// entries (another view of the same cache), so it holds twice as many:
+    /// neither may evict the other.
+    fn table_blocks(&self, spec: &PodSpec) -> usize {
+        let capacity = spec.capacity_blocks as usize;
+        if self.discovered {
+            capacity * 2
+        } else {
+            capacity
+        }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -143,18 +143,30 @@ def test_indexer_outage_fails_open_and_recovers(stack):
 
 def test_gateway_replicas_learn_as_one(stack):
     """Byte-fallback decisions of one proxy reach the others through the indexer (POST /v1/learned
-    → feed), so a second gateway sends the same prefix to the same pod without ever seeing it."""
-    sims, indexer, envoy = stack
-    config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY},
-                            template=GATEWAY_PRECISE, indexer=indexer.address)
-    with EnvoyProcess(config) as other:
+    → feed), so a second gateway sends the same prefix to the same pod without ever seeing it.
+    (No tokenizer call-out here, so string prompts route on bytes.)"""
+    sims, indexer, _ = stack
+    config = lambda: render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY, "tokenizer": None},  # noqa: E731
+                                    template=GATEWAY_PRECISE, indexer=indexer.address)
+    with EnvoyProcess(config()) as one, EnvoyProcess(config()) as other:
+        one.wait_for_peers()
         other.wait_for_peers()
         for i in range(3):
             prompt = f"replica-{i} " + "a shared preamble for every replica " * 40
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-            first = decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+            first = decision(requests.post(one.url + "/v1/completions", json=body, timeout=30))
             assert first["domain"] == "bytes"
-            settle(envoy)  # the singleton reports it
+            settle(one)  # the singleton reports it
             settle(other)  # the other proxy's singleton reads it from the feed
             d = decision(requests.post(other.url + "/v1/completions", json=body, timeout=30))
             assert (d["pod"], d["matched"]) == (first["pod"], first["total"]), (first["raw"], d["raw"])
+
+
+def test_completion_prompts_get_token_ids_from_the_tokenizer_call_out(stack):
+    sims, indexer, envoy = stack
+    body = {"model": MODEL, "prompt": "a completion prompt " * 100, "max_tokens": 1}
+    assert requests.post(sims.urls[1] + "/v1/completions", json=body, timeout=30).status_code == 200
+    settle(envoy, polls=5)
+    d = decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+    assert (d["pod"], d["domain"]) == (sims.addresses[1], "tokens"), d["raw"]
+    assert d["matched"] >= d["total"] - 1 > 10, d["raw"]
