@@ -5,9 +5,11 @@
 //! nothing more.
 //!
 //! A line also says whether its VM serves requests. Envoy runs a copy of
-//! the filter's VM on the main thread that never does; per-request messages
-//! (routed, finished) go only to serving VMs, while indexer feed updates go
-//! to every VM so that a worker knows the pods before its first request.
+//! the filter's VM on the main thread that never does. Every VM starts as
+//! serving; one that has served nothing after `QUIET_AFTER_MS` goes quiet
+//! and gets no more per-request messages (routed, finished) until its first
+//! request. Indexer feed updates go to every VM, so that a worker knows the
+//! pods before its first request.
 
 use crate::host;
 
@@ -21,6 +23,8 @@ const FORGET_AFTER_S: u32 = 60;
 const CAS_ATTEMPTS: usize = 8;
 /// How often a VM rewrites its registry line.
 const HEARTBEAT_MS: u64 = 1000;
+/// A VM that has served no request this long after joining goes quiet.
+const QUIET_AFTER_MS: u64 = 10_000;
 
 /// Who a message is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +50,9 @@ pub struct Peers {
     own_name: Option<String>,
     own_queue: Option<u32>,
     serving: bool,
+    /// Set by the first request this VM serves.
+    served_any: bool,
+    joined_ms: u64,
     /// Resolved queues of live peers (not this VM), with their serving flag.
     live: Vec<(u32, bool)>,
     singleton: Option<u32>,
@@ -56,11 +63,13 @@ pub struct Peers {
 
 impl Peers {
     /// Joins as a worker VM: registers a uniquely named queue and its line.
-    pub fn join(vm_id: &str, now_s: u32) -> Peers {
+    pub fn join(vm_id: &str, now_s: u32, now_ms: u64) -> Peers {
         let name = format!("kvroute/q/{:016x}", host::random_u64());
         let own_queue = host::queue_register(&name);
         let mut peers = Peers {
             vm_id: vm_id.to_string(),
+            serving: own_queue.is_some(),
+            joined_ms: now_ms,
             own_name: own_queue.map(|_| name),
             own_queue,
             ..Peers::default()
@@ -79,9 +88,10 @@ impl Peers {
         peers
     }
 
-    /// Marks this VM as serving requests (on its first one) and tells the
-    /// others at once. Returns true the first time.
+    /// Records that this VM serves a request. Returns true when it was
+    /// quiet until now (it then missed routing decisions of its peers).
     pub fn start_serving(&mut self, now_s: u32) -> bool {
+        self.served_any = true;
         if self.serving || self.own_name.is_none() {
             return false;
         }
@@ -119,6 +129,13 @@ impl Peers {
     /// re-resolves the live peers when the registry changed (one shared-data
     /// read), so a VM that starts later is known to the others within a tick.
     pub fn tick(&mut self, now_s: u32, now_ms: u64) {
+        if self.serving
+            && !self.served_any
+            && now_ms.saturating_sub(self.joined_ms) >= QUIET_AFTER_MS
+        {
+            self.serving = false;
+            self.last_heartbeat_ms = 0;
+        }
         if now_ms.saturating_sub(self.last_heartbeat_ms) >= HEARTBEAT_MS {
             self.last_heartbeat_ms = now_ms;
             self.heartbeat(now_s);

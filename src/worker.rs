@@ -33,29 +33,34 @@ pub struct Worker {
 impl Worker {
     /// A worker VM joining the proxy's peers (it registers its queue).
     pub fn start(config: Rc<Config>, vm_id: &str) -> Worker {
-        let (now_s, _) = host::now();
+        let (now_s, now_ms) = host::now();
         let mut cluster = Cluster::default();
         cluster.set_configured(&config, now_s);
-        Worker {
+        let mut worker = Worker {
             config,
             cluster,
-            peers: Peers::join(vm_id, now_s),
+            peers: Peers::join(vm_id, now_s, now_ms),
             metrics: FilterMetrics::define(),
             tie_seed: host::random_u64(),
             last_snapshot_ms: 0,
             logged_causes: 0,
+        };
+        worker.restore_snapshot(now_s);
+        worker
+    }
+
+    /// Called for every request. A VM that had gone quiet (it served nothing
+    /// for a while, like Envoy's main-thread copy) missed its peers' routing
+    /// decisions: it serves again and catches up from the index snapshot.
+    pub fn serve(&mut self) {
+        let (now_s, _) = host::now();
+        if self.peers.start_serving(now_s) {
+            self.restore_snapshot(now_s);
         }
     }
 
-    /// Called for every request: the first one makes this VM a serving peer
-    /// (sent routing decisions from then on) and restores the newest index
-    /// snapshot, so the VM starts warm. Envoy's main-thread copy of the VM
-    /// never serves, so it is never sent per-request messages.
-    pub fn serve(&mut self) {
-        let (now_s, _) = host::now();
-        if !self.peers.start_serving(now_s) {
-            return;
-        }
+    /// Adds what the newest index snapshot knows, so the VM starts warm.
+    fn restore_snapshot(&mut self, now_s: u32) {
         if let Some((raw, _)) = host::shared_get(SNAPSHOT_KEY) {
             if let Some((&flag, body)) = raw.split_first() {
                 match feed::decode(body) {

@@ -152,8 +152,9 @@ def test_index_memory_follows_the_sizing_rule(mesh):
     wait_for(lambda: stat(envoy, "kvroute.index.bytes") > 0, 10, "index gauge")
     per_block = stat(envoy, "kvroute.index.bytes") / capacity
     assert 28.0 <= per_block <= 32.0, per_block
-    # serving worker VMs, this one included: --concurrency 2 (the main thread's copy never serves)
-    assert 1 <= stat(envoy, "kvroute.peers") <= 2
+    # VMs taking per-request updates, this one included: the 2 workers (--concurrency 2), plus
+    # Envoy's main-thread copies during their first 10 s (then they go quiet)
+    assert 2 <= stat(envoy, "kvroute.peers") <= 4
 
 
 def test_idle_feed_cost_per_poll(mesh):
