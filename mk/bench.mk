@@ -1,6 +1,7 @@
 # Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
 # `make bench`           quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
-# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; estimated 5-6 hours, not run yet)
+# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; 5-6 hours in real time)
+# `make bench-full-scaled` the same at vllm-sim --time-scale 0.25 (load compressed alike; ~2 hours)
 # `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
 # BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
 # --set load.stages='[[6,20]]', --results-dir docs/results/<name>).
@@ -12,7 +13,7 @@ PY312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12.*/bin/python3.12) $(s
 BENCH_ARGS ?=
 OVERHEAD_ARGS ?=
 
-.PHONY: bench-venv bench-prereqs bench bench-full bench-overhead bench-report
+.PHONY: bench-venv bench-prereqs bench bench-full bench-full-scaled bench-overhead bench-report
 bench-venv: $(BENCH_VENV)/.installed
 $(BENCH_VENV)/.installed: integration/bench/requirements.txt integration/bench/constraints.txt
 	@test -n "$(PY312)" || { echo "Python 3.12 not found (pyenv install 3.12 or set PY312=...)"; exit 1; }
@@ -28,6 +29,10 @@ bench: bench-prereqs
 
 bench-full: bench-prereqs
 	$(BENCH_PY) integration/bench/run.py --profile full $(BENCH_ARGS)
+
+BENCH_TIME_SCALE ?= 0.25
+bench-full-scaled: bench-prereqs
+	$(BENCH_PY) integration/bench/run.py --profile full --set sim.time_scale=$(BENCH_TIME_SCALE) $(BENCH_ARGS)
 
 bench-overhead: bench-prereqs
 	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }

@@ -34,6 +34,10 @@ COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:num_preemptions_total",
     "vllm:request_success_total",
+    # Pod-side TTFT (arrival at the pod → first token, simulated seconds): the
+    # client's TTFT minus this is time spent before the pod (client, router).
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
 )
 
 

@@ -11,6 +11,17 @@ sibling experiment also shortens stages as the rate grows). The client caps
 requests in flight (inference-perf workers × per-worker concurrency) at 640,
 the cap benchmark.md's cross-check found the published numbers imply.
 
+`sim.time_scale` (wall seconds per simulated second, as vllm-sim's
+--time-scale) runs a profile faster than real time: the pods compute in
+s × their modelled time, and the load is compressed the same way — each stage
+keeps its request count N = int(rate × duration), over round(duration × s)
+wall seconds (≥ 1). Every time the report prints is converted back to
+simulated seconds (TTFT ÷ s, tok/s × s), so a scaled run reads like the
+reference. What does not scale: the routers' own wall-clock timers (event
+feed polling, learned-entry TTLs, the peers' tree-eviction intervals) run
+1/s times slower relative to the pods. `full` at s = 0.25 fits a 2-hour
+window on 2 cores; at s = 1 it takes 5–6 hours.
+
 `quick` keeps the shape that makes routing matter — the resident prefix set
 is ~73% of cluster KV, about three times one pod — at a size that runs in
 about two minutes per strategy on 2 shared cores: 4 pods, prompts and KV
@@ -36,6 +47,7 @@ class SimSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 40960
+    time_scale: float = 1.0  # wall seconds per simulated second (vllm-sim --time-scale)
     extra_args: List[str] = field(default_factory=list)
 
 
@@ -76,7 +88,27 @@ class Profile:
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         d["load"]["inflight_cap"] = self.load.inflight_cap
+        if self.sim.time_scale != 1.0:
+            d["load"]["wall_stages"] = self.wall_stages()
         return d
+
+    def wall_stages(self) -> List[Tuple[float, int]]:
+        """Stages as sent, warm-up first: (rate, duration) compressed by sim.time_scale.
+
+        Each stage keeps its request count N (inference-perf sends int(rate × duration));
+        the +0.5 keeps float rounding from losing the last request."""
+        s = self.sim.time_scale
+        out = []
+        for (rate, dur), n in zip([self.load.warmup] + list(self.load.stages), self.expected_requests()):
+            if s == 1.0:
+                out.append((float(rate), int(dur)))
+                continue
+            wall = max(1, int(round(dur * s)))
+            out.append(((n + 0.5) / wall, wall))
+        return out
+
+    def wall_seconds(self, simulated: float) -> float:
+        return simulated * self.sim.time_scale
 
     def expected_requests(self) -> List[int]:
         """Requests inference-perf sends per stage: int(rate × duration), warm-up first."""
@@ -155,4 +187,7 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
         if fld == "warmup":
             val = tuple(val)
         setattr(target, fld, copy.deepcopy(val))
+    if not (isinstance(p.sim.time_scale, (int, float)) and 0 < p.sim.time_scale <= 1):
+        raise SystemExit(f"sim.time_scale must be in (0, 1], got {p.sim.time_scale!r}")
+    p.sim.time_scale = float(p.sim.time_scale)
     return p

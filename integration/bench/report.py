@@ -80,6 +80,7 @@ def summarize(out: str, res: Dict[str, Any]) -> Dict[str, Any]:
     pods = res.get("pods") or {}
     s["hit_rate"] = pods.get("hit_rate_measured", pods.get("hit_rate_all"))
     s["waiting"] = (pods.get("measured") or {}).get("vllm:num_requests_waiting")
+    s["pod_ttft_mean"] = pods.get("pod_ttft_mean_measured")
     s["running"] = (pods.get("measured") or {}).get("vllm:num_requests_running")
     s["kv_usage"] = (pods.get("measured") or {}).get("vllm:kv_cache_usage_perc")
     s["preemptions"] = pods.get("preemptions")
@@ -275,7 +276,9 @@ def write(out: str) -> str:
     sums = {r["strategy"]: summarize(out, r) for r in results}
     title = (f"kvroute benchmark, profile {prof['name']}: {prof['sim']['pods']} vllm-sim pods, "
              f"{prof['workload']['groups']}x{prof['workload']['prompts_per_group']} shared_prefix, "
-             f"cap {prof['load']['inflight_cap']} in flight ({meta['started_utc']})")
+             f"cap {prof['load']['inflight_cap']} in flight"
+             + (f", time scale {prof['sim']['time_scale']:g}" if prof["sim"].get("time_scale", 1.0) != 1.0 else "")
+             + f" ({meta['started_utc']})")
     png = plot(out, results, title)
     L: List[str] = []
     L.append(f"# kvroute benchmark — `{prof['name']}` profile, {meta['started_utc']}")
@@ -288,7 +291,14 @@ def write(out: str) -> str:
     L.append(f"{prof['description']}. Simulated pods (vllm-sim) on one 2-core machine shared with the routers and the load "
              "generator: absolute numbers are not the reference's H100 numbers; compare strategies with each other "
              "and the *shape* (ratios) with the reference.")
-    L.append("")
+    ts = prof["sim"].get("time_scale", 1.0)
+    if ts != 1.0:
+        L.append(f"**Time-scaled run: the pods ran at {ts:g} wall seconds per simulated second** (vllm-sim `--time-scale {ts:g}`), "
+                 "the load compressed the same way (same requests per stage, stages shortened to round(duration × scale) s). "
+                 f"Every time and rate below is in simulated seconds (wall TTFT ÷ {ts:g}, wall tok/s × {ts:g}), so it reads "
+                 "like the reference; the routers' own wall-clock timers (feed polling, TTLs, tree eviction) were "
+                 f"{1 / ts:g}× slower relative to the pods than in a real-time run. Wall-clock values are kept in results.json.")
+        L.append("")
     L.append("## Summary")
     L.append("")
     L.extend(headline(results, sums))
@@ -297,16 +307,16 @@ def write(out: str) -> str:
     L.append("")
     L.append("Output tok/s and TTFT columns: mean over the measured QPS stages of inference-perf's per-stage values "
              "(the reference's summary method). Pooled: over every measured request. Hit rate: Δ`vllm:prefix_cache_hits_total` / "
-             "Δ`vllm:prefix_cache_queries_total` summed over pods during the measured stages. Waiting: mean of per-pod "
+             "Δ`vllm:prefix_cache_queries_total` summed over pods during the measured stages. Pod TTFT mean: Δ`vllm:time_to_first_token_seconds` sum / count over the pods (arrival at the pod → first token); the client's TTFT mean minus it is time spent before the pod. Waiting: mean of per-pod "
              "`vllm:num_requests_waiting`, sampled every second. Errors: failed requests + requests never recorded, of requests planned.")
     L.append("")
-    L.append("| strategy | status | output tok/s | TTFT p50 | TTFT p90 | TTFT mean | pooled TTFT p90 | prefix-cache hit rate | mean waiting | errors / planned |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("| strategy | status | output tok/s | TTFT p50 | TTFT p90 | TTFT mean | pod TTFT mean | pooled TTFT p90 | prefix-cache hit rate | mean waiting | errors / planned |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         s = sums[r["strategy"]]
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
         L.append(f"| {r['label']} | {status} | {f_num(s['tok_s'])} | {f_s(s['ttft_p50'])} | {f_s(s['ttft_p90'])} | "
-                 f"{f_s(s['ttft_mean'])} | {f_s(s['pooled_ttft_p90'])} | {f_pct(s['hit_rate'])} | {f_num(s['waiting'], 2)} | "
+                 f"{f_s(s['ttft_mean'])} | {f_s(s['pod_ttft_mean'])} | {f_s(s['pooled_ttft_p90'])} | {f_pct(s['hit_rate'])} | {f_num(s['waiting'], 2)} | "
                  f"{s['errors']} / {s['expected']} |")
     L.append("")
     not_ok = [r for r in results if r["status"] != "ok"]
@@ -392,7 +402,8 @@ def write(out: str) -> str:
              f"Resident prefix set = {100 * meta['resident_fraction']:.0f}% of cluster KV.")
     L.append(f"- Load: Poisson; warm-up {ld['warmup'][0]:g} QPS × {ld['warmup'][1]} s (excluded), then "
              + ", ".join(f"{r:g}×{d}s" for r, d in ld["stages"])
-             + f". Client cap on requests in flight: {ld['num_workers']} workers × {ld['worker_max_concurrency']} = "
+             + (f" (sent as " + ", ".join(f"{r:.4g}×{d}s" for r, d in ld["wall_stages"]) + " wall)" if ld.get("wall_stages") else "")
+            + f". Client cap on requests in flight: {ld['num_workers']} workers × {ld['worker_max_concurrency']} = "
              f"**{ld['inflight_cap']}** (TTFT is timed from dispatch). Per-request timeout {ld['request_timeout']:g} s.")
     fps = {r.get("workload_fingerprint") for r in results if r.get("workload_fingerprint")}
     scheds = {(r.get("inference_perf") or {}).get("schedule_sha") for r in results if (r.get("inference_perf") or {}).get("schedule_sha")}
@@ -400,6 +411,11 @@ def write(out: str) -> str:
              f"({'identical' if len(fps) == 1 else 'NOT identical'}); arrival schedule sha256 {', '.join(sorted(scheds)) or '—'} "
              f"({'identical' if len(scheds) == 1 else 'NOT identical'}). Arrivals are seeded by integration/bench/ipwrap.py "
              "(inference-perf 0.7.0 does not seed its Poisson timer); nothing else in inference-perf is changed.")
+    if meta.get("tokenizer_prime"):
+        tp = meta["tokenizer_prime"]
+        L.append(f"- Before the first strategy, every workload prompt ({tp['tokenized']} of {tp['prompts']}) went once through the "
+                 "simulator's `POST /tokenize` (integration/bench/prime.py): the tokenizer's word cache outlives the flush, and "
+                 "without this the first strategy alone paid its cold start.")
     L.append("- KV events: every pod binds its publisher on an `ipc://` path in the run directory; "
              "integration/bench/kvrelay.py republishes each pod's messages unchanged on its own 127.0.0.1 TCP port, "
              "which kvroute-indexer (kvroute precise) and vllm-router (kv_aware) subscribe to.")

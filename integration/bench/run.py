@@ -146,6 +146,7 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
         max_model_len=s.max_model_len,
         tokenizer=os.path.join(tokenizer_dir, "tokenizer.json"),
         kv_events_endpoint=ipc,
+        time_scale=s.time_scale,
     )
     for extra in s.extra_args:
         k, _, v = extra.partition("=")
@@ -212,7 +213,7 @@ def flush_pods(addresses: List[str]) -> Dict[str, Any]:
 
 def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_dir: str) -> Dict[str, Any]:
     w, ld = profile.workload, profile.load
-    stages = [ld.warmup] + list(ld.stages)
+    stages = profile.wall_stages()
     return {
         "api": {"type": "completion", "streaming": True},
         "server": {"type": "vllm", "model_name": profile.sim.served_model_name, "base_url": base_url, "ignore_eos": True},
@@ -234,8 +235,8 @@ def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_
             "stages": [{"rate": float(r), "duration": int(d)} for r, d in stages],
             "num_workers": ld.num_workers,
             "worker_max_concurrency": ld.worker_max_concurrency,
-            "request_timeout": ld.request_timeout,
-            "stage_teardown_grace_seconds": ld.stage_teardown_grace_seconds,
+            "request_timeout": profile.wall_seconds(ld.request_timeout),
+            "stage_teardown_grace_seconds": profile.wall_seconds(ld.stage_teardown_grace_seconds),
             "base_seed": w.arrival_seed,
         },
         "report": {
@@ -262,7 +263,8 @@ def workload_fingerprint(cfg: Dict[str, Any]) -> str:
 
 
 def planned_seconds(profile: profiles.Profile) -> float:
-    return sum(d for _, d in [profile.load.warmup] + list(profile.load.stages))
+    """Wall seconds of arrivals (all stages, warm-up included)."""
+    return sum(d for _, d in profile.wall_stages())
 
 
 def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str) -> Dict[str, Any]:
@@ -284,7 +286,10 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
         "TOKENIZERS_PARALLELISM": "false",
     })
     argv = [sys.executable, os.path.join(HERE, "ipwrap.py"), "-c", cfg_path, "--log-level", "INFO"]
-    limit = 3 * planned_seconds(profile) + profile.load.request_timeout + 600
+    # A guard against a hung client, not a budget: arrivals, one timeout, and every
+    # output token at 1,000 tok/s (a cache-blind router on the full profile does ~4,000).
+    tokens = sum(profile.expected_requests()) * profile.workload.output_len
+    limit = 3 * planned_seconds(profile) + profile.wall_seconds(profile.load.request_timeout + tokens / 1000.0) + 600
     t0 = time.time()
     p = Proc("inference-perf", argv, os.path.join(sdir, "inference-perf.log"), env=env)
     rc = p.wait(timeout=limit)
@@ -299,6 +304,26 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
         sched_sha = hashlib.sha256(open(sched, "rb").read()).hexdigest()[:16]
     return {"argv": ["inference-perf (via ipwrap.py)", "-c", "inference-perf.yaml"], "rc": rc, "timed_out": timed_out,
             "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": sched_sha}
+
+
+def _div(x: Optional[float], d: float) -> Optional[float]:
+    return None if x is None else x / d
+
+
+_DURATIONS = ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "benchmark_time_s")
+_RATES = ("output_tok_s", "requests_s", "achieved_rate")
+
+
+def to_simulated_time(stage: Dict[str, Any], time_scale: float) -> Dict[str, Any]:
+    """inference-perf's wall-clock numbers in simulated seconds (wall ones kept under "wall")."""
+    if time_scale == 1.0:
+        return stage
+    stage["wall"] = {k: stage.get(k) for k in _DURATIONS + _RATES}
+    for k in _DURATIONS:
+        stage[k] = _div(stage.get(k), time_scale)
+    for k in _RATES:
+        stage[k] = None if stage.get(k) is None else stage[k] * time_scale
+    return stage
 
 
 def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
@@ -342,7 +367,7 @@ def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
                 st["t_end"] = dt.datetime.fromisoformat(t["end"].replace("Z", "+00:00")).timestamp()
             except Exception:
                 pass
-        stages.append(st)
+        stages.append(to_simulated_time(st, profile.sim.time_scale))
 
     # Per request, slim: sorted by start; stage by inference-perf's per-stage counts
     # (stages run one after another: a stage ends only when all its requests have).
@@ -362,11 +387,12 @@ def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
                 k += 1
             cm = r.get("computed_metrics") or {}
             err = r.get("error")
+            scale = profile.sim.time_scale
             reqs.append({
                 "stage": k,
-                "start": r.get("start_time"),
-                "end": r.get("end_time"),
-                "ttft": cm.get("time_to_first_token"),
+                "start": _div(r.get("start_time"), scale),
+                "end": _div(r.get("end_time"), scale),
+                "ttft": _div(cm.get("time_to_first_token"), scale),
                 "out": cm.get("output_tokens"),
                 "in": cm.get("input_tokens"),
                 "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
@@ -402,6 +428,9 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
     qm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_queries_total") if b and a else None
     hm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_hits_total") if b and a else None
     out["hit_rate_measured"] = (hm / qm) if qm else None
+    ts = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_sum") if b and a else None
+    tc = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_count") if b and a else None
+    out["pod_ttft_mean_measured"] = (ts / tc) if tc else None
     # Per-stage waiting/hit rate.
     per = []
     for s in stages:
@@ -445,6 +474,9 @@ def router_stats(st: Dict[str, Any], sdir: str) -> Dict[str, Any]:
             with open(os.path.join(sdir, fname), "w") as fh:
                 fh.write(st[key])
             out[key] = _prom_values(st[key], prefixes)
+    if st.get("envoy_stats_text"):
+        with open(os.path.join(sdir, "envoy-stats.txt"), "w") as fh:
+            fh.write(st["envoy_stats_text"])
     if "indexer_cpu_seconds" in st:
         out["indexer_cpu_s_total"] = st["indexer_cpu_seconds"]
     return out
@@ -574,6 +606,22 @@ def publish(out: str, dst: str) -> None:
     log(f"published report.md, plot.png, results.json, raw.tar.gz to {dst}")
 
 
+def prime_tokenizer(profile: profiles.Profile, tokenizer_dir: str, cluster: Any, out: str) -> Dict[str, Any]:
+    """Every workload prompt through the simulator's tokenizer once, so no strategy pays its cold cache (prime.py)."""
+    import yaml
+
+    import prime
+
+    path = os.path.join(out, "prime-inference-perf.yaml")
+    with open(path, "w") as fh:
+        yaml.safe_dump(ip_config(profile, tokenizer_dir, f"http://{cluster.addresses[0]}", os.path.join(out, "prime")), fh,
+                       sort_keys=False)
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    done = prime.prime(cluster.addresses[0], profile.sim.served_model_name, path)
+    log(f"tokenizer primed: {done['tokenized']}/{done['prompts']} workload prompts in {done['seconds']} s")
+    return done
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="quick", choices=sorted(profiles.PROFILES))
@@ -614,6 +662,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         meta["pods"] = {"addresses": list(cluster.addresses), "info": getattr(cluster, "info", None),
                         "argv": getattr(cluster, "argv", None)}
         meta["versions"]["vllm-sim"] = getattr(cluster, "version", None)
+        if not args.endpoints:
+            meta["tokenizer_prime"] = prime_tokenizer(prof, tok, cluster, out)
         for s in sel:
             results.append(run_strategy(s, prof, cluster, out, tok))
             with open(os.path.join(out, "results.json"), "w") as fh:

@@ -113,6 +113,11 @@ def _envoy_stats(ep: Any) -> Dict[str, Any]:
         out["kvroute"] = ep.stats("kvroute")
     except Exception as e:
         out["stats_error"] = str(e)
+    # Envoy's own text stats, histograms included (upstream and downstream timings, kvroute.decision_us).
+    try:
+        out["envoy_stats_text"] = http_get(ep.admin_url + "/stats", timeout=5)[1]
+    except Exception as e:
+        out["envoy_stats_text_error"] = str(e)
     return out
 
 
