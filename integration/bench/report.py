@@ -182,10 +182,12 @@ def routing_facts(r: Dict[str, Any]) -> List[str]:
     miss = sum(v for k, v in pm.items() if k.startswith("vllm_router_kv_placement_lookups_total") and 'result="miss"' in k)
     if hits or miss:
         out.append(f"vllm-router KV placement lookups: {int(hits)} hit, {int(miss)} miss"
-                   + (" — **its KV index never matched a request**: the events arrive (see below) but, most likely, "
-                      "kv_aware looks up vLLM-style block hashes of the rendered tokens while vllm-sim publishes its own "
-                      "digests (consumers are expected to re-hash the events' token_ids); this row is kv_aware's "
-                      "cost/load fallback, not prefix routing" if not hits else ""))
+                   + (" — **its KV index never matched a request**: the events arrive (see below) and are indexed under "
+                      "the published block hashes, but kv_aware computes its lookup keys with Rust's DefaultHasher "
+                      "(SipHash over seed, parent key and token ids; vllm-project/router src/kv_index/block_hash.rs, whose "
+                      "own comment calls it an approximation), which matches neither vLLM's sha256/xxhash block hashes nor "
+                      "vllm-sim's; this row is kv_aware's least-load fallback (plus whatever its own short-lived speculative "
+                      "entries give), not routing on the pods' events" if not hits else ""))
     if r.get("kv_events_relayed") is not None and r["kind"] in ("vllm_router", "kvroute"):
         out.append(f"KV-event messages published by the pods during the run: {r['kv_events_relayed']}")
     return out
@@ -288,6 +290,10 @@ def write(out: str) -> str:
         L.append("")
     L.append(f"Command (from the repository root): `{meta['command']}`")
     L.append("")
+    if meta.get("stopped"):
+        L.append(f"**Stopped between strategies** (closed with `run.py --close`): {meta['stopped']}. "
+                 "The strategies it did not reach are listed as *not run*.")
+        L.append("")
     L.append(f"{prof['description']}. Simulated pods (vllm-sim) on one 2-core machine shared with the routers and the load "
              "generator: absolute numbers are not the reference's H100 numbers; compare strategies with each other "
              "and the *shape* (ratios) with the reference.")

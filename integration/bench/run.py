@@ -606,6 +606,30 @@ def publish(out: str, dst: str) -> None:
     log(f"published report.md, plot.png, results.json, raw.tar.gz to {dst}")
 
 
+def close_run(out: str, reason: str) -> None:
+    """Finish a run that was stopped between strategies (results.json is written after each one):
+    the strategies its command named but did not reach are recorded as *not run* with `reason`,
+    then the report is rendered."""
+    path = os.path.join(out, "results.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    argv = shlex.split(data["meta"]["command"])
+    named = argv[argv.index("--strategies") + 1] if "--strategies" in argv else "all"
+    reached = {r["strategy"] for r in data["results"]}
+    for s in strategies.selected(named):
+        if s.name not in reached:
+            data["results"].append({"strategy": s.name, "label": s.label, "kind": s.kind, "params": s.params,
+                                    "reference_row": s.reference_row, "description": s.description,
+                                    "status": "not run", "reason": reason})
+    data["meta"]["finished_utc"] = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    data["meta"]["stopped"] = reason
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=str)
+    import report
+
+    report.write(out)
+
+
 def prime_tokenizer(profile: profiles.Profile, tokenizer_dir: str, cluster: Any, out: str) -> Dict[str, Any]:
     """Every workload prompt through the simulator's tokenizer once, so no strategy pays its cold cache (prime.py)."""
     import yaml
@@ -632,7 +656,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--endpoints", help="use these already-running OpenAI-compatible pods (host:port,...) "
                                         "instead of starting vllm-sim; the report says so")
     ap.add_argument("--results-dir", help="after the report, copy report.md, plot.png and results.json here")
+    ap.add_argument("--close", metavar="RUN_DIR", help="finish a run stopped between strategies: record the ones it "
+                                                       "did not reach as not run (--reason), render, publish")
+    ap.add_argument("--reason", default="the run was stopped before this strategy", help="with --close")
     args = ap.parse_args(argv)
+    if args.close:
+        close_run(os.path.abspath(args.close), args.reason)
+        if args.results_dir:
+            publish(os.path.abspath(args.close), os.path.abspath(args.results_dir))
+        return 0
 
     prof = profiles.get(args.profile, args.set)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
