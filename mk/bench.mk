@@ -1,7 +1,7 @@
 # Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
 # `make bench`           quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
 # `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; 5-6 hours in real time)
-# `make bench-full-scaled` the same at vllm-sim --time-scale 0.25 (load compressed alike; ~2 hours)
+# `make bench-full-scaled` the same at vllm-sim --time-scale 0.25 (load compressed alike; ~3 hours)
 # `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
 # BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
 # --set load.stages='[[6,20]]', --results-dir docs/results/<name>).

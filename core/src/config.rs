@@ -66,8 +66,8 @@ impl Default for Weights {
         // Leaving the pod that holds a prefix must beat its queue by 4× the
         // request's own uncached work: a copy on a second pod costs the
         // cluster that prefill and splits the group's later requests
-        // (bench: at prefill = 1 a cold 150-group burst fell from 57% to 40%
-        // prefix hits; 4 and 8 both reach 57%).
+        // (bench: a cold 150-group burst got 40% prefix hits at prefill = 1,
+        // 56% at 4 and at 8).
         Weights {
             prefill: 4.0,
             decode: 1.0,

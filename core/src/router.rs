@@ -489,6 +489,27 @@ mod tests {
         (c, cluster)
     }
 
+    /// The hashed prompt of `tokens` token ids 0, 1, … sent to `model`.
+    fn token_prompt(config: &Config, model: &str, tokens: u32) -> HashedPrompt {
+        let request = PromptRequest {
+            model: model.into(),
+            prompt: Prompt::Tokens((0..tokens).collect()),
+        };
+        hash_prompt(config, &request)
+    }
+
+    /// A pod as the indexer feed announces it.
+    fn fed_pod(address: &str, capacity_blocks: u32) -> PodInfo {
+        PodInfo {
+            address: address.into(),
+            models: vec![],
+            capacity_blocks,
+            waiting: 0,
+            running: 0,
+            kv_usage: 0.0,
+        }
+    }
+
     fn chat(system: &str, question: &str) -> PromptRequest {
         let body = format!(
             r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{question}"}}]}}"#
@@ -612,21 +633,8 @@ mod tests {
     #[test]
     fn adapters_scope_hashes_and_route_to_base_model_pods() {
         let c = Config::from_json(br#"{"adapters":{"sql-lora":"base"},"endpoints":[{"address":"a:1","models":["base"]}]}"#).unwrap();
-        let tokens: Vec<u32> = (0..64).collect();
-        let lora = hash_prompt(
-            &c,
-            &PromptRequest {
-                model: "sql-lora".into(),
-                prompt: Prompt::Tokens(tokens.clone()),
-            },
-        );
-        let base = hash_prompt(
-            &c,
-            &PromptRequest {
-                model: "base".into(),
-                prompt: Prompt::Tokens(tokens),
-            },
-        );
+        let lora = token_prompt(&c, "sql-lora", 64);
+        let base = token_prompt(&c, "base", 64);
         assert_eq!(lora.serving_model, "base");
         assert_eq!(lora.hashes.len(), 4);
         assert_ne!(lora.hashes, base.hashes);
@@ -644,22 +652,8 @@ mod tests {
     #[test]
     fn feed_owns_pods_and_precise_entries_route() {
         let (c, mut cluster) = four_pods();
-        let tokens: Vec<u32> = (0..160).collect();
-        let hashed = hash_prompt(
-            &c,
-            &PromptRequest {
-                model: "m".into(),
-                prompt: Prompt::Tokens(tokens),
-            },
-        );
-        let pod = |address: &str| PodInfo {
-            address: address.into(),
-            models: vec![],
-            capacity_blocks: 100,
-            waiting: 0,
-            running: 0,
-            kv_usage: 0.0,
-        };
+        let hashed = token_prompt(&c, "m", 160);
+        let pod = |address: &str| fed_pod(address, 100);
         let update = FeedUpdate {
             epoch: 1,
             cursor: 1,
@@ -708,14 +702,7 @@ mod tests {
             epoch: 1,
             cursor: 1,
             snapshot: true,
-            pods: vec![PodInfo {
-                address: "x:1".into(),
-                models: vec![],
-                capacity_blocks: 0,
-                waiting: 0,
-                running: 0,
-                kv_usage: 0.0,
-            }],
+            pods: vec![fed_pod("x:1", 0)],
             ops: vec![BlockOp::Stored {
                 pod: 0,
                 tier: Tier::Gpu,
@@ -746,22 +733,8 @@ mod tests {
     #[test]
     fn an_older_snapshot_never_undoes_a_removal_the_feed_applied() {
         let (c, mut cluster) = four_pods();
-        let tokens: Vec<u32> = (0..64).collect();
-        let hashed = hash_prompt(
-            &c,
-            &PromptRequest {
-                model: "m".into(),
-                prompt: Prompt::Tokens(tokens),
-            },
-        );
-        let pod = PodInfo {
-            address: "a:1".into(),
-            models: vec![],
-            capacity_blocks: 100,
-            waiting: 0,
-            running: 0,
-            kv_usage: 0.0,
-        };
+        let hashed = token_prompt(&c, "m", 64);
+        let pod = fed_pod("a:1", 100);
         let stored = FeedUpdate {
             epoch: 1,
             cursor: 1,

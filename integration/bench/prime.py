@@ -2,10 +2,10 @@
 
 vllm-sim tokenizes every prompt with the HuggingFace tokenizer, whose BPE word
 cache lives as long as the process and survives `POST /admin/flush`. Without
-this step the first strategy of a run pays the cold cache alone: on the full
-profile the simulator burned ~15 CPU-s instead of ~4 on the same 840 requests,
-on a 2-core machine shared with the client and the router, and that strategy's
-TTFT p90 went from 1.5 s to 9 s whichever router it was. So every prompt of the
+this step the first strategy of a run pays the cold cache alone: on a short
+full-size smoke run (840 requests) the simulator burned 14–15 CPU-s instead of
+3–4, on a 2-core machine shared with the client and the router, and the first
+strategy's TTFT p90 was ~9 s instead of 1.3–1.9 s, whichever router it was. So every prompt of the
 workload is sent once to `POST /tokenize` (the tokenizer is shared by every pod
 of the process), and all strategies start from the same warm tokenizer.
 

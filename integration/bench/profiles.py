@@ -19,8 +19,9 @@ wall seconds (≥ 1). Every time the report prints is converted back to
 simulated seconds (TTFT ÷ s, tok/s × s), so a scaled run reads like the
 reference. What does not scale: the routers' own wall-clock timers (event
 feed polling, learned-entry TTLs, the peers' tree-eviction intervals) run
-1/s times slower relative to the pods. `full` at s = 0.25 fits a 2-hour
-window on 2 cores; at s = 1 it takes 5–6 hours.
+1/s times slower relative to the pods. `full` at s = 0.25 takes ~3 hours
+for all 9 strategies on 2 cores (measured: 15–18 min per prefix-aware strategy,
+~24 min per cache-blind one); at s = 1, four times that.
 
 `quick` keeps the shape that makes routing matter — the resident prefix set
 is ~73% of cluster KV, about three times one pod — at a size that runs in

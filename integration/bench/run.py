@@ -484,13 +484,17 @@ def router_stats(st: Dict[str, Any], sdir: str) -> Dict[str, Any]:
 
 # ------------------------------------------------------------------ one strategy
 
+def strategy_record(strategy: strategies.Strategy, status: str, **extra: Any) -> Dict[str, Any]:
+    """A strategy's entry in results.json, before any measurement."""
+    return {"strategy": strategy.name, "label": strategy.label, "kind": strategy.kind, "params": strategy.params,
+            "reference_row": strategy.reference_row, "description": strategy.description, "status": status, **extra}
+
+
 def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, cluster: Any, out: str,
                  tokenizer_dir: str) -> Dict[str, Any]:
     sdir = os.path.join(out, "raw", strategy.name)
     os.makedirs(sdir, exist_ok=True)
-    res: Dict[str, Any] = {"strategy": strategy.name, "label": strategy.label, "kind": strategy.kind,
-                           "params": strategy.params, "reference_row": strategy.reference_row,
-                           "description": strategy.description, "status": "failed"}
+    res = strategy_record(strategy, "failed")
     addresses = list(cluster.addresses)
     why = strategies.missing_prerequisite(strategy, cluster)
     if why:
@@ -618,9 +622,7 @@ def close_run(out: str, reason: str) -> None:
     reached = {r["strategy"] for r in data["results"]}
     for s in strategies.selected(named):
         if s.name not in reached:
-            data["results"].append({"strategy": s.name, "label": s.label, "kind": s.kind, "params": s.params,
-                                    "reference_row": s.reference_row, "description": s.description,
-                                    "status": "not run", "reason": reason})
+            data["results"].append(strategy_record(s, "not run", reason=reason))
     data["meta"]["finished_utc"] = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     data["meta"]["stopped"] = reason
     with open(path, "w") as fh:
