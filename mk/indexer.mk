@@ -8,7 +8,7 @@
 INDEXER_BIN := target/release/kvroute-indexer
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire
-GOLDEN_FRAMES := ../shared/vllm-golden/frames
+GOLDEN_FRAMES := testdata/vllm-golden/frames
 
 .PHONY: indexer indexer-lint indexer-test indexer-bench fuzz fuzz-build
 indexer:

@@ -1194,7 +1194,7 @@ mod tests {
     // ------------------------------------------------ golden vLLM captures
 
     fn golden_dir() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm-golden/frames")
+        kvroute_testdata::vllm_golden_frames()
     }
 
     fn unhex(s: &str) -> Vec<u8> {

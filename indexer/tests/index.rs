@@ -749,8 +749,7 @@ fn randomized_deltas_equal_snapshots() {
 
 #[test]
 fn golden_capture_sequence_applies() {
-    let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm-golden/frames");
+    let dir = kvroute_testdata::vllm_golden_frames();
     let mut ix = index();
     let names = [
         "00_stored_4blocks_root",

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "integration"))
 
 from indexerctl import IndexerProcess, free_port, indexer_binary  # noqa: E402,F401  (re-exported)
 
-GOLDEN = REPO.parent / "shared" / "vllm-golden" / "frames"
+GOLDEN = REPO / "testdata" / "vllm-golden" / "frames"
 MODEL = "Qwen/Qwen3-32B"
 
 # kvroute hashes of tokens 0..63 (block 16) for MODEL, pinned in core/src/hash.rs.

@@ -19,7 +19,7 @@ import jsonschema
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared"
+ISTIO_CRDS = Path(__file__).resolve().parent / "istio-crds"
 ISTIO_DIR = ROOT / "istio"
 ENVOY_DIR = ROOT / "envoy"
 EXTRA_SCHEMAS = Path(__file__).resolve().parent / "istio-extra-schemas.yaml"
@@ -182,9 +182,9 @@ def _closed(schema: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def istio_crds() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> strict openAPIV3Schema, from ../shared/istio-crds."""
+    """(apiVersion, kind) -> strict openAPIV3Schema, from the vendored Istio CRDs."""
     crds = {}
-    for path in sorted((SHARED / "istio-crds").glob("*.crd.yaml")):
+    for path in sorted(ISTIO_CRDS.glob("*.crd.yaml")):
         for crd in load_yaml_docs(path):
             group = crd["spec"]["group"]
             kind = crd["spec"]["names"]["kind"]
@@ -294,7 +294,7 @@ def istio_object_errors(doc: dict) -> list[str]:
     key = (doc.get("apiVersion"), doc.get("kind"))
     crds = istio_crds()
     if key not in crds:
-        return [f"no CRD schema for {key} in {SHARED / 'istio-crds'}"]
+        return [f"no CRD schema for {key} in {ISTIO_CRDS}"]
     schema = crds[key]
     v = jsonschema.Draft7Validator(schema)
     errs = [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in v.iter_errors(doc)]

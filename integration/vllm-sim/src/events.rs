@@ -1,6 +1,6 @@
 //! KV-cache events as vLLM (>= 0.26) publishes them, and the ZMQ publisher.
 //!
-//! Wire format (see ../shared/vllm-kv-events.md and vllm-golden/):
+//! Wire format (see docs/vllm-kv-events.md and testdata/vllm-golden/):
 //! one ZMQ message per engine step with 3 frames `[topic, seq (u64 BE), payload]`;
 //! payload = msgpack array `[ts (f64), [event...], data_parallel_rank]`.
 //! Events are msgpack maps whose first key is `"type"`, fields in vLLM's
@@ -412,10 +412,7 @@ mod tests {
     use super::*;
 
     fn golden(name: &str) -> Vec<u8> {
-        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/vllm-golden/frames")
-            .join(name);
-        std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+        kvroute_testdata::golden_frame(name).unwrap_or_else(|e| panic!("{e}"))
     }
 
     const TS: f64 = 1_700_000_000.5;
@@ -677,10 +674,7 @@ mod bytes_tests {
     use super::*;
 
     fn golden(name: &str) -> Vec<u8> {
-        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/vllm-golden/frames")
-            .join(name);
-        std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+        kvroute_testdata::golden_frame(name).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The value with every hash (bin) replaced by a marker, so structures compare.
