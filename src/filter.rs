@@ -4,8 +4,9 @@
 
 use crate::host;
 use crate::metrics::FailOpen;
-use crate::worker::SharedWorker;
+use crate::worker::{RoutedRequest, SharedWorker};
 use kvroute_core::hash::Domain;
+use kvroute_core::outcome::{judge, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
 use kvroute_core::router::hash_prompt;
 use kvroute_core::wire::PeerMessage;
@@ -16,9 +17,13 @@ pub struct RequestFilter {
     worker: SharedWorker,
     /// This request is routed by kvroute (routed path, POST, has a body).
     routing: bool,
+    /// The request is on a routed path (its response reports the served pod).
+    on_routed_path: bool,
     request_id: String,
     /// The pod and prompt blocks counted as in flight, released at the end.
     in_flight: Option<(String, u32)>,
+    /// The decision, until its response settles it.
+    unsettled: Option<RoutedRequest>,
     explanation: Option<String>,
     /// Why the request was left to Envoy's LB, for the decision header.
     fallback: Option<FailOpen>,
@@ -31,8 +36,10 @@ impl RequestFilter {
         RequestFilter {
             worker,
             routing: false,
+            on_routed_path: false,
             request_id: String::new(),
             in_flight: None,
+            unsettled: None,
             explanation: None,
             fallback: None,
             tokenizing: None,
@@ -139,18 +146,11 @@ impl RequestFilter {
         .unwrap_or(u32::MAX);
         w.cluster
             .record_routed(&decision.pod, prompt_blocks, &hashed.hashes, now_s);
-        // Token blocks are reported by the pods themselves (KV events): a
-        // learned guess shared through the indexer could outlive the pod's
-        // own removal of the block. Byte chunks have no other source.
-        let to_indexer = hashed.domain == Domain::Bytes;
-        w.tell_peers(
-            PeerMessage::Routed {
-                pod: decision.pod.clone(),
-                prompt_blocks,
-                hashes: hashed.hashes,
-            },
-            to_indexer,
-        );
+        w.tell_peers(PeerMessage::Routed {
+            pod: decision.pod.clone(),
+            prompt_blocks,
+            hashes: hashed.hashes.clone(),
+        });
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
             m.decision_prefix.inc()
@@ -168,8 +168,29 @@ impl RequestFilter {
                 self.request_id, request.model, explanation
             ),
         );
+        self.unsettled = Some(RoutedRequest {
+            pod: decision.pod.clone(),
+            hashes: hashed.hashes,
+            matched_blocks: decision.matched_blocks,
+            // Token blocks are reported by the pods themselves (KV events): a
+            // learned guess shared through the indexer could outlive the pod's
+            // own removal of the block. Byte chunks have no other source.
+            report: hashed.domain == Domain::Bytes,
+        });
         self.in_flight = Some((decision.pod, prompt_blocks));
         self.explanation = Some(explanation);
+    }
+
+    /// Judges the response against the decision and acts on the verdict.
+    fn settle(&mut self, served_by: Option<&str>) {
+        let Some(request) = self.unsettled.take() else {
+            return;
+        };
+        let status = host::response_header(":status").and_then(|s| s.parse().ok());
+        let outcome = judge(&request.pod, &Response { status, served_by });
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.settle(&request, outcome, &self.request_id);
+        }
     }
 
     /// The first response bytes mean the pod finished this prompt's prefill:
@@ -184,13 +205,10 @@ impl RequestFilter {
         let blocks = std::mem::take(prompt_blocks);
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.cluster.record_prefill_done(pod, blocks);
-            w.tell_peers(
-                PeerMessage::PrefillDone {
-                    pod: pod.clone(),
-                    prompt_blocks: blocks,
-                },
-                false,
-            );
+            w.tell_peers(PeerMessage::PrefillDone {
+                pod: pod.clone(),
+                prompt_blocks: blocks,
+            });
         }
     }
 
@@ -198,7 +216,7 @@ impl RequestFilter {
         if let Some((pod, prompt_blocks)) = self.in_flight.take() {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cluster.record_finished(&pod, prompt_blocks);
-                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks }, false);
+                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks });
             }
         }
     }
@@ -280,12 +298,26 @@ impl HttpContext for RequestFilter {
         if !is_post || !config.routes_path(&path) {
             return Action::Continue;
         }
+        self.on_routed_path = true;
         self.request_id = host::request_header("x-request-id").unwrap_or_default();
         if let Ok(w) = self.worker.try_borrow() {
             w.metrics.requests.inc();
         }
         if end_of_stream {
             self.fail_open(FailOpen::NoPrompt, "request has no body");
+            return Action::Continue;
+        }
+        // A body known to be too large is never buffered: Envoy streams it
+        // as it would without kvroute.
+        let declared = host::request_header("content-length").and_then(|v| v.parse::<u64>().ok());
+        if let Some(length) = declared.filter(|&n| n > config.max_body_bytes as u64) {
+            self.fail_open(
+                FailOpen::BodyTooLarge,
+                &format!(
+                    "content-length {length} > max_body_bytes {}",
+                    config.max_body_bytes
+                ),
+            );
             return Action::Continue;
         }
         self.routing = true;
@@ -324,13 +356,21 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if !self.on_routed_path {
+            return Action::Continue;
+        }
+        let served_by = host::property(&["upstream", "address"]);
+        self.settle(served_by.as_deref());
         let explanation = self
             .explanation
             .take()
             .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())));
-        if let (Some(text), Ok(w)) = (explanation, self.worker.try_borrow()) {
-            if !w.config.decision_header.is_empty() {
+        if let Ok(w) = self.worker.try_borrow() {
+            if let Some(text) = explanation.filter(|_| !w.config.decision_header.is_empty()) {
                 host::add_response_header(&w.config.decision_header, &text);
+            }
+            if let Some(pod) = served_by.filter(|_| !w.config.served_header.is_empty()) {
+                host::add_response_header(&w.config.served_header, &pod);
             }
         }
         Action::Continue

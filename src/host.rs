@@ -53,6 +53,10 @@ pub fn request_header(name: &str) -> Option<String> {
     hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok()?
 }
 
+pub fn response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok()?
+}
+
 pub fn set_request_header(name: &str, value: Option<&str>) -> Result<(), Status> {
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value)
 }

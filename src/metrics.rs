@@ -1,6 +1,7 @@
 //! The Envoy stats kvroute exports (Envoy prefixes them with `wasmcustom.`).
 
 use crate::host::Metric;
+use kvroute_core::outcome::Outcome;
 use kvroute_core::request::ParseError;
 use kvroute_core::router::NoRoute;
 
@@ -80,6 +81,8 @@ pub struct FilterMetrics {
     pub tokenizer_failed: Metric,
     pub tokenizer_us: Metric,
     fallback: Vec<Metric>,
+    /// Responses by verdict on the decision: confirmed, refused, failed, rerouted.
+    outcomes: [Metric; 4],
 }
 
 impl FilterMetrics {
@@ -102,7 +105,13 @@ impl FilterMetrics {
                 .iter()
                 .map(|c| Metric::counter(&format!("kvroute.fallback.{}", c.name())))
                 .collect(),
+            outcomes: Outcome::NAMES
+                .map(|name| Metric::counter(&format!("kvroute.outcome.{name}"))),
         }
+    }
+
+    pub fn outcome(&self, outcome: &Outcome) {
+        self.outcomes[outcome.index()].inc();
     }
 
     pub fn fallback(&self, cause: FailOpen) {

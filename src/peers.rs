@@ -33,6 +33,8 @@ pub enum Audience {
     All,
     /// VMs that serve requests (routing decisions and their end).
     Serving,
+    /// No worker: only the singleton, when asked (reports for the indexer).
+    None,
 }
 
 /// One registry line: `<queue name> <last heartbeat, epoch s> <serving 0|1>`.
@@ -192,7 +194,11 @@ impl Peers {
         let singleton = self.singleton.filter(|_| to_singleton);
         self.live
             .iter()
-            .filter(|(_, serving)| audience == Audience::All || *serving)
+            .filter(|(_, serving)| match audience {
+                Audience::All => true,
+                Audience::Serving => *serving,
+                Audience::None => false,
+            })
             .map(|(q, _)| q)
             .chain(singleton.iter())
             .filter(|&&q| host::queue_enqueue(q, message))

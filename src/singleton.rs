@@ -121,7 +121,7 @@ impl Singleton {
                 continue;
             };
             for message in messages {
-                if let PeerMessage::Routed { pod, hashes, .. } = message {
+                if let PeerMessage::Learned { pod, hashes } = message {
                     if self.indexer.is_none()
                         || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED
                     {

@@ -6,6 +6,7 @@ use crate::metrics::{FailOpen, FilterMetrics};
 use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
+use kvroute_core::outcome::Outcome;
 use kvroute_core::router::Cluster;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
@@ -19,6 +20,19 @@ const LEASE_KEY: &str = "kvroute/snapshot/lease";
 const DEFAULT_TRUST_S: u32 = 5;
 
 pub type SharedWorker = Rc<RefCell<Worker>>;
+
+/// A request kvroute routed, as its response will settle it.
+#[derive(Debug, Clone)]
+pub struct RoutedRequest {
+    /// The pod chosen first.
+    pub pod: String,
+    /// Its prompt's block hashes, learned provisionally on `pod`.
+    pub hashes: Vec<u64>,
+    /// Leading blocks `pod` already held: a refusal takes back only the rest.
+    pub matched_blocks: usize,
+    /// Confirmed blocks are reported to the indexer (byte chunks only).
+    pub report: bool,
+}
 
 pub struct Worker {
     pub config: Rc<Config>,
@@ -103,14 +117,76 @@ impl Worker {
         );
     }
 
-    /// Tells peers about a routing event; `to_indexer` also hands it to the
-    /// singleton, which reports it to the indexer as a learned entry.
-    pub fn tell_peers(&self, message: PeerMessage, to_indexer: bool) {
+    /// Tells the serving peers about a routing event.
+    pub fn tell_peers(&self, message: PeerMessage) {
+        self.send(message, Audience::Serving, false);
+    }
+
+    /// Hands confirmed blocks to the singleton, which reports them to the
+    /// indexer as learned entries (when there is an indexer).
+    pub fn report_learned(&self, pod: &str, hashes: Vec<u64>) {
+        if self.config.indexer.is_some() {
+            let message = PeerMessage::Learned {
+                pod: pod.to_string(),
+                hashes,
+            };
+            self.send(message, Audience::None, true);
+        }
+    }
+
+    /// Settles a routed request by its response: confirms or takes back what
+    /// it taught, passes over a pod that failed. `report` says whether its
+    /// blocks are shared with the indexer (byte chunks: token blocks come
+    /// from the pods' own events).
+    pub fn settle(&mut self, request: &RoutedRequest, outcome: Outcome, request_id: &str) {
+        let (now_s, _) = host::now();
+        self.metrics.outcome(&outcome);
+        let chosen = &request.pod;
+        match outcome {
+            Outcome::Confirmed => {
+                if request.report {
+                    self.report_learned(chosen, request.hashes.clone());
+                }
+            }
+            Outcome::Refused => {
+                let taught = request.hashes.get(request.matched_blocks..).unwrap_or(&[]);
+                self.cluster.forget_learned(chosen, taught);
+                self.tell_peers(PeerMessage::Unlearned {
+                    pod: chosen.clone(),
+                    hashes: taught.to_vec(),
+                });
+            }
+            Outcome::Failed | Outcome::ServedElsewhere { .. } => {
+                self.cluster.record_failure(chosen, now_s);
+                self.tell_peers(PeerMessage::Failed {
+                    pod: chosen.clone(),
+                });
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvroute: request {request_id}: pod {chosen} failed ({}); passed over for {} s",
+                        outcome.name(),
+                        self.config.failure_cooldown_seconds
+                    ),
+                );
+            }
+        }
+        if let Outcome::ServedElsewhere { pod, success: true } = outcome {
+            self.cluster.record_learned(pod, &request.hashes, now_s);
+            self.tell_peers(PeerMessage::Learned {
+                pod: pod.to_string(),
+                hashes: request.hashes.clone(),
+            });
+            if request.report {
+                self.report_learned(pod, request.hashes.clone());
+            }
+        }
+    }
+
+    fn send(&self, message: PeerMessage, audience: Audience, to_singleton: bool) {
         match wire::encode_batch(&[message]) {
             Ok(bytes) => {
-                let to_singleton = to_indexer && self.config.indexer.is_some();
-                self.peers
-                    .broadcast(&bytes, Audience::Serving, to_singleton);
+                self.peers.broadcast(&bytes, audience, to_singleton);
             }
             Err(e) => host::log(
                 LogLevel::Warn,
@@ -148,6 +224,11 @@ impl Worker {
             } => self
                 .cluster
                 .record_routed(&pod, prompt_blocks, &hashes, now_s),
+            PeerMessage::Learned { pod, hashes } => {
+                self.cluster.record_learned(&pod, &hashes, now_s)
+            }
+            PeerMessage::Unlearned { pod, hashes } => self.cluster.forget_learned(&pod, &hashes),
+            PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
                 self.cluster.record_prefill_done(&pod, prompt_blocks)
             }

@@ -101,6 +101,9 @@ pub struct IndexSettings {
     pub ttl_seconds: u32,
     /// How often the snapshot for newly started VMs is refreshed.
     pub snapshot_interval_ms: u32,
+    /// Share of a pod's table one request may claim when its blocks are
+    /// learned: a few huge prompts cannot flush what everyone else taught.
+    pub max_learn_share: f64,
 }
 
 impl Default for IndexSettings {
@@ -108,6 +111,7 @@ impl Default for IndexSettings {
         IndexSettings {
             ttl_seconds: 600,
             snapshot_interval_ms: 2000,
+            max_learn_share: 0.125,
         }
     }
 }
@@ -198,6 +202,12 @@ pub struct Config {
     pub destination_header: String,
     pub fallback_endpoints: usize,
     pub decision_header: String,
+    /// Response header naming the pod that really served (after Envoy's
+    /// retries onto the fallbacks); empty: not added.
+    pub served_header: String,
+    /// A pod that failed a request (5xx, reset, or a retry served elsewhere)
+    /// is passed over for this long; 0: never passed over.
+    pub failure_cooldown_seconds: u32,
     pub weights: Weights,
     pub tier_discount: TierDiscount,
     pub index: IndexSettings,
@@ -222,6 +232,8 @@ impl Default for Config {
             destination_header: "x-gateway-destination-endpoint".into(),
             fallback_endpoints: 2,
             decision_header: "x-kvroute-decision".into(),
+            served_header: "x-gateway-destination-endpoint-served".into(),
+            failure_cooldown_seconds: 3,
             weights: Weights::default(),
             tier_discount: TierDiscount::default(),
             index: IndexSettings::default(),
@@ -289,6 +301,15 @@ impl Config {
                 "must be a lower-case HTTP header name or empty",
             ));
         }
+        if !self.served_header.is_empty() && !is_header_name(&self.served_header) {
+            return Err(invalid(
+                "served_header",
+                "must be a lower-case HTTP header name or empty",
+            ));
+        }
+        if self.failure_cooldown_seconds > 3600 {
+            return Err(invalid("failure_cooldown_seconds", "must be <= 3600"));
+        }
         let w = &self.weights;
         for (name, value) in [
             ("prefill", w.prefill),
@@ -316,6 +337,9 @@ impl Config {
         }
         if self.index.ttl_seconds == 0 {
             return Err(invalid("index.ttl_seconds", "must be > 0"));
+        }
+        if !(self.index.max_learn_share > 0.0 && self.index.max_learn_share <= 1.0) {
+            return Err(invalid("index.max_learn_share", "must be > 0 and <= 1"));
         }
         if self.index.snapshot_interval_ms < 100 {
             return Err(invalid("index.snapshot_interval_ms", "must be >= 100"));
@@ -490,6 +514,15 @@ mod tests {
             "destination_header"
         );
         assert_eq!(err(r#"{"paths":["v1"]}"#).field, "paths[0]");
+        assert_eq!(err(r#"{"served_header":"Served"}"#).field, "served_header");
+        assert_eq!(
+            err(r#"{"failure_cooldown_seconds":7200}"#).field,
+            "failure_cooldown_seconds"
+        );
+        assert_eq!(
+            err(r#"{"index":{"max_learn_share":0}}"#).field,
+            "index.max_learn_share"
+        );
         assert!(err(r#"{"max_blocks":"many"}"#)
             .to_string()
             .contains("invalid type"));

@@ -131,6 +131,35 @@ impl PodTable {
         }
     }
 
+    /// Forgets the learned entries among `hashes`; precise entries are the
+    /// pod's own report and stay.
+    pub fn remove_learned(&mut self, hashes: &[u64]) {
+        for &hash in hashes {
+            if let Some(slot) = self.find(key_of(hash)) {
+                if !is_precise(tier_from_bits(self.meta[slot] >> STAMP_BITS)) {
+                    self.delete_at(slot);
+                }
+            }
+        }
+    }
+
+    /// Forgets every learned entry (the pod failed: what the proxy guessed
+    /// about its cache can no longer be trusted).
+    pub fn clear_learned(&mut self) {
+        let learned: Vec<u64> = self
+            .keys
+            .iter()
+            .zip(&self.meta)
+            .filter(|(&k, &m)| k != EMPTY && !is_precise(tier_from_bits(m >> STAMP_BITS)))
+            .map(|(&k, _)| k)
+            .collect();
+        for key in learned {
+            if let Some(slot) = self.find(key) {
+                self.delete_at(slot);
+            }
+        }
+    }
+
     /// Forgets every block (pod restarted or cleared its cache).
     pub fn clear(&mut self) {
         self.keys.fill(EMPTY);
@@ -445,6 +474,24 @@ mod tests {
                     ^ (i + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9)
             })
             .collect()
+    }
+
+    #[test]
+    fn forgetting_learned_entries_keeps_the_pods_own_report() {
+        let mut t = PodTable::new(100);
+        let precise = chain(1, 4);
+        let learned = chain(2, 6);
+        t.touch_chain(&precise, Tier::Gpu, 1);
+        t.touch_chain(&learned, Tier::Learned, 1);
+        // A learned touch of a precise block keeps it precise.
+        t.touch_chain(&precise[..2], Tier::Learned, 1);
+        t.remove_learned(&[precise[0], learned[5]]);
+        assert_eq!(t.prefix_match(&precise, &TRUST_ALL).blocks, 4);
+        assert_eq!(t.prefix_match(&learned, &TRUST_ALL).blocks, 5);
+        t.clear_learned();
+        assert_eq!(t.len(), 4);
+        assert_eq!(t.prefix_match(&learned, &TRUST_ALL).blocks, 0);
+        assert_eq!(t.prefix_match(&precise, &TRUST_ALL).blocks, 4);
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod events;
 pub mod feed;
 pub mod hash;
 pub mod index;
+pub mod outcome;
 pub mod request;
 pub mod router;
 pub mod score;

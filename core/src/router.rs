@@ -33,6 +33,8 @@ struct Pod {
     inflight_requests: u32,
     inflight_blocks: u64,
     reported: ReportedLoad,
+    /// The pod failed a request: other pods are preferred until this second.
+    passed_over_until_s: u32,
 }
 
 impl Pod {
@@ -43,11 +45,45 @@ impl Pod {
             inflight_requests: 0,
             inflight_blocks: 0,
             reported: ReportedLoad::default(),
+            passed_over_until_s: 0,
         }
     }
 
     fn serves(&self, model: &str) -> bool {
         self.spec.models.is_empty() || self.spec.models.iter().any(|m| m == model)
+    }
+
+    fn passed_over(&self, now_s: u32) -> bool {
+        now_s < self.passed_over_until_s
+    }
+
+    /// The leading blocks one request may teach this pod's table.
+    fn learnable<'h>(&self, hashes: &'h [u64], policy: &ClusterPolicy) -> &'h [u64] {
+        let share = f64::from(self.spec.capacity_blocks) * policy.max_learn_share;
+        let limit = (share.ceil() as usize).max(1);
+        &hashes[..hashes.len().min(limit)]
+    }
+}
+
+/// What the configuration says about learning and failures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClusterPolicy {
+    pub max_learn_share: f64,
+    pub failure_cooldown_seconds: u32,
+}
+
+impl ClusterPolicy {
+    pub fn of(config: &Config) -> ClusterPolicy {
+        ClusterPolicy {
+            max_learn_share: config.index.max_learn_share,
+            failure_cooldown_seconds: config.failure_cooldown_seconds,
+        }
+    }
+}
+
+impl Default for ClusterPolicy {
+    fn default() -> Self {
+        ClusterPolicy::of(&Config::default())
     }
 }
 
@@ -162,6 +198,7 @@ pub struct Cluster {
     default_capacity: u32,
     /// True once a feed snapshot (the indexer's full state) was applied.
     has_feed_state: bool,
+    policy: ClusterPolicy,
 }
 
 impl Cluster {
@@ -169,6 +206,7 @@ impl Cluster {
     /// named the pods (discovery then owns the set).
     pub fn set_configured(&mut self, config: &Config, now_s: u32) {
         self.default_capacity = config.default_capacity_blocks;
+        self.policy = ClusterPolicy::of(config);
         if self.discovered {
             return;
         }
@@ -255,11 +293,18 @@ impl Cluster {
         let mut candidates = Vec::with_capacity(self.pods.len());
         let mut signals = Vec::with_capacity(self.pods.len());
         let mut matched = Vec::with_capacity(self.pods.len());
+        let serving = |p: &&Pod| p.serves(&prompt.serving_model);
+        // Pods that just failed are passed over while any other can serve.
+        let avoid_failed = self
+            .pods
+            .iter()
+            .filter(serving)
+            .any(|p| !p.passed_over(now_s));
         for (i, pod) in self
             .pods
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.serves(&prompt.serving_model))
+            .filter(|(_, p)| serving(p) && !(avoid_failed && p.passed_over(now_s)))
         {
             let rules = MatchRules {
                 learned_cutoff: pod.table.learned_cutoff(now_s, config.index.ttl_seconds),
@@ -300,12 +345,45 @@ impl Cluster {
         })
     }
 
-    /// A request went to `address`: count its load and learn its blocks.
+    /// A request went to `address`: count its load and learn its blocks
+    /// (provisionally: a failed answer takes them back, see
+    /// [`Cluster::forget_learned`]).
     pub fn record_routed(&mut self, address: &str, prompt_blocks: u32, hashes: &[u64], now_s: u32) {
+        let policy = self.policy;
         if let Some(pod) = self.pod_mut(address) {
             pod.inflight_requests = pod.inflight_requests.saturating_add(1);
             pod.inflight_blocks = pod.inflight_blocks.saturating_add(u64::from(prompt_blocks));
-            pod.table.touch_chain(hashes, Tier::Learned, now_s);
+            let learned = pod.learnable(hashes, &policy);
+            pod.table.touch_chain(learned, Tier::Learned, now_s);
+        }
+    }
+
+    /// `hashes` are cached on `address` (it served a request that another
+    /// pod was chosen for).
+    pub fn record_learned(&mut self, address: &str, hashes: &[u64], now_s: u32) {
+        let policy = self.policy;
+        if let Some(pod) = self.pod_mut(address) {
+            let learned = pod.learnable(hashes, &policy);
+            pod.table.touch_chain(learned, Tier::Learned, now_s);
+        }
+    }
+
+    /// A request routed to `address` was refused: the blocks it taught
+    /// the table are not cached there after all.
+    pub fn forget_learned(&mut self, address: &str, hashes: &[u64]) {
+        if let Some(pod) = self.pod_mut(address) {
+            pod.table.remove_learned(hashes);
+        }
+    }
+
+    /// `address` failed a request (5xx, reset, or Envoy had to serve it
+    /// elsewhere): it may have restarted with an empty cache, so what was
+    /// learned about it goes, and other pods are preferred for a while.
+    pub fn record_failure(&mut self, address: &str, now_s: u32) {
+        let cooldown = self.policy.failure_cooldown_seconds;
+        if let Some(pod) = self.pod_mut(address) {
+            pod.table.clear_learned();
+            pod.passed_over_until_s = now_s.saturating_add(cooldown);
         }
     }
 
@@ -527,6 +605,68 @@ mod tests {
         let d = cluster.decide(config, &hashed, 10, seed).unwrap();
         cluster.record_routed(&d.pod, hashed.hashes.len() as u32, &hashed.hashes, 10);
         d
+    }
+
+    #[test]
+    fn a_failed_pod_loses_its_learned_blocks_and_is_passed_over_until_the_cooldown_ends() {
+        let (c, mut cluster) = four_pods();
+        let request = chat(&"s".repeat(2000), "q");
+        let first = route(&c, &mut cluster, &request, 1);
+        cluster.record_finished(&first.pod, first.total_blocks as u32);
+        cluster.record_failure(&first.pod, 10);
+        for now in [10, 12] {
+            let d = cluster
+                .decide(&c, &hash_prompt(&c, &request), now, 1)
+                .unwrap();
+            assert_ne!(d.pod, first.pod, "passed over at second {now}");
+            assert!(!d.fallbacks.contains(&first.pod));
+            assert_eq!(d.candidates, 2, "{}", d.explain());
+        }
+        // Back after the cooldown (3 s by default), with nothing learned.
+        let d = cluster
+            .decide(&c, &hash_prompt(&c, &request), 13, 1)
+            .unwrap();
+        assert_eq!(d.candidates, 3);
+        assert_eq!(d.matched_blocks, 0);
+    }
+
+    #[test]
+    fn when_every_pod_failed_they_are_all_candidates_again() {
+        let (c, mut cluster) = four_pods();
+        for pod in ["a:1", "b:1", "c:1"] {
+            cluster.record_failure(pod, 10);
+        }
+        let d = cluster
+            .decide(&c, &token_prompt(&c, "m", 64), 11, 1)
+            .unwrap();
+        assert_eq!(d.candidates, 3);
+    }
+
+    #[test]
+    fn a_refused_request_takes_back_only_the_blocks_it_taught() {
+        let (c, mut cluster) = four_pods();
+        let system = "t".repeat(1280);
+        let first = route(&c, &mut cluster, &chat(&system, "first"), 1);
+        let attack = hash_prompt(&c, &chat(&system, &"x".repeat(6400)));
+        let d = cluster.decide(&c, &attack, 10, 1).unwrap();
+        assert_eq!(d.pod, first.pod);
+        cluster.record_routed(&d.pod, 0, &attack.hashes, 10);
+        cluster.forget_learned(&d.pod, &attack.hashes[d.matched_blocks..]);
+        let again = cluster.decide(&c, &attack, 10, 1).unwrap();
+        assert_eq!(again.pod, first.pod);
+        assert_eq!(again.matched_blocks, d.matched_blocks);
+    }
+
+    #[test]
+    fn one_request_claims_at_most_its_share_of_a_pods_table() {
+        let c = config(r#"[{"address":"a:1","capacity_blocks":800}]"#);
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&c, 0);
+        let prompt = token_prompt(&c, "m", 16 * 400);
+        cluster.record_routed("a:1", 0, &prompt.hashes, 10);
+        let d = cluster.decide(&c, &prompt, 10, 1).unwrap();
+        // 800 × the default share 0.125.
+        assert_eq!(d.matched_blocks, 100);
     }
 
     #[test]

@@ -8,7 +8,11 @@
 //!   'R' Routed:   str pod, u32 prompt_blocks, u32 n, n × u64 hash
 //!   'P' PrefillDone: str pod, u32 prompt_blocks
 //!   'F' Finished: str pod, u32 prompt_blocks
+//!   'L' Learned:  str pod, hashes
+//!   'U' Unlearned: str pod, hashes
+//!   'X' Failed:   str pod
 //!   'D' Feed:     u32 len, len bytes of a kvroute_core::feed update
+//! hashes  := u32 n, n × u64
 //! str     := u16 len, UTF-8
 //! ```
 
@@ -23,17 +27,18 @@ pub enum PeerMessage {
         prompt_blocks: u32,
         hashes: Vec<u64>,
     },
-    /// A request routed to `pod` ended (its load is released).
     /// A request routed to `pod` got its first response bytes: its prefill
     /// blocks no longer load the pod.
-    PrefillDone {
-        pod: String,
-        prompt_blocks: u32,
-    },
-    Finished {
-        pod: String,
-        prompt_blocks: u32,
-    },
+    PrefillDone { pod: String, prompt_blocks: u32 },
+    /// A request routed to `pod` ended (its load is released).
+    Finished { pod: String, prompt_blocks: u32 },
+    /// `pod` answered a request successfully: its blocks are confirmed
+    /// cached there (learned by peers; reported to the indexer).
+    Learned { pod: String, hashes: Vec<u64> },
+    /// `pod` refused a request: the blocks it was taught are taken back.
+    Unlearned { pod: String, hashes: Vec<u64> },
+    /// `pod` failed a request (5xx, reset, or served elsewhere).
+    Failed { pod: String },
     /// An indexer feed update, forwarded verbatim by the singleton.
     Feed(Vec<u8>),
 }
@@ -64,6 +69,9 @@ impl std::error::Error for WireError {}
 const ROUTED: u8 = b'R';
 const PREFILL_DONE: u8 = b'P';
 const FINISHED: u8 = b'F';
+const LEARNED: u8 = b'L';
+const UNLEARNED: u8 = b'U';
+const FAILED: u8 = b'X';
 const FEED: u8 = b'D';
 
 pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
@@ -79,11 +87,21 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
                 out.push(ROUTED);
                 put_str(&mut out, pod)?;
                 put_u32(&mut out, *prompt_blocks);
-                put_u32(&mut out, len_u32(hashes.len())?);
-                out.reserve(hashes.len() * 8);
-                for hash in hashes {
-                    out.extend_from_slice(&hash.to_le_bytes());
-                }
+                put_hashes(&mut out, hashes)?;
+            }
+            PeerMessage::Learned { pod, hashes } => {
+                out.push(LEARNED);
+                put_str(&mut out, pod)?;
+                put_hashes(&mut out, hashes)?;
+            }
+            PeerMessage::Unlearned { pod, hashes } => {
+                out.push(UNLEARNED);
+                put_str(&mut out, pod)?;
+                put_hashes(&mut out, hashes)?;
+            }
+            PeerMessage::Failed { pod } => {
+                out.push(FAILED);
+                put_str(&mut out, pod)?;
             }
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
                 out.push(PREFILL_DONE);
@@ -112,25 +130,20 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
     let mut messages = Vec::with_capacity(count.min(bytes.len() / 3));
     for _ in 0..count {
         let message = match r.u8()? {
-            ROUTED => {
-                let pod = r.str()?;
-                let prompt_blocks = r.u32()?;
-                let n = r.u32()? as usize;
-                let raw = r.take(n.checked_mul(8).ok_or(WireError::Truncated)?)?;
-                let hashes = raw
-                    .chunks_exact(8)
-                    .map(|c| {
-                        let mut b = [0u8; 8];
-                        b.copy_from_slice(c);
-                        u64::from_le_bytes(b)
-                    })
-                    .collect();
-                PeerMessage::Routed {
-                    pod,
-                    prompt_blocks,
-                    hashes,
-                }
-            }
+            ROUTED => PeerMessage::Routed {
+                pod: r.str()?,
+                prompt_blocks: r.u32()?,
+                hashes: r.hashes()?,
+            },
+            LEARNED => PeerMessage::Learned {
+                pod: r.str()?,
+                hashes: r.hashes()?,
+            },
+            UNLEARNED => PeerMessage::Unlearned {
+                pod: r.str()?,
+                hashes: r.hashes()?,
+            },
+            FAILED => PeerMessage::Failed { pod: r.str()? },
             PREFILL_DONE => PeerMessage::PrefillDone {
                 pod: r.str()?,
                 prompt_blocks: r.u32()?,
@@ -159,6 +172,15 @@ fn len_u32(n: usize) -> Result<u32, WireError> {
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> Result<(), WireError> {
+    put_u32(out, len_u32(hashes.len())?);
+    out.reserve(hashes.len() * 8);
+    for hash in hashes {
+        out.extend_from_slice(&hash.to_le_bytes());
+    }
+    Ok(())
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), WireError> {
@@ -190,6 +212,19 @@ impl<'a> Reader<'a> {
         let mut b = [0u8; 4];
         b.copy_from_slice(self.take(4)?);
         Ok(u32::from_le_bytes(b))
+    }
+
+    fn hashes(&mut self) -> Result<Vec<u64>, WireError> {
+        let n = self.u32()? as usize;
+        let raw = self.take(n.checked_mul(8).ok_or(WireError::Truncated)?)?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                u64::from_le_bytes(b)
+            })
+            .collect())
     }
 
     fn str(&mut self) -> Result<String, WireError> {
@@ -224,6 +259,17 @@ mod tests {
                 pod: String::new(),
                 prompt_blocks: 0,
                 hashes: vec![],
+            },
+            PeerMessage::Learned {
+                pod: "10.0.0.4:8000".into(),
+                hashes: vec![5, 6],
+            },
+            PeerMessage::Unlearned {
+                pod: "10.0.0.5:8000".into(),
+                hashes: vec![7],
+            },
+            PeerMessage::Failed {
+                pod: "10.0.0.6:8000".into(),
             },
         ]
     }
