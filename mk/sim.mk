@@ -2,21 +2,19 @@
 SIM_BIN := target/release/vllm-sim
 
 .PHONY: sim sim-tokenizer sim-lint sim-test sim-calibrate
-sim:
+sim: ## release binary target/release/vllm-sim
 	cargo build --release -p vllm-sim
 
-# Offline DeepSeek tokenizer.json from the pinned litellm wheel -> build/tokenizers/
-sim-tokenizer: venv
+sim-tokenizer: venv ## offline DeepSeek tokenizer.json from the pinned litellm wheel -> build/tokenizers/
 	$(PY) -c 'import sys; sys.path.insert(0, "integration"); import simcluster; print(simcluster.ensure_tokenizer())'
 
-sim-lint:
+sim-lint: ## rustfmt + clippy (-D warnings) of vllm-sim
 	cargo fmt -p vllm-sim -- --check
 	cargo clippy -p vllm-sim --all-targets -- -D warnings
 
-sim-test: sim venv sim-tokenizer
+sim-test: sim venv sim-tokenizer ## cargo tests of vllm-sim + pytest tests/sim
 	cargo test -p vllm-sim
 	$(PY) -m pytest tests/sim
 
-# Calibration evidence for integration/vllm-sim/README.md (several minutes).
-sim-calibrate: sim venv
+sim-calibrate: sim venv ## calibration evidence for integration/vllm-sim/README.md (several minutes)
 	$(PY) integration/vllm-sim/tools/calibrate.py all

@@ -46,7 +46,7 @@ pub enum Role {
     Singleton,
 }
 
-/// Cost weights (design.md, Dynamo's KV-router form).
+/// Cost weights (Dynamo's KV-router form; docs/architecture.md, "Scoring").
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Weights {

@@ -1,7 +1,7 @@
 """Benchmark profiles: the reference replica (`full`) and a small `quick` one.
 
 `full` is the llm-d "73-capacity" experiment as described in
-../shared/benchmark.md: 8 pods × 307,328 KV tokens (19,208 blocks of 16),
+docs/benchmark-method.md: 8 pods × 307,328 KV tokens (19,208 blocks of 16),
 inference-perf shared_prefix 150 groups × 5 prompts, 6,000-token system
 prompt, 1,200-token question, 1,000 output tokens (ignore_eos), streaming,
 Poisson warm-up 15 QPS × 50 s then 16 stages 3 → 60 QPS of 20–38 s. The
@@ -9,7 +9,7 @@ per-stage durations inside 20–38 s are not published in what we could find;
 we use 38 s at 3 QPS falling linearly to 20 s at 60 QPS (the 37-capacity
 sibling experiment also shortens stages as the rate grows). The client caps
 requests in flight (inference-perf workers × per-worker concurrency) at 640,
-the cap benchmark.md's cross-check found the published numbers imply.
+the cap that docs/benchmark-method.md's cross-check found the published numbers imply.
 
 `sim.time_scale` (wall seconds per simulated second, as vllm-sim's
 --time-scale) runs a profile faster than real time: the pods compute in

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-# The published llm-d "73-capacity" table (../shared/benchmark.md).
+# The published llm-d "73-capacity" table (docs/benchmark-method.md).
 REFERENCE = [
     {"row": "precise", "label": "precise prefix", "tok_s": 8730.0, "ttft_p90": 0.542, "ttft_mean": 0.298, "waiting": 0.1},
     {"row": "approximate", "label": "approximate prefix", "tok_s": 6944.4, "ttft_p90": 31.083, "ttft_mean": 13.316, "waiting": 8.1},
