@@ -100,7 +100,9 @@ def free_port_range(n: int, host: str = "127.0.0.1", avoid: set[int] | None = No
 
 class SimCluster:
     def __init__(self, pods: int = 1, *, host: str = "127.0.0.1", startup_timeout: float = 60.0,
-                 kv_events_replay: bool = False, env: dict[str, str] | None = None, **opts):
+                 kv_events_replay: bool = False, env: dict[str, str] | None = None,
+                 port: int | None = None, **opts):
+        """`port`: the first pod's port (a restarted pod keeps its address); free ones when unset."""
         self.pods = pods
         self.host = host
         self.startup_timeout = startup_timeout
@@ -108,6 +110,7 @@ class SimCluster:
         self.opts = dict(opts)
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
+        self.fixed_port = port
         self.port = 0
         self.replay_port: int | None = None
         self.log_path: Path | None = None
@@ -171,7 +174,7 @@ class SimCluster:
         return argv
 
     def start(self) -> "SimCluster":
-        self.port = free_port_range(self.pods, self.host)
+        self.port = self.fixed_port or free_port_range(self.pods, self.host)
         if self.kv_events_replay:
             self.replay_port = free_port_range(self.pods, self.host, avoid=set(self.ports))
         argv = self._argv()

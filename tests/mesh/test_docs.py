@@ -123,7 +123,8 @@ def filter_metric_definitions():
     sources = sorted((meshlib.ROOT / "src").rglob("*.rs"))
     text = "\n".join(p.read_text(encoding="utf-8") for p in sources)
     static = set(re.findall(r'Metric::(?:counter|gauge|histogram)\("([^"{}]+)"\)', text))
-    patterns = set(re.findall(r'format!\("(kvroute\.[^"]*\{\}[^"]*)"', text))
+    patterns = {re.sub(r"\{[a-z_]*\}", "{}", p)
+                for p in re.findall(r'format!\("(kvroute\.[^"]*\{[a-z_]*\}[^"]*)"', text)}
     return static, patterns
 
 

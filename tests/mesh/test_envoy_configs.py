@@ -133,3 +133,33 @@ def test_destination_rule_fields_with_override_host(extra, accepted, tmp_path):
     assert (rc == 0) == accepted, out
     if not accepted:
         assert "load_balancing_policy cannot be combined" in out
+
+
+def _plugin(cfg: dict) -> dict:
+    for listener in cfg["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                for h in f["typed_config"].get("http_filters", []):
+                    if h["name"] == "kvroute":
+                        return json.loads(h["typed_config"]["config"]["configuration"]["value"])
+    raise AssertionError("no kvroute filter")
+
+
+@pytest.mark.parametrize("path", ENVOY_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_keep_the_fail_open_promise(path):
+    """Buffering for kvroute never overflows into Envoy's 413 (route limit >= max_body_bytes plus
+    one read of the listener's buffer size); a dead pod's requests are retried on another pod;
+    failing hosts are ejected."""
+    cfg = yaml.safe_load(path.read_text())
+    max_body = _plugin(cfg).get("max_body_bytes", 4194304)
+    (listener,) = cfg["static_resources"]["listeners"]
+    read = listener.get("per_connection_buffer_limit_bytes", 1048576)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+    for route in routes:
+        assert route["request_body_buffer_limit"] >= max_body + read, route
+        retry = route["route"]["retry_policy"]
+        assert "connect-failure" in retry["retry_on"] and retry["num_retries"] >= 1
+        assert [p["name"] for p in retry["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
+    (pods,) = [c for c in cfg["static_resources"]["clusters"] if "load_balancing_policy" in c]
+    assert pods["outlier_detection"]["consecutive_5xx"] >= 1

@@ -294,9 +294,13 @@ def test_cluster_patch_targets_the_vllm_service(overlay):
     assert oh["typed_config"]["override_host_sources"] == [{"header": header}]
     (fb,) = oh["typed_config"]["fallback_policy"]["policies"]
     assert fb["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
-    # buffers hold the largest body the filter will parse
-    for p in ("CLUSTER", "LISTENER"):
-        assert patches[p]["patch"]["value"]["per_connection_buffer_limit_bytes"] >= plugin_json(filt).get("max_body_bytes", 4194304)
+    # the route buffers the largest body the filter will parse plus one read from the client,
+    # so buffering for kvroute never overflows into Envoy's 413; the upstream connection
+    # buffer holds the whole body
+    max_body = plugin_json(filt).get("max_body_bytes", 4194304)
+    read = patches["LISTENER"]["patch"]["value"]["per_connection_buffer_limit_bytes"]
+    assert patches["HTTP_ROUTE"]["patch"]["value"]["request_body_buffer_limit"] >= max_body + read
+    assert patches["CLUSTER"]["patch"]["value"]["per_connection_buffer_limit_bytes"] >= max_body
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -72,6 +72,19 @@ def apply_envoyfilter(config, envoyfilter):
                 assert patch["operation"] == "INSERT_BEFORE"
                 hcm["http_filters"].insert(names.index(target), copy.deepcopy(patch["value"]))
                 n += 1
+        elif kind == "HTTP_ROUTE":
+            rc = match["routeConfiguration"]
+            for listener in res["listeners"]:
+                if listener_port(listener) != rc["portNumber"]:
+                    continue
+                for vhost in hcm_of(listener)["route_config"]["virtual_hosts"]:
+                    if "name" in rc["vhost"] and vhost["name"] != rc["vhost"]["name"]:
+                        continue
+                    for i, route in enumerate(vhost["routes"]):
+                        if route.get("name") == rc["vhost"]["route"]["name"]:
+                            assert patch["operation"] == "MERGE"
+                            vhost["routes"][i] = proto_merge(route, patch["value"])
+                            n += 1
         elif kind == "CLUSTER":
             want = f"outbound|{match['cluster']['portNumber']}||{match['cluster']['service']}"
             for i, cluster in enumerate(res["clusters"]):
@@ -93,6 +106,9 @@ def strip_kvroute(config):
         listener.pop("per_connection_buffer_limit_bytes", None)
         hcm = hcm_of(listener)
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "kvroute"]
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            for route in vhost["routes"]:
+                route.pop("request_body_buffer_limit", None)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"].startswith("outbound|8000||vllm."):
             cluster.pop("load_balancing_policy", None)
@@ -127,7 +143,7 @@ def test_reproduction_equals_patched_istio_config(overlay):
     assert base != mesh
     patched, applied = apply_envoyfilter(base, ef)
     # every patch matched exactly one object of the reproduction
-    assert applied == {"HTTP_FILTER": 1, "LISTENER": 1, "CLUSTER": 1}, applied
+    assert applied == {"HTTP_FILTER": 1, "LISTENER": 1, "HTTP_ROUTE": 1, "CLUSTER": 1}, applied
     patched = proto_merge(patched, json.loads(cm["data"]["custom_bootstrap.json"]))
     assert normalise_module(patched) == parse_plugin_json(mesh)
 

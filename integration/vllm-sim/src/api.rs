@@ -819,7 +819,8 @@ pub fn router(pod: Arc<Pod>) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/flush", post(flush))
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        // Large enough for the proxy's oversize-body tests (200 MB): the pod must not be the limit.
+        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .layer(axum::middleware::map_response(move |mut res: Response| {
             let v = pod_header.clone();
             async move {

@@ -1,0 +1,182 @@
+"""Fail open for real, through the real Envoy with the shipped gateway config (envoy/gateway.yaml):
+bodies far beyond max_body_bytes are served as Envoy alone serves them, a killed pod costs no
+request, refused requests teach the index nothing, and the pod that really served is reported."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
+from envoyctl import EnvoyProcess, render_gateway
+from simcluster import SimCluster
+
+SERVED = "x-gateway-destination-endpoint-served"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pods():
+    """Four pods, one process each, so that one can be killed and restarted alone."""
+    started = []
+    try:
+        for _ in range(4):
+            started.append(SimCluster(pods=1, time_scale=0.2).start())
+        yield started
+    finally:
+        for sim in started:
+            sim.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(pods):
+    require_wasm()
+    # The shipped configuration as it is (buffer limits, retries, outlier detection), only the
+    # ports and pods are this test's.
+    with EnvoyProcess(render_gateway([p.addresses[0] for p in pods])) as proxy:
+        proxy.wait_for_peers()
+        yield proxy
+
+
+def big_body(megabytes: int) -> bytes:
+    # A field vLLM ignores carries the bulk, so the pod answers quickly.
+    head = f'{{"model": "{MODEL}", "max_tokens": 2, "messages": [{{"role": "user", "content": "hi"}}], "pad": "'
+    return head.encode() + b"x" * (megabytes * MiB) + b'"}'
+
+
+def background_load(envoy, stop: threading.Event) -> threading.Thread:
+    """Small routed requests on two connections while a test runs: Envoy then reads big bodies
+    in large slices, which is when buffering used to overflow."""
+    def loop():
+        with requests.Session() as s:
+            while not stop.is_set():
+                try:
+                    s.post(envoy.url + "/v1/chat/completions", timeout=10,
+                           json={"model": MODEL, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "load " * 200}]})
+                except requests.RequestException:
+                    pass
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("megabytes", [9, 20, 50, 200])
+def test_bodies_beyond_max_body_bytes_are_served_as_without_kvroute(envoy, megabytes):
+    body = big_body(megabytes)
+    too_large_before = envoy.stats("downstream_rq_too_large").get("http.llm_gateway.downstream_rq_too_large", 0)
+    skipped_before = envoy.stats("kvroute.fallback.body_too_large").get(
+        "wasmcustom.kvroute.fallback.body_too_large", 0)
+    stop = threading.Event()
+    threads = background_load(envoy, stop)
+    results = []
+    try:
+        for encoding in ("content-length", "chunked"):
+            data = body if encoding == "content-length" else (
+                body[i:i + 256 * 1024] for i in range(0, len(body), 256 * 1024))
+            r = requests.post(envoy.url + "/v1/chat/completions", data=data, timeout=120,
+                              headers={"content-type": "application/json"})
+            results.append((encoding, r.status_code, r.headers.get("x-kvroute-decision")))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert [status for _, status, _ in results] == [200, 200], results
+    assert all(d == "fallback=body_too_large" for _, _, d in results), results
+    stats = envoy.stats("downstream_rq_too_large")
+    assert stats.get("http.llm_gateway.downstream_rq_too_large", 0) == too_large_before
+    skipped = envoy.stats("kvroute.fallback.body_too_large")["wasmcustom.kvroute.fallback.body_too_large"]
+    assert skipped - skipped_before == 2
+
+
+def test_a_body_larger_than_one_read_but_within_max_body_bytes_is_routed(envoy):
+    """3 MiB: above the listener's 1 MiB buffer, below max_body_bytes (4 MiB). Buffering it is
+    allowed by the route's request_body_buffer_limit, so kvroute routes it, sent either way."""
+    body = big_body(3)
+    for data in (body, (body[i:i + 256 * 1024] for i in range(0, len(body), 256 * 1024))):
+        r = requests.post(envoy.url + "/v1/chat/completions", data=data, timeout=60,
+                          headers={"content-type": "application/json"})
+        assert r.status_code == 200
+        assert decision(r)["pod"] == r.headers[POD]
+
+
+def test_the_served_pod_is_reported(envoy):
+    r = chat(envoy, unique_system(), "who serves?")
+    assert r.status_code == 200
+    assert r.headers[SERVED] == r.headers[POD] == decision(r)["pod"]
+
+
+def test_a_refused_request_teaches_the_index_nothing(envoy):
+    """An unknown model gets the pod's 404: its prompt must not stick to that pod."""
+    system = unique_system(400)
+    refused = []
+    for i in range(3):
+        r = chat(envoy, system, f"probe {i}", model="no-such-model")
+        assert r.status_code == 404
+        refused.append(decision(r))
+    # Nothing was learned, so no later request matched what the first one sent.
+    assert all(d["matched"] == 0 for d in refused), refused
+    ok = chat(envoy, system, "real")
+    assert ok.status_code == 200
+    assert decision(ok)["matched"] == 0
+
+
+def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy, pods):
+    groups = [unique_system(120) for _ in range(8)]
+    victim = pods[0]
+    address = victim.addresses[0]
+    log = []  # (seconds since start, status, chosen, served)
+    started = time.monotonic()
+
+    def send(i: int, fresh: bool = False):
+        try:
+            r = chat(envoy, unique_system(120) if fresh else groups[i % len(groups)], f"question {i}")
+            chosen = decision(r)["pod"] if "x-kvroute-decision" in r.headers else None
+            log.append((time.monotonic() - started, r.status_code, chosen, r.headers.get(SERVED)))
+        except requests.RequestException as e:
+            log.append((time.monotonic() - started, repr(e), None, None))
+
+    def run_for(seconds: float, rate: float = 20.0, first: int = 0, fresh: bool = False) -> int:
+        i = first
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                pool.submit(send, i, fresh)
+                i += 1
+                time.sleep(1 / rate)
+        return i
+
+    n = run_for(4.0)
+    assert any(served == address for _, _, _, served in log), "the victim served nothing before the kill"
+    victim.proc.kill()
+    victim.proc.wait()
+    killed_at = time.monotonic() - started
+    n = run_for(6.0, first=n)
+    after_kill = [e for e in log if e[0] > killed_at]
+    failed = [e for e in log if e[1] != 200]
+    assert not failed, f"{len(failed)} of {len(log)} requests failed: {failed[:5]}"
+    assert not any(served == address for *_, served in after_kill)
+    # Within a second the victim is passed over; it is tried again only when its cooldown ends
+    # (3 s by default, then Envoy's retry serves the request elsewhere).
+    chosen_late = [e for e in after_kill if e[0] > killed_at + 1.0 and e[2] == address]
+    late = [e for e in after_kill if e[0] > killed_at + 1.0]
+    assert len(chosen_late) <= max(2, len(late) // 10), chosen_late
+    print(f"\nkill: {len(after_kill)} requests after the kill, 0 failed; "
+          f"victim chosen {len(chosen_late)} of {len(late)} times after the first second")
+    # Back on the same address with an empty cache: new prompts go there again once Envoy stops
+    # ejecting it (outlier detection: 5 s, longer after repeated ejections) and its cooldown ends.
+    restarted = SimCluster(pods=1, time_scale=0.2, port=victim.port).start()
+    pods[0] = restarted
+    back_at = time.monotonic() - started
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        n = run_for(1.0, first=n, fresh=True)
+        if any(e[0] > back_at and e[3] == address for e in log):
+            break
+    served_again = [e for e in log if e[0] > back_at and e[3] == address]
+    assert served_again, "routing never returned to the restarted pod"
+    print(f"returned {served_again[0][0] - back_at:.1f} s after the restart")
+    assert not [e for e in log if e[1] != 200]
