@@ -68,6 +68,14 @@ e2e: build native venv ## every pytest suite (tests/), with the real Envoy at --
 test: lint unit e2e ## every check: lint, unit, e2e
 
 
+# Fail-open soak: the proxy's memory sampled under a sustained mix of routed, refused, oversize
+# and malformed requests; prints a summary, keeps every sample in SOAK_OUT.
+SOAK_MINUTES ?= 30
+SOAK_OUT ?= build/soak.json
+.PHONY: soak
+soak: build native venv ## soak: SOAK_MINUTES (30) at 20 req/s, Envoy RSS sampled, summary in SOAK_OUT
+	KVROUTE_SIM_BIN=target/release/vllm-sim $(PY) integration/soak.py --minutes $(SOAK_MINUTES) --rate 20 --out $(SOAK_OUT)
+
 .PHONY: bench-latency
 bench-latency: build native venv ## precise mode: event-to-routable delay and the /tokenize call-out's added latency
 	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
