@@ -68,6 +68,12 @@ e2e: build native venv ## every pytest suite (tests/), with the real Envoy at --
 test: lint unit e2e ## every check: lint, unit, e2e
 
 
+# Cache-flooding attack on the approximate index: victims' stickiness after N huge prompts,
+# refused (404) and served; a fresh Envoy per N.
+.PHONY: flood
+flood: build native venv ## cache-flooding attack: how many huge prompts un-stick 16 victim groups
+	KVROUTE_SIM_BIN=target/release/vllm-sim $(PY) integration/flood.py --requests 8,24,64 --out build/flood.json
+
 # Fail-open soak: the proxy's memory sampled under a sustained mix of routed, refused, oversize
 # and malformed requests; prints a summary, keeps every sample in SOAK_OUT.
 SOAK_MINUTES ?= 30
