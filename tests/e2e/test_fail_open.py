@@ -159,12 +159,17 @@ def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy
     failed = [e for e in log if e[1] != 200]
     assert not failed, f"{len(failed)} of {len(log)} requests failed: {failed[:5]}"
     assert not any(served == address for *_, served in after_kill)
+    # Requests routed to the victim right after the kill were retried by Envoy on another pod,
+    # and their response names the pod that really served them.
+    retried = [e for e in after_kill if e[2] == address]
+    assert retried, "no request was routed to the victim after the kill"
+    assert all(served and served != address for *_, served in retried), retried
     # Within a second the victim is passed over; it is tried again only when its cooldown ends
     # (3 s by default, then Envoy's retry serves the request elsewhere).
     chosen_late = [e for e in after_kill if e[0] > killed_at + 1.0 and e[2] == address]
     late = [e for e in after_kill if e[0] > killed_at + 1.0]
     assert len(chosen_late) <= max(2, len(late) // 10), chosen_late
-    print(f"\nkill: {len(after_kill)} requests after the kill, 0 failed; "
+    print(f"\nkill: {len(after_kill)} requests after the kill, 0 failed, {len(retried)} retried elsewhere; "
           f"victim chosen {len(chosen_late)} of {len(late)} times after the first second")
     # Back on the same address with an empty cache: new prompts go there again once Envoy stops
     # ejecting it (outlier detection: 5 s, longer after repeated ejections) and its cooldown ends.
