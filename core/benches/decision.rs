@@ -1,6 +1,7 @@
 //! Decision cost: parse + hash + longest-prefix lookup + score, for chat
-//! bodies of 1k, 8k and 32k tokens, against an index holding 150k blocks over
-//! 8 pods (the 73-capacity working set: 150 groups × ~1,000 blocks).
+//! bodies of 1k, 8k and 32k tokens, at 8 and 1,000 pods of 19,208 blocks
+//! each, after an hour of simulated churn (tables turned over twice, TTL
+//! marks accumulated). Every timed decision fully matches its prompt.
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`
 
@@ -12,21 +13,8 @@ use kvroute_core::config::Config;
 use kvroute_core::request::parse_request;
 use kvroute_core::router::{hash_prompt, Cluster};
 
-const PODS: usize = 8;
-const INDEX_BLOCKS: usize = 150_000;
 /// ~4 bytes of English text per token: the byte fallback's 64-byte chunk ≈ 16 tokens.
 const BYTES_PER_TOKEN: usize = 4;
-
-fn config() -> Config {
-    let endpoints: Vec<String> = (0..PODS)
-        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000"}}"#))
-        .collect();
-    let json = format!(
-        r#"{{"default_capacity_blocks":19208,"max_blocks":4096,"endpoints":[{}]}}"#,
-        endpoints.join(",")
-    );
-    Config::from_json(json.as_bytes()).expect("bench config")
-}
 
 fn text(tokens: usize, seed: usize) -> String {
     let words = [
@@ -65,59 +53,109 @@ fn token_body(tokens: usize, seed: u32) -> Vec<u8> {
     .into_bytes()
 }
 
-/// Fills the index to INDEX_BLOCKS with other prompts' chains, then stores
-/// the benchmarked prompts on pod 3 so their lookups find a full match.
-fn populated(config: &Config, hot: &[Vec<u8>]) -> Cluster {
+/// A deterministic stream of hash-like numbers (SplitMix64): filler chains.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Simulated seconds of learning before the decisions are timed.
+const CHURN_SECONDS: u32 = 3600;
+
+/// An index after an hour of churn: every second, prompts of other clients
+/// are learned on random pods, twice each pod's capacity over the hour, so
+/// tables turn over and TTL marks accumulate. Then the benchmarked prompts
+/// are stored on pod 3 so their lookups find a full match.
+fn populated(config: &Config, pods: usize, hot: &[Vec<u8>]) -> Cluster {
     let mut cluster = Cluster::default();
     cluster.set_configured(config, 0);
-    let mut stored = 0;
-    let mut seed = 1000;
-    while stored < INDEX_BLOCKS {
-        let hashed = hash_prompt(
-            config,
-            &parse_request(&chat_body(4000, seed)).expect("filler"),
-        );
-        let pod = format!("10.0.0.{}:8000", seed % PODS);
-        cluster.record_routed(&pod, 0, &hashed.hashes, 0);
-        stored += hashed.hashes.len();
-        seed += 1;
+    let per_pod = 2 * config.default_capacity_blocks as usize;
+    // Short chains: a busy fleet teaches every pod something nearly every
+    // second, which is what fills the TTL marks.
+    let chain_len = 10;
+    let chains_per_second = (pods * per_pod / chain_len).div_ceil(CHURN_SECONDS as usize);
+    let mut rng = 42u64;
+    let mut chain = vec![0u64; chain_len];
+    for second in 0..CHURN_SECONDS {
+        for _ in 0..chains_per_second {
+            chain.iter_mut().for_each(|h| *h = splitmix(&mut rng));
+            let pod = format!(
+                "10.0.{}.{}:8000",
+                (rng >> 8) as usize % pods / 256,
+                (rng >> 8) as usize % pods % 256
+            );
+            cluster.record_routed(&pod, 0, &chain, second);
+        }
     }
     for body in hot {
         let hashed = hash_prompt(config, &parse_request(body).expect("hot"));
-        cluster.record_routed("10.0.0.3:8000", 0, &hashed.hashes, 0);
+        cluster.record_routed("10.0.0.3:8000", 0, &hashed.hashes, CHURN_SECONDS);
     }
     cluster
 }
 
+fn config(pods: usize) -> Config {
+    let endpoints: Vec<String> = (0..pods)
+        .map(|i| format!(r#"{{"address":"10.0.{}.{}:8000"}}"#, i / 256, i % 256))
+        .collect();
+    // Each request may teach its whole prompt: the 32k-token prompt is 2,000 chunks.
+    let json = format!(
+        r#"{{"default_capacity_blocks":19208,"max_blocks":4096,"index":{{"max_learn_share":1.0}},"endpoints":[{}]}}"#,
+        endpoints.join(",")
+    );
+    Config::from_json(json.as_bytes()).expect("bench config")
+}
+
 fn decision(c: &mut Criterion) {
-    let config = config();
     let sizes = [1_000usize, 8_000, 32_000];
     let chats: Vec<Vec<u8>> = sizes.iter().map(|&n| chat_body(n, n)).collect();
     let tokens: Vec<Vec<u8>> = sizes.iter().map(|&n| token_body(n, n as u32)).collect();
     let hot: Vec<Vec<u8>> = chats.iter().chain(&tokens).cloned().collect();
-    let cluster = populated(&config, &hot);
-    let (blocks, bytes) = cluster.index_size();
-    println!("index: {blocks} blocks over {PODS} pods, {bytes} bytes of tables ({:.1} B/block at this fill)", bytes as f64 / blocks as f64);
-
-    let mut group = c.benchmark_group("decide");
-    for (kind, bodies) in [("chat_bytes", &chats), ("pretokenized", &tokens)] {
-        for (&n, body) in sizes.iter().zip(bodies) {
-            group.throughput(Throughput::Bytes(body.len() as u64));
-            group.bench_with_input(
-                BenchmarkId::new(kind, format!("{}k_tokens", n / 1000)),
-                body,
-                |b, body| {
-                    b.iter(|| {
-                        let request = parse_request(black_box(body)).expect("parse");
-                        let hashed = hash_prompt(&config, &request);
-                        let decision = cluster.decide(&config, &hashed, 0, 42).expect("decide");
-                        black_box(decision.matched_blocks)
-                    })
-                },
-            );
+    for pods in [8usize, 1000] {
+        let config = config(pods);
+        let cluster = populated(&config, pods, &hot);
+        let (blocks, bytes) = cluster.index_size();
+        println!(
+            "{pods} pods: {blocks} blocks after {CHURN_SECONDS} s of churn, {bytes} bytes of tables ({:.1} B/block at this fill)",
+            bytes as f64 / blocks as f64
+        );
+        // The benchmark must time real work: every hot prompt fully matched on
+        // pod 3, after looking at every pod.
+        for body in &hot {
+            let hashed = hash_prompt(&config, &parse_request(body).expect("hot"));
+            let d = cluster
+                .decide(&config, &hashed, CHURN_SECONDS, 42)
+                .expect("decide");
+            assert_eq!(d.pod, "10.0.0.3:8000", "{}", d.explain());
+            assert_eq!(d.matched_blocks, d.total_blocks, "{}", d.explain());
+            assert!(d.total_blocks > 0);
+            assert_eq!(d.candidates, pods);
         }
+        let mut group = c.benchmark_group(format!("decide_{pods}_pods"));
+        for (kind, bodies) in [("chat_bytes", &chats), ("pretokenized", &tokens)] {
+            for (&n, body) in sizes.iter().zip(bodies) {
+                group.throughput(Throughput::Bytes(body.len() as u64));
+                group.bench_with_input(
+                    BenchmarkId::new(kind, format!("{}k_tokens", n / 1000)),
+                    body,
+                    |b, body| {
+                        b.iter(|| {
+                            let request = parse_request(black_box(body)).expect("parse");
+                            let hashed = hash_prompt(&config, &request);
+                            let decision = cluster
+                                .decide(&config, &hashed, CHURN_SECONDS, 42)
+                                .expect("decide");
+                            black_box(decision.matched_blocks)
+                        })
+                    },
+                );
+            }
+        }
+        group.finish();
     }
-    group.finish();
 }
 
 criterion_group!(benches, decision);

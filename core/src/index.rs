@@ -169,11 +169,13 @@ impl PodTable {
     }
 
     /// The stamp before which learned entries are older than `ttl_s`.
+    /// Marks are in increasing seconds: a binary search, so the cost per
+    /// decision does not grow with how long the table has been learning.
     pub fn learned_cutoff(&self, now_s: u32, ttl_s: u32) -> u32 {
         let horizon = now_s.saturating_sub(ttl_s);
+        let first_live = self.marks.partition_point(|&(_, second)| second <= horizon);
         self.marks
-            .iter()
-            .find(|&&(_, second)| second > horizon)
+            .get(first_live)
             .map_or(self.clock, |&(stamp, _)| stamp)
     }
 
@@ -474,6 +476,32 @@ mod tests {
                     ^ (i + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9)
             })
             .collect()
+    }
+
+    #[test]
+    fn learned_cutoff_is_the_first_stamp_of_the_ttl_window() {
+        let mut t = PodTable::new(1 << 14);
+        // Learning in some seconds and not others, past the number of marks kept.
+        let seconds: Vec<u32> = (0..6000).filter(|s| s % 3 != 1).collect();
+        for &second in &seconds {
+            t.touch_chain(&chain(u64::from(second), 2), Tier::Learned, second);
+        }
+        let linear = |now: u32, ttl: u32| {
+            let horizon = now.saturating_sub(ttl);
+            t.marks
+                .iter()
+                .find(|&&(_, second)| second > horizon)
+                .map_or(t.clock, |&(stamp, _)| stamp)
+        };
+        for now in [0, 1, 2500, 5998, 5999, 7000, 20_000] {
+            for ttl in [0, 1, 2, 60, 600, 3600, 100_000] {
+                assert_eq!(
+                    t.learned_cutoff(now, ttl),
+                    linear(now, ttl),
+                    "now {now} ttl {ttl}"
+                );
+            }
+        }
     }
 
     #[test]
