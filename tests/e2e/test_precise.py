@@ -15,7 +15,7 @@ import zmq
 
 from e2elib import MODEL, POD, decision, require_wasm
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
-from indexerctl import IndexerProcess
+from indexerctl import TOKEN_ENV, IndexerProcess
 from simcluster import SimCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "indexer"))
@@ -245,3 +245,29 @@ def test_token_domain_decisions_are_not_shared(stack):
     settle(envoy)
     d = decision(routed_completion(envoy, ids + [1, 2, 3]))
     assert (d["pod"], d["matched"]) == (sims.addresses[0], 12), d["raw"]
+
+
+@pytest.mark.parametrize("token", [None, "", "a-token-for-the-singleton-0123"])
+def test_the_singleton_refuses_a_token_variable_missing_from_its_vm(monkeypatch, token):
+    """indexer.token_env names a variable Envoy must pass to the singleton's VM (host_env_keys):
+    unset or empty, the configuration is refused at load, naming the field, and Envoy does not
+    start (as for any refused bootstrap configuration; `envoy --mode validate` does not load the
+    singleton, so this starts Envoy)."""
+    require_wasm()
+    if token is None:
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TOKEN_ENV, token)
+    envoy = EnvoyProcess(render_gateway(["127.0.0.1:18001"], template=GATEWAY_PRECISE, indexer="127.0.0.1:18090"))
+    try:
+        if token:
+            envoy.start()
+            assert envoy.proc.poll() is None
+        else:
+            with pytest.raises(RuntimeError):
+                envoy.start()
+            log = envoy.log_text()
+            assert f"field `indexer.token_env`: environment variable {TOKEN_ENV} is unset or empty" in log, \
+                envoy.log_tail()
+    finally:
+        envoy.__exit__(None, None, None)
