@@ -14,7 +14,7 @@ import requests
 import zmq
 
 from e2elib import MODEL, POD, decision, require_wasm
-from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
+from envoyctl import GATEWAY, GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from indexerctl import TOKEN_ENV, IndexerProcess
 from simcluster import SimCluster
 
@@ -271,3 +271,47 @@ def test_the_singleton_refuses_a_token_variable_missing_from_its_vm(monkeypatch,
                 envoy.log_tail()
     finally:
         envoy.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
+def test_hot_restart_loses_the_proxy_index_and_the_feed_refills_it(stack, precise):
+    """Envoy's hot restart does not hand Wasm VMs or their shared data to the new process: in
+    approximate mode every learned prefix is gone (the next request of each routes by load and is
+    learned again); in precise mode the new singleton's first feed snapshot brings back what the
+    gateways shared (byte-domain decisions here, no tokenizer) and the prefixes stay on their pods.
+    docs/operator-guide.md, section 10."""
+    sims, indexer, _ = stack
+    if precise:
+        config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY, "tokenizer": None},
+                                template=GATEWAY_PRECISE, indexer=indexer.address)
+    else:
+        config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY}, template=GATEWAY)
+    prompts = [f"hot-restart-{precise}-{i} " + "a long shared preamble of this tenant " * 30 for i in range(10)]
+    with EnvoyProcess(config, hot_restart=True) as envoy:
+
+        def route(prompt):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            return decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+
+        envoy.wait_for_peers()
+        accepted = indexer.metric("kvroute_indexer_learned_accepted_total")
+        before, reported = {}, 0
+        for p in prompts:
+            reported += route(p)["total"]
+            d = route(p)
+            reported += d["total"]
+            assert d["matched"] == d["total"] > 0, d["raw"]
+            before[p] = d["pod"]
+        if precise:
+            wait_for("the decisions reach the indexer",
+                     lambda: indexer.metric("kvroute_indexer_learned_accepted_total") >= accepted + reported)
+        envoy.hot_restart()
+        envoy.wait_for_peers()
+        if precise:
+            settle(envoy)  # the new singleton's first polls
+        after = [route(p) for p in prompts]
+        if precise:
+            assert [(d["pod"], d["matched"] == d["total"]) for d in after] == [(before[p], True) for p in prompts]
+        else:
+            assert [d["matched"] for d in after] == [0] * len(prompts)
+            assert all(route(p)["matched"] > 0 for p in prompts), "learned again"
