@@ -221,8 +221,13 @@ fn learned_write_access(args: &Args) -> Result<WriteAccess, ServiceError> {
         return Ok(WriteAccess::Token(file));
     }
     if args.allow_unauthenticated_learned {
+        let exposure = if args.listen.ip().is_loopback() {
+            "from this host"
+        } else {
+            "from anyone who reaches the listen address: any of them can steer every proxy"
+        };
         eprintln!(
-            "kvroute-indexer: POST /v1/learned accepts writes without a token \
+            "kvroute-indexer: POST /v1/learned accepts writes without a token {exposure} \
              (--allow-unauthenticated-learned)"
         );
         return Ok(WriteAccess::Open);
