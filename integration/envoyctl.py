@@ -8,12 +8,15 @@
 render_gateway() starts from envoy/gateway.yaml and rewrites ports, the cluster's endpoints, the
 plugin configuration (merged over the file's) and the wasm path. Envoy runs at --concurrency 2 in
 its own session (setsid, stdin /dev/null: a launching shell that exits must not SIGTERM it),
-with hot restart disabled so several instances can run at once, and is stopped by its PID.
+with hot restart disabled so several instances can run at once (unless hot_restart=True: then it
+runs with a random --base-id and hot_restart() replaces it by the next restart epoch), and is
+stopped by its PID.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -107,8 +110,11 @@ def plugin_config(config_text: str) -> dict:
 
 class EnvoyProcess:
     def __init__(self, config_text: str, *, concurrency: int = 2, log_level: str = "info",
-                 startup_timeout: float = 30.0, listener_port: int | None = None):
+                 startup_timeout: float = 30.0, listener_port: int | None = None, hot_restart: bool = False):
         self.config_text = config_text
+        # shared memory and domain sockets of this instance's restart epochs only
+        self.base_id = random.randrange(1000, 60000) if hot_restart else None
+        self.epoch = 0
         self.concurrency = concurrency
         self.log_level = log_level
         self.startup_timeout = startup_timeout
@@ -133,12 +139,18 @@ class EnvoyProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def _spawn(self) -> subprocess.Popen:
+        restart = (["--disable-hot-restart"] if self.base_id is None else
+                   ["--base-id", str(self.base_id), "--restart-epoch", str(self.epoch),
+                    "--drain-time-s", "1", "--parent-shutdown-time-s", "3"])
+        argv = [envoy_binary(), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
+                *restart, "-l", self.log_level, "--log-path", str(self.log_path)]
+        return subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
     def start(self) -> "EnvoyProcess":
         self.config_path.write_text(self.config_text)
-        argv = [envoy_binary(), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
-                "--disable-hot-restart", "-l", self.log_level, "--log-path", str(self.log_path)]
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = self._spawn()
         try:
             wait_ready(self.proc, lambda: http_ok(self.admin_url + "/ready"), self.startup_timeout, "envoy",
                        self.log_tail)
@@ -146,6 +158,20 @@ class EnvoyProcess:
             self.stop()
             raise
         return self
+
+    def hot_restart(self) -> None:
+        """Envoy's hot restart: the next epoch takes the listeners over; returns once it serves
+        and the parent has drained and exited."""
+        parent = self.proc
+        self.epoch += 1
+        self.proc = self._spawn()
+        try:
+            wait_ready(self.proc, lambda: parent.poll() is not None and http_ok(self.admin_url + "/ready"),
+                       self.startup_timeout, f"envoy epoch {self.epoch}", self.log_tail)
+        except RuntimeError:
+            stop_pid(parent)
+            self.stop()
+            raise
 
     def stop(self) -> None:
         stop_pid(self.proc)

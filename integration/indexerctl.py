@@ -7,7 +7,13 @@
 
 `pods` become `--pod ADDRESS@MODEL` flags; any other flag is passed as given. Ports are free
 ones chosen at construction and kept across stop()/start(), so a test can kill the indexer and
-bring it back where the proxies expect it. The binary is $KVROUTE_INDEXER_BIN, else
+bring it back where the proxies expect it.
+
+Learned writes need a bearer token: the indexer gets `--learned-token-file` holding
+LEARNED_TOKEN, which is this process's $KVROUTE_INDEXER_TOKEN (generated when unset). Envoy
+started from this process inherits the variable, and envoy/gateway-precise.yaml hands it to the
+singleton VM (host_env_keys, plugin field indexer.token_env). `learned_token=None` starts an
+indexer without a token (learned writes refused), or pass your own token. The binary is $KVROUTE_INDEXER_BIN, else
 target/release/kvroute-indexer (built with cargo when missing). The process runs in its own
 session and is stopped by its PID. Standard library only.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proctools import REPO, free_port, http_ok, stop_pid, wait_ready, workspace_binary  # noqa: E402
 
 MODEL = "Qwen/Qwen3-32B"
+TOKEN_ENV = "KVROUTE_INDEXER_TOKEN"
+LEARNED_TOKEN = os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))
 
 
 def indexer_binary() -> Path:
@@ -35,9 +44,11 @@ def indexer_binary() -> Path:
 
 class IndexerProcess:
     def __init__(self, pods: list[str] = (), *flags: str, model: str = MODEL, bind: bool = True,
-                 zmq_port: int | None = None, startup_timeout: float = 30.0):
+                 zmq_port: int | None = None, startup_timeout: float = 30.0,
+                 learned_token: str | None = LEARNED_TOKEN):
         self.pods = list(pods)
         self.flags = list(flags)
+        self.learned_token = learned_token
         self.model = model
         self.bind = bind
         self.startup_timeout = startup_timeout
@@ -47,6 +58,12 @@ class IndexerProcess:
         fd, name = tempfile.mkstemp(prefix="kvroute-indexer-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
+        self.token_path: Path | None = None
+        if learned_token is not None:
+            fd, name = tempfile.mkstemp(prefix="kvroute-indexer-", suffix=".token")  # mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(learned_token + "\n")
+            self.token_path = Path(name)
 
     @property
     def address(self) -> str:
@@ -67,6 +84,8 @@ class IndexerProcess:
     def argv(self) -> list[str]:
         argv = [str(indexer_binary()), f"--listen={self.address}",
                 f"--zmq-bind={self.zmq_endpoint if self.bind else 'none'}"]
+        if self.token_path:
+            argv.append(f"--learned-token-file={self.token_path}")
         return argv + [f"--pod={p}@{self.model}" for p in self.pods] + self.flags
 
     def start(self) -> "IndexerProcess":
@@ -92,6 +111,8 @@ class IndexerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log_path.unlink(missing_ok=True)
+        if self.token_path:
+            self.token_path.unlink(missing_ok=True)
 
     def log_text(self) -> str:
         try:
@@ -106,8 +127,10 @@ class IndexerProcess:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
             return r.read()
 
-    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.url + path, data=body, method="POST")
+    def post(self, path: str, body: bytes, token: str | None = None) -> tuple[int, bytes]:
+        """POST with `authorization: Bearer <token>` when a token is given."""
+        headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+        req = urllib.request.Request(self.url + path, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 return r.status, r.read()

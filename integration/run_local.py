@@ -3,7 +3,9 @@
 Starts `vllm-sim --pods 4` on ports 8001-8004 and Envoy with envoy/gateway.yaml (listener 10000,
 admin 9901), prints what to try, and runs until Ctrl-C (or --seconds), then stops all by PID.
 `--precise` (`make run-precise`): the pods publish KV events to kvroute-indexer (HTTP 8090,
-ZMQ 5557) and Envoy runs envoy/gateway-precise.yaml (singleton + /tokenize call-out).
+ZMQ 5557, both on 127.0.0.1) and Envoy runs envoy/gateway-precise.yaml (singleton + /tokenize
+call-out). Learned writes take a token made for this run (indexerctl: the indexer's
+--learned-token-file, and $KVROUTE_INDEXER_TOKEN for Envoy's singleton).
 """
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def main() -> int:
             print(TRY, flush=True)
             if indexer:
                 print(f"Precise mode: kvroute-indexer on http://{indexer.address} (/metrics, /v1/debug/pods), "
-                      f"KV events on {indexer.zmq_endpoint}.\n", flush=True)
+                      f"KV events on {indexer.zmq_endpoint}; POST /v1/learned takes the token in "
+                      f"{indexer.token_path}.\n", flush=True)
             started = time.monotonic()
             while not stop["now"] and (args.seconds <= 0 or time.monotonic() - started < args.seconds):
                 if envoy.proc.poll() is not None or sims.poll() is not None:

@@ -113,6 +113,19 @@ pub fn http_call(
     body: Option<&[u8]>,
     timeout_ms: u32,
 ) -> Result<u32, Status> {
+    http_call_with_headers(cluster, authority, method, path, body, timeout_ms, &[])
+}
+
+/// [`http_call`] with more request headers (e.g. `authorization`).
+pub fn http_call_with_headers(
+    cluster: &str,
+    authority: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    timeout_ms: u32,
+    extra: &[(&str, &str)],
+) -> Result<u32, Status> {
     let mut headers = vec![
         (":method", method),
         (":path", path),
@@ -121,6 +134,7 @@ pub fn http_call(
     if body.is_some() {
         headers.push(("content-type", "application/json"));
     }
+    headers.extend_from_slice(extra);
     hostcalls::dispatch_http_call(
         cluster,
         headers,
@@ -175,4 +189,10 @@ impl Metric {
             let _ = hostcalls::record_metric(id, value);
         }
     }
+}
+
+/// A variable of the VM's environment: Envoy passes only those listed in
+/// `vm_config.environment_variables` (host_env_keys / key_values).
+pub fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
 }

@@ -96,8 +96,12 @@ impl RootContext for Root {
                 *self = Root::Filter(worker);
             }
             (Root::Singleton(mut s), Role::Singleton) => {
-                s.reconfigure(config);
+                let adopted = s.reconfigure(config);
                 *self = Root::Singleton(s);
+                if let Err(e) = adopted {
+                    host::log(LogLevel::Error, &e);
+                    return false;
+                }
             }
             (_, Role::Filter) => {
                 let endpoints = config.endpoints.len();
@@ -109,7 +113,14 @@ impl RootContext for Root {
                 );
             }
             (_, Role::Singleton) => {
-                *self = Root::Singleton(Box::new(singleton::Singleton::start(config, &vm_id)));
+                let singleton = match singleton::Singleton::start(config, &vm_id) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        host::log(LogLevel::Error, &e);
+                        return false;
+                    }
+                };
+                *self = Root::Singleton(Box::new(singleton));
                 host::log(
                     LogLevel::Info,
                     &format!("kvroute: singleton configured (vm_id {vm_id:?})"),

@@ -131,6 +131,7 @@ pub struct FeedMetrics {
     pub latency_ms: Metric,
     pub pods: Metric,
     pub learned_sent: Metric,
+    pub learned_refused: Metric,
 }
 
 impl FeedMetrics {
@@ -143,6 +144,7 @@ impl FeedMetrics {
             latency_ms: Metric::histogram("kvroute.feed.latency_ms"),
             pods: Metric::gauge("kvroute.feed.pods"),
             learned_sent: Metric::counter("kvroute.feed.learned_sent"),
+            learned_refused: Metric::counter("kvroute.feed.learned_refused"),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The singleton (bootstrap `wasm_service`, main thread): polls the
 //! indexer's feed on a tick and forwards each update verbatim to every
 //! worker VM's queue; collects the workers' routing decisions and reports
-//! them to the indexer, which shares them with every other proxy.
+//! them to the indexer, which shares them with every other proxy (with the
+//! bearer token named by `indexer.token_env`, when `indexer.share_learned`).
 
 use crate::host;
 use crate::metrics::FeedMetrics;
@@ -21,6 +22,8 @@ const MAX_FEED_BYTES: usize = 64 << 20;
 
 pub struct Singleton {
     indexer: Option<IndexerSettings>,
+    /// `authorization` header value of learned reports (from `indexer.token_env`).
+    authorization: Option<String>,
     metrics: FeedMetrics,
     peers: Peers,
     queue: Option<u32>,
@@ -31,11 +34,29 @@ pub struct Singleton {
     pending: LearnedBatch,
     pending_hashes: usize,
     failing: bool,
+    learned_failing: bool,
+}
+
+/// The `authorization` header `indexer.token_env` asks for; an error (naming
+/// the field) when the variable is missing from the VM's environment.
+fn authorization(config: &Config) -> Result<Option<String>, String> {
+    let Some(name) = config.indexer.as_ref().and_then(|i| i.token_env.as_deref()) else {
+        return Ok(None);
+    };
+    match host::env_var(name).map(|t| t.trim().to_owned()) {
+        Some(token) if !token.is_empty() => Ok(Some(format!("Bearer {token}"))),
+        _ => Err(format!(
+            "invalid kvroute config: field `indexer.token_env`: environment variable {name} \
+             is unset or empty in the VM (list it in vm_config.environment_variables.host_env_keys)"
+        )),
+    }
 }
 
 impl Singleton {
-    pub fn start(config: Rc<Config>, vm_id: &str) -> Singleton {
+    /// A singleton for `config`; an error names the field that cannot be honoured.
+    pub fn start(config: Rc<Config>, vm_id: &str) -> Result<Singleton, String> {
         let (now_s, _) = host::now();
+        let authorization = authorization(&config)?;
         let indexer = config.indexer.clone();
         if let Some(i) = &indexer {
             host::set_tick_period(i.poll_ms);
@@ -45,8 +66,9 @@ impl Singleton {
                 "kvroute singleton: no `indexer` configured; nothing to poll",
             );
         }
-        Singleton {
+        Ok(Singleton {
             indexer,
+            authorization,
             metrics: FeedMetrics::define(),
             peers: Peers::observer(vm_id, now_s),
             queue: host::queue_register(SINGLETON_QUEUE),
@@ -57,14 +79,18 @@ impl Singleton {
             pending: LearnedBatch::default(),
             pending_hashes: 0,
             failing: false,
-        }
+            learned_failing: false,
+        })
     }
 
-    pub fn reconfigure(&mut self, config: Rc<Config>) {
+    /// Adopts `config`; on error the previous configuration stays.
+    pub fn reconfigure(&mut self, config: Rc<Config>) -> Result<(), String> {
+        self.authorization = authorization(&config)?;
         self.indexer = config.indexer.clone();
         if let Some(i) = &self.indexer {
             host::set_tick_period(i.poll_ms);
         }
+        Ok(())
     }
 
     pub fn on_tick(&mut self) {
@@ -94,19 +120,26 @@ impl Singleton {
             let batch = std::mem::take(&mut self.pending);
             self.pending_hashes = 0;
             let body = feed::encode_learned(&batch);
-            match host::http_call(
+            let headers: Vec<(&str, &str)> = self
+                .authorization
+                .as_deref()
+                .map(|a| ("authorization", a))
+                .into_iter()
+                .collect();
+            match host::http_call_with_headers(
                 &indexer.cluster,
                 &indexer.authority,
                 "POST",
                 &indexer.learned_path,
                 Some(&body),
                 indexer.timeout_ms,
+                &headers,
             ) {
                 Ok(token) => {
                     self.learned_call = Some(token);
                     self.metrics.learned_sent.add(batch.entries.len() as u64);
                 }
-                Err(status) => self.failed(&format!("learned report not sent: {status:?}")),
+                Err(status) => self.learned_failed(&format!("not sent: {status:?}")),
             }
         }
     }
@@ -122,9 +155,8 @@ impl Singleton {
             };
             for message in messages {
                 if let PeerMessage::Learned { pod, hashes } = message {
-                    if self.indexer.is_none()
-                        || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED
-                    {
+                    let sharing = self.indexer.as_ref().is_some_and(|i| i.share_learned);
+                    if !sharing || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED {
                         continue;
                     }
                     self.pending_hashes += hashes.len();
@@ -137,8 +169,25 @@ impl Singleton {
     pub fn on_http_call_response(&mut self, token_id: u32, body_size: usize) {
         if self.learned_call == Some(token_id) {
             self.learned_call = None;
-            if host::http_call_status() != Some(200) {
-                self.failed("learned report refused");
+            match host::http_call_status() {
+                Some(200) => {
+                    if self.learned_failing {
+                        self.learned_failing = false;
+                        host::log(
+                            LogLevel::Info,
+                            "kvroute singleton: learned reports are accepted again",
+                        );
+                    }
+                }
+                Some(401) => self.learned_failed(
+                    "refused (401): the token of indexer.token_env is not one the indexer's \
+                     --learned-token-file accepts",
+                ),
+                Some(403) => self.learned_failed(
+                    "refused (403): the indexer or the mesh policy takes no learned entries \
+                     from this proxy (set indexer.share_learned to false to stop reporting)",
+                ),
+                status => self.learned_failed(&format!("answered {status:?}")),
             }
             return;
         }
@@ -196,6 +245,22 @@ impl Singleton {
                 &format!("kvroute singleton: feed not forwarded: {e}"),
             ),
         }
+    }
+
+    /// Counts a learned report that failed; logs when reports start failing.
+    /// Routing does not depend on it: this proxy keeps its own decisions.
+    fn learned_failed(&mut self, why: &str) {
+        self.metrics.learned_refused.inc();
+        let level = if self.learned_failing {
+            LogLevel::Debug
+        } else {
+            LogLevel::Warn
+        };
+        self.learned_failing = true;
+        host::log(
+            level,
+            &format!("kvroute singleton: learned report {why}; other proxies do not see this one's decisions"),
+        );
     }
 
     /// Counts a failure; logs when the feed goes from healthy to failing.

@@ -145,6 +145,15 @@ pub struct IndexerSettings {
     pub poll_ms: u32,
     #[serde(default = "IndexerSettings::default_timeout_ms")]
     pub timeout_ms: u32,
+    /// Report this proxy's routing decisions to the indexer (`POST
+    /// learned_path`) so other proxies learn them; off: only read the feed.
+    #[serde(default = "IndexerSettings::default_share_learned")]
+    pub share_learned: bool,
+    /// Name of the VM environment variable (Envoy `vm_config.
+    /// environment_variables`) holding the bearer token of learned reports;
+    /// the secret itself never appears in the plugin configuration.
+    #[serde(default)]
+    pub token_env: Option<String>,
 }
 
 impl IndexerSettings {
@@ -162,6 +171,9 @@ impl IndexerSettings {
     }
     fn default_timeout_ms() -> u32 {
         1000
+    }
+    fn default_share_learned() -> bool {
+        true
     }
 }
 
@@ -380,6 +392,14 @@ impl Config {
                     return Err(invalid(format!("indexer.{name}"), "must start with '/'"));
                 }
             }
+            if let Some(name) = &indexer.token_env {
+                if !is_env_name(name) {
+                    return Err(invalid(
+                        "indexer.token_env",
+                        "must be an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                    ));
+                }
+            }
         }
         if let Some(tokenizer) = &self.tokenizer {
             check_callout("tokenizer", &tokenizer.cluster, tokenizer.timeout_ms)?;
@@ -412,6 +432,15 @@ fn check_capacity(field: &str, capacity: Option<u32>) -> Result<(), ConfigError>
         }
         _ => Ok(()),
     }
+}
+
+/// `[A-Za-z_][A-Za-z0-9_]*`, what a shell and Kubernetes accept everywhere.
+fn is_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 fn check_callout(section: &str, cluster: &str, timeout_ms: u32) -> Result<(), ConfigError> {
@@ -483,7 +512,10 @@ mod tests {
         assert_eq!(c.weights.prefill, 2.0);
         assert_eq!(c.weights.queue, 0.0);
         assert_eq!(c.capacity_of(&c.endpoints[0]), 19208);
-        assert_eq!(c.indexer.unwrap().poll_ms, 100);
+        let indexer = c.indexer.unwrap();
+        assert_eq!(indexer.poll_ms, 100);
+        assert!(indexer.share_learned);
+        assert_eq!(indexer.token_env, None);
         assert_eq!(c.tokenizer.unwrap().path, "/tokenize");
     }
 
@@ -509,6 +541,18 @@ mod tests {
             err(r#"{"indexer":{"cluster":""}}"#).field,
             "indexer.cluster"
         );
+        for bad in ["", "1TOKEN", "KVROUTE-TOKEN", "A B"] {
+            let json = format!(r#"{{"indexer":{{"cluster":"i","token_env":"{bad}"}}}}"#);
+            assert_eq!(err(&json).field, "indexer.token_env", "{bad:?}");
+        }
+        let ok = Config::from_json(
+            br#"{"indexer":{"cluster":"i","token_env":"KVROUTE_INDEXER_TOKEN","share_learned":false}}"#,
+        )
+        .unwrap()
+        .indexer
+        .unwrap();
+        assert_eq!(ok.token_env.as_deref(), Some("KVROUTE_INDEXER_TOKEN"));
+        assert!(!ok.share_learned);
         assert_eq!(
             err(r#"{"destination_header":"X-Bad"}"#).field,
             "destination_header"

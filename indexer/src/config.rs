@@ -2,6 +2,7 @@
 //! default in indexer/README.md).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use clap::Parser;
 
@@ -12,9 +13,20 @@ use crate::index::IndexConfig;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kvroute-indexer", version, about)]
 pub struct Args {
-    /// HTTP listen address (feed, learned, healthz, metrics, debug).
-    #[arg(long, default_value = "0.0.0.0:8090")]
+    /// HTTP listen address (feed, learned, healthz, metrics, debug). Loopback
+    /// by default: a deployment names the interface it serves on.
+    #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,
+
+    /// File of bearer tokens accepted on POST /v1/learned, one per line
+    /// (re-read when it changes). Without it, learned writes are refused.
+    #[arg(long, value_name = "PATH")]
+    pub learned_token_file: Option<PathBuf>,
+
+    /// Accept POST /v1/learned without a token, from anyone who reaches the
+    /// port. Only for a loopback-bound indexer or a trusted network.
+    #[arg(long, conflicts_with = "learned_token_file")]
+    pub allow_unauthenticated_learned: bool,
 
     /// ZMQ endpoint the SUB socket binds (vLLM pods connect to it).
     /// Repeatable; `none` disables binding. `*` means all interfaces.
@@ -200,6 +212,18 @@ mod tests {
         let a = Args::try_parse_from(["kvroute-indexer"]).expect("defaults");
         assert_eq!(a.zmq_bind, vec!["tcp://*:5557".to_string()]);
         assert!(!a.accept_unknown_publishers);
+        assert!(a.listen.ip().is_loopback());
+        assert!(a.learned_token_file.is_none() && !a.allow_unauthenticated_learned);
         assert_eq!(a.index_config().pod_timeout_ms, 120_000);
+    }
+
+    #[test]
+    fn token_file_and_open_writes_exclude_each_other() {
+        let both = Args::try_parse_from([
+            "kvroute-indexer",
+            "--learned-token-file=/run/secrets/token",
+            "--allow-unauthenticated-learned",
+        ]);
+        assert!(both.is_err());
     }
 }

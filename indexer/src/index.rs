@@ -942,6 +942,17 @@ impl Index {
 
     // -------------------------------------------------------------- learned
 
+    /// True when some pod reports `hash` through KV events (any tier but
+    /// learned): such a hash is a token-domain block, never a byte chunk.
+    pub fn reported_by_a_pod(&self, hash: u64) -> bool {
+        self.pods.values().any(|p| {
+            p.blocks
+                .get(&hash)
+                .and_then(TierCounts::best)
+                .is_some_and(|t| t != Tier::Learned)
+        })
+    }
+
     /// Applies a proxy's learned batch; hashes of unknown pods are rejected.
     pub fn apply_learned(&mut self, batch: &LearnedBatch, now_ms: u64) -> (usize, usize) {
         let (mut accepted, mut rejected) = (0, 0);

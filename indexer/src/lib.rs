@@ -2,6 +2,7 @@
 //! index re-hashed with kvroute's chained hash, scrapes pod load, and serves
 //! the feed that kvroute's Envoy singletons poll.
 
+pub mod auth;
 pub mod config;
 pub mod index;
 pub mod metrics;

@@ -51,6 +51,10 @@ pub struct Metrics {
     pub learned_rejected: Counter,
     /// Learned entries dropped before their TTL to stay under the cap.
     pub learned_evicted: Counter,
+    /// POST /v1/learned requests refused before reading the body, by reason.
+    learned_unauthorized: Family<Labels, Counter>,
+    /// Learned hashes refused because pods report them (token domain).
+    pub learned_token_domain: Counter,
     /// Pods dropped from the index for silence.
     pub pods_expired: Counter,
     /// Scrapes of pod /metrics, and failures.
@@ -113,6 +117,8 @@ impl Metrics {
             learned_accepted: Counter::default(),
             learned_rejected: Counter::default(),
             learned_evicted: Counter::default(),
+            learned_unauthorized: Family::<Labels, Counter>::default(),
+            learned_token_domain: Counter::default(),
             pods_expired: Counter::default(),
             scrapes: Counter::default(),
             scrape_errors: Counter::default(),
@@ -244,6 +250,16 @@ impl Metrics {
             m.learned_evicted
         );
         add!(
+            "learned_unauthorized",
+            "POST /v1/learned requests refused (no, malformed or wrong bearer token; writes disabled), by reason",
+            m.learned_unauthorized
+        );
+        add!(
+            "learned_token_domain",
+            "Learned hashes refused because pods report them through KV events (token domain, not shared)",
+            m.learned_token_domain
+        );
+        add!(
             "pods_expired",
             "Pods dropped from the index after silence",
             m.pods_expired
@@ -343,6 +359,11 @@ impl Metrics {
         Self::inc(&self.feed_requests, "kind", kind, 1);
     }
 
+    /// A POST /v1/learned was refused for `reason`.
+    pub fn learned_unauthorized(&self, reason: &'static str) {
+        Self::inc(&self.learned_unauthorized, "reason", reason, 1);
+    }
+
     /// Value of a labelled counter (tests and the debug endpoint).
     pub fn counter_value(&self, family: &str, value: &'static str) -> u64 {
         let (f, key) = match family {
@@ -351,6 +372,7 @@ impl Metrics {
             "rejected" => (&self.rejected, "reason"),
             "dropped" => (&self.dropped, "reason"),
             "replays" => (&self.replays, "result"),
+            "learned_unauthorized" => (&self.learned_unauthorized, "reason"),
             _ => return 0,
         };
         f.get_or_create(&[(key, value)]).get()

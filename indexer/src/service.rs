@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -15,11 +16,12 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvroute_core::events::decode_seq;
-use kvroute_core::feed;
+use kvroute_core::feed::{self, LearnedBatch};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+use crate::auth::{Refusal, TokenFile, WriteAccess};
 use crate::config::{bind_endpoint, split_connect, split_pod, Args};
 use crate::index::{new_epoch, origin, Incoming, Index, ReplayRequest};
 use crate::metrics::Metrics;
@@ -34,6 +36,8 @@ pub enum ServiceError {
     Listen { addr: SocketAddr, error: String },
     /// A flag value is malformed.
     BadFlag { flag: &'static str, value: String },
+    /// `--learned-token-file` gives no usable token.
+    TokenFile { path: String, error: String },
 }
 
 impl std::fmt::Display for ServiceError {
@@ -42,6 +46,9 @@ impl std::fmt::Display for ServiceError {
             ServiceError::Zmq { endpoint, error } => write!(f, "zmq {endpoint}: {error}"),
             ServiceError::Listen { addr, error } => write!(f, "listen {addr}: {error}"),
             ServiceError::BadFlag { flag, value } => write!(f, "--{flag}: bad value {value:?}"),
+            ServiceError::TokenFile { path, error } => {
+                write!(f, "--learned-token-file {path}: {error}")
+            }
         }
     }
 }
@@ -59,6 +66,9 @@ struct Shared {
     metrics: Metrics,
     start: Instant,
     max_learned_body: usize,
+    learned_access: Arc<WriteAccess>,
+    /// When a refused write was last logged (ms since start; 0: never).
+    refusal_logged_ms: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -107,11 +117,14 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
         };
         index.set_replay_endpoint(address, endpoint);
     }
+    let learned_access = learned_write_access(&args)?;
     let shared = Shared {
         index: Arc::new(Mutex::new(index)),
         metrics: metrics.clone(),
         start: Instant::now(),
         max_learned_body: args.max_learned_body_bytes,
+        learned_access: Arc::new(learned_access),
+        refusal_logged_ms: Arc::new(AtomicU64::new(0)),
     };
 
     let (tx, rx) = mpsc::channel::<Msg>(args.queue_capacity.max(1));
@@ -196,6 +209,34 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
     shutdown_signal().await;
     eprintln!("kvroute-indexer: shutting down");
     Ok(())
+}
+
+/// The write policy of POST /v1/learned the flags select.
+fn learned_write_access(args: &Args) -> Result<WriteAccess, ServiceError> {
+    if let Some(path) = &args.learned_token_file {
+        let file = TokenFile::open(path).map_err(|e| ServiceError::TokenFile {
+            path: path.display().to_string(),
+            error: e.to_string(),
+        })?;
+        return Ok(WriteAccess::Token(file));
+    }
+    if args.allow_unauthenticated_learned {
+        let exposure = if args.listen.ip().is_loopback() {
+            "from this host"
+        } else {
+            "from anyone who reaches the listen address: any of them can steer every proxy"
+        };
+        eprintln!(
+            "kvroute-indexer: POST /v1/learned accepts writes without a token {exposure} \
+             (--allow-unauthenticated-learned)"
+        );
+        return Ok(WriteAccess::Open);
+    }
+    eprintln!(
+        "kvroute-indexer: no --learned-token-file: POST /v1/learned is refused \
+         (proxies share no learned entries)"
+    );
+    Ok(WriteAccess::Closed)
 }
 
 async fn shutdown_signal() {
@@ -450,7 +491,7 @@ async fn dns_loop(shared: Shared, name: String, model: Option<String>, interval:
 
 async fn serve_http(listener: TcpListener, shared: Shared) {
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(_) => {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -461,7 +502,7 @@ async fn serve_http(listener: TcpListener, shared: Shared) {
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
                 let shared = shared.clone();
-                async move { Ok::<_, Infallible>(route(req, shared).await) }
+                async move { Ok::<_, Infallible>(route(req, shared, peer).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -495,7 +536,7 @@ fn query_u64(query: Option<&str>, key: &str) -> Result<u64, String> {
     Ok(0)
 }
 
-async fn route(req: Request<Body>, shared: Shared) -> Response<Full<Bytes>> {
+async fn route(req: Request<Body>, shared: Shared, peer: SocketAddr) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
     let query = req.uri().query().map(str::to_owned);
     match (req.method(), path.as_str()) {
@@ -518,36 +559,7 @@ async fn route(req: Request<Body>, shared: Shared) -> Response<Full<Bytes>> {
                 .observe(body.len() as f64);
             respond(StatusCode::OK, "application/octet-stream", body)
         }
-        (&Method::POST, "/v1/learned") => {
-            let body = match Limited::new(req.into_body(), shared.max_learned_body)
-                .collect()
-                .await
-            {
-                Ok(b) => b.to_bytes(),
-                Err(_) => {
-                    return respond(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "text/plain",
-                        "body too large",
-                    )
-                }
-            };
-            match feed::decode_learned(&body) {
-                Ok(batch) => {
-                    let now = shared.now_ms();
-                    let (accepted, rejected) = shared.lock().apply_learned(&batch, now);
-                    respond(
-                        StatusCode::OK,
-                        "application/json",
-                        format!("{{\"accepted\":{accepted},\"rejected\":{rejected}}}"),
-                    )
-                }
-                Err(e) => {
-                    shared.metrics.decode_error("learned");
-                    respond(StatusCode::BAD_REQUEST, "text/plain", e.to_string())
-                }
-            }
-        }
+        (&Method::POST, "/v1/learned") => post_learned(req, &shared, peer).await,
         (&Method::GET, "/healthz") => respond(StatusCode::OK, "text/plain", "ok\n"),
         (&Method::GET, "/metrics") => {
             {
@@ -580,4 +592,106 @@ async fn route(req: Request<Body>, shared: Shared) -> Response<Full<Bytes>> {
         ),
         _ => respond(StatusCode::NOT_FOUND, "text/plain", "not found"),
     }
+}
+
+/// Seconds between two log lines about refused learned writes (each one is counted).
+const REFUSAL_LOG_INTERVAL_MS: u64 = 10_000;
+
+/// `POST /v1/learned`: authenticated first (before the body is read), then
+/// decoded; hashes that pods report (token domain) are dropped and counted.
+async fn post_learned(
+    req: Request<Body>,
+    shared: &Shared,
+    peer: SocketAddr,
+) -> Response<Full<Bytes>> {
+    let authorization = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    if let Err(refusal) = shared.learned_access.check(authorization) {
+        shared.metrics.learned_unauthorized(refusal.reason());
+        let now = shared.now_ms().max(1);
+        let last = shared.refusal_logged_ms.load(Ordering::Relaxed);
+        if last == 0 || now.saturating_sub(last) >= REFUSAL_LOG_INTERVAL_MS {
+            shared.refusal_logged_ms.store(now, Ordering::Relaxed);
+            eprintln!(
+                "kvroute-indexer: POST /v1/learned from {peer} refused: {} \
+                 (counted in kvroute_indexer_learned_unauthorized_total; logged at most every {} s)",
+                refusal.reason(),
+                REFUSAL_LOG_INTERVAL_MS / 1000
+            );
+        }
+        return match refusal {
+            Refusal::WritesDisabled => respond(
+                StatusCode::FORBIDDEN,
+                "text/plain",
+                "learned writes are disabled: the indexer has no --learned-token-file",
+            ),
+            Refusal::TokenUnavailable => respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                "the learned-writer token file is unreadable",
+            ),
+            _ => {
+                let mut r = respond(
+                    StatusCode::UNAUTHORIZED,
+                    "text/plain",
+                    format!("unauthorized: {}", refusal.reason()),
+                );
+                r.headers_mut().insert(
+                    hyper::header::WWW_AUTHENTICATE,
+                    hyper::header::HeaderValue::from_static("Bearer"),
+                );
+                r
+            }
+        };
+    }
+    let body = match Limited::new(req.into_body(), shared.max_learned_body)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return respond(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "text/plain",
+                "body too large",
+            )
+        }
+    };
+    let mut batch = match feed::decode_learned(&body) {
+        Ok(batch) => batch,
+        Err(e) => {
+            shared.metrics.decode_error("learned");
+            return respond(StatusCode::BAD_REQUEST, "text/plain", e.to_string());
+        }
+    };
+    let now = shared.now_ms();
+    let mut ix = shared.lock();
+    let token_domain = drop_token_domain(&ix, &mut batch);
+    shared
+        .metrics
+        .learned_token_domain
+        .inc_by(token_domain as u64);
+    let (accepted, rejected) = ix.apply_learned(&batch, now);
+    respond(
+        StatusCode::OK,
+        "application/json",
+        format!(
+            "{{\"accepted\":{accepted},\"rejected\":{rejected},\"token_domain\":{token_domain}}}"
+        ),
+    )
+}
+
+/// Removes the hashes some pod reports through KV events: they are token
+/// blocks, whose locations only the pods' events may state (byte chunks
+/// never collide with them). Returns how many were removed.
+fn drop_token_domain(ix: &Index, batch: &mut LearnedBatch) -> usize {
+    let mut dropped = 0;
+    for (_, hashes) in &mut batch.entries {
+        let before = hashes.len();
+        hashes.retain(|&h| !ix.reported_by_a_pod(h));
+        dropped += before - hashes.len();
+    }
+    dropped
 }

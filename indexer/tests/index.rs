@@ -557,6 +557,31 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
 }
 
 #[test]
+fn hashes_pods_report_are_token_domain_learned_ones_are_not() {
+    let other = "10.0.0.2:8000";
+    let mut ix = index();
+    ix.add_pod(other, None, origin::STATIC, 0);
+    let toks = tokens(0, 2);
+    let kv = kv_chain(&toks);
+    ix.handle(
+        &msg(POD, 0, &batch(vec![stored(&[11, 12], None, toks, None)], 0)),
+        1,
+    );
+    assert!(kv.iter().all(|&h| ix.reported_by_a_pod(h)));
+    // What proxies post (byte chunks) is not pod-reported, even once learned.
+    ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(other.into(), vec![999])],
+        },
+        1,
+    );
+    assert!(!ix.reported_by_a_pod(999));
+    // Once the pod drops the blocks, their hashes are no longer reported.
+    ix.handle(&msg(POD, 1, &batch(vec![removed(&[11, 12], None)], 0)), 2);
+    assert!(!kv.iter().any(|&h| ix.reported_by_a_pod(h)));
+}
+
+#[test]
 fn silent_pods_are_dropped() {
     let mut ix = Index::new(
         IndexConfig {

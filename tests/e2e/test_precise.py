@@ -1,18 +1,25 @@
 """Precise mode end to end (issue 4): vllm-sim pods publish real KV events over ZMQ to the real
 kvroute-indexer; the singleton in Envoy polls its feed and every worker routes on what the pods
 truly hold — including after eviction (BlockRemoved), after a flush (AllBlocksCleared), through
-the /tokenize call-out, and across an indexer outage."""
+the /tokenize call-out, and across an indexer outage. Learned entries are shared only by
+holders of the indexer's token: a client without it cannot steer anyone's routing."""
 
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
+import zmq
 
 from e2elib import MODEL, POD, decision, require_wasm
-from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
-from indexerctl import IndexerProcess
+from envoyctl import GATEWAY, GATEWAY_PRECISE, EnvoyProcess, render_gateway
+from indexerctl import TOKEN_ENV, IndexerProcess
 from simcluster import SimCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "indexer"))
+import indexer_harness as ih  # noqa: E402
 
 CAPACITY = 256  # blocks per pod: small, so eviction is cheap to provoke
 
@@ -170,3 +177,141 @@ def test_completion_prompts_get_token_ids_from_the_tokenizer_call_out(stack):
     d = decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
     assert (d["pod"], d["domain"]) == (sims.addresses[1], "tokens"), d["raw"]
     assert d["matched"] >= d["total"] - 1 > 10, d["raw"]
+
+
+def token_block_hashes(prompts: list[list[int]]) -> list[list[int]]:
+    """kvroute's token-domain block hashes of each prompt, as an attacker computes them (the hash
+    is public): here with kvroute's own code, a scratch indexer re-hashing one BlockStored event
+    per prompt, each for a pod of its own that exists nowhere else."""
+    pods = [f"127.0.0.1:{i + 1}" for i in range(len(prompts))]
+    flags = [f for p in pods for f in ("--pod", f"{p}@{MODEL}")] + ["--scrape-interval-ms", "0"]
+    ctx = zmq.Context()
+    try:
+        with ih.Indexer(*flags) as oracle:
+            pub = ih.Publisher(ctx, oracle.zmq_endpoint)
+            ih.wait_subscribed(oracle, pub)
+            for pod, ids in zip(pods, prompts):
+                n = len(ids) // 16
+                pub.send(ih.topic(pod), 0, ih.batch(ih.stored(range(1, n + 1), None, ids[:16 * n])))
+            feed = oracle.feed()
+            ih.wait_for(lambda: all(len(feed.of(p)) == len(ids) // 16 for p, ids in zip(pods, prompts)),
+                        what="the scratch indexer hashed every prompt")
+            pub.close()
+            return [list(feed.of(p)) for p in pods]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_client_without_the_token_cannot_steer_fresh_prompts(stack):
+    """Issue 13's attack: a client posts learned entries claiming that a chosen pod holds prompts
+    nobody has sent yet (~300 bytes per prompt). Without the indexer's token (none, or a wrong
+    one) the posts are refused and every fresh prompt is routed on load, no prefix match. The
+    control: the same posts with the token are taken and steer every prompt, which is also
+    what a leaked token can still do (a fresh prompt's token hashes cannot be told from byte
+    chunks), so the token belongs to the gateways alone."""
+    sims, indexer, envoy = stack
+    victim = sims.addresses[2]
+    blocks = 20
+    attempts = {"no token": (None, 2000), "wrong token": ("f" * 64, 2100), "the token": (indexer.learned_token, 2200)}
+    steered = {}
+    for who, (token, seed) in attempts.items():
+        prompts = [tokens(seed + i, blocks) for i in range(10)]
+        statuses = set()
+        for ids, hashes in zip(prompts, token_block_hashes(prompts)):
+            statuses.add(indexer.post("/v1/learned", ih.encode_learned([(victim, hashes)]), token)[0])
+        settle(envoy)
+        decisions = [decision(routed_completion(envoy, ids)) for ids in prompts]
+        steered[who] = (statuses, sum(d["pod"] == victim and d["matched"] == blocks for d in decisions),
+                        sum(d["matched"] for d in decisions))
+    assert steered == {"no token": ({401}, 0, 0), "wrong token": ({401}, 0, 0),
+                       "the token": ({200}, 10, 10 * blocks)}, steered
+    assert indexer.metric("kvroute_indexer_learned_unauthorized_total", reason="missing_token") >= 10
+    assert indexer.metric("kvroute_indexer_learned_unauthorized_total", reason="wrong_token") >= 10
+
+
+def test_token_domain_decisions_are_not_shared(stack):
+    """Pod-reported (token) blocks posted as learned for another pod are dropped and counted;
+    the proxy keeps routing them to the pod that truly holds them."""
+    sims, indexer, envoy = stack
+    ids = tokens(2300, 12)
+    direct_completion(sims, 0, ids)
+    wait_for("indexer sees the blocks", lambda: indexer.blocks(sims.addresses[0]) >= 12)
+    (hashes,) = token_block_hashes([ids])
+    before = indexer.metric("kvroute_indexer_learned_token_domain_total")
+    status, body = indexer.post("/v1/learned", ih.encode_learned([(sims.addresses[1], hashes)]),
+                                indexer.learned_token)
+    assert status == 200 and b'"token_domain":12' in body, body
+    assert indexer.metric("kvroute_indexer_learned_token_domain_total") == before + 12
+    settle(envoy)
+    d = decision(routed_completion(envoy, ids + [1, 2, 3]))
+    assert (d["pod"], d["matched"]) == (sims.addresses[0], 12), d["raw"]
+
+
+@pytest.mark.parametrize("token", [None, "", "a-token-for-the-singleton-0123"])
+def test_the_singleton_refuses_a_token_variable_missing_from_its_vm(monkeypatch, token):
+    """indexer.token_env names a variable Envoy must pass to the singleton's VM (host_env_keys):
+    unset or empty, the configuration is refused at load, naming the field, and Envoy does not
+    start (as for any refused bootstrap configuration; `envoy --mode validate` does not load the
+    singleton, so this starts Envoy)."""
+    require_wasm()
+    if token is None:
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TOKEN_ENV, token)
+    envoy = EnvoyProcess(render_gateway(["127.0.0.1:18001"], template=GATEWAY_PRECISE, indexer="127.0.0.1:18090"))
+    try:
+        if token:
+            envoy.start()
+            assert envoy.proc.poll() is None
+        else:
+            with pytest.raises(RuntimeError):
+                envoy.start()
+            log = envoy.log_text()
+            assert f"field `indexer.token_env`: environment variable {TOKEN_ENV} is unset or empty" in log, \
+                envoy.log_tail()
+    finally:
+        envoy.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
+def test_hot_restart_loses_the_proxy_index_and_the_feed_refills_it(stack, precise):
+    """Envoy's hot restart does not hand Wasm VMs or their shared data to the new process: in
+    approximate mode every learned prefix is gone (the next request of each routes by load and is
+    learned again); in precise mode the new singleton's first feed snapshot brings back what the
+    gateways shared (byte-domain decisions here, no tokenizer) and the prefixes stay on their pods.
+    docs/operator-guide.md, section 10."""
+    sims, indexer, _ = stack
+    if precise:
+        config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY, "tokenizer": None},
+                                template=GATEWAY_PRECISE, indexer=indexer.address)
+    else:
+        config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY}, template=GATEWAY)
+    prompts = [f"hot-restart-{precise}-{i} " + "a long shared preamble of this tenant " * 30 for i in range(10)]
+    with EnvoyProcess(config, hot_restart=True) as envoy:
+
+        def route(prompt):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            return decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+
+        envoy.wait_for_peers()
+        accepted = indexer.metric("kvroute_indexer_learned_accepted_total")
+        before, reported = {}, 0
+        for p in prompts:
+            reported += route(p)["total"]
+            d = route(p)
+            reported += d["total"]
+            assert d["matched"] == d["total"] > 0, d["raw"]
+            before[p] = d["pod"]
+        if precise:
+            wait_for("the decisions reach the indexer",
+                     lambda: indexer.metric("kvroute_indexer_learned_accepted_total") >= accepted + reported)
+        envoy.hot_restart()
+        envoy.wait_for_peers()
+        if precise:
+            settle(envoy)  # the new singleton's first polls
+        after = [route(p) for p in prompts]
+        if precise:
+            assert [(d["pod"], d["matched"] == d["total"]) for d in after] == [(before[p], True) for p in prompts]
+        else:
+            assert [d["matched"] for d in after] == [0] * len(prompts)
+            assert all(route(p)["matched"] > 0 for p in prompts), "learned again"

@@ -20,7 +20,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "integration"))
 
-from indexerctl import IndexerProcess, free_port, indexer_binary  # noqa: E402,F401  (re-exported)
+from indexerctl import LEARNED_TOKEN, IndexerProcess, free_port, indexer_binary  # noqa: E402,F401  (re-exported)
 
 GOLDEN = REPO / "testdata" / "vllm-golden" / "frames"
 MODEL = "Qwen/Qwen3-32B"
@@ -141,8 +141,9 @@ class FeedClient:
 class Indexer(IndexerProcess):
     """The real kvroute-indexer with exactly the given flags (tests name every pod themselves)."""
 
-    def __init__(self, *flags: str, bind: bool = True, zmq_port: int | None = None):
-        super().__init__((), *flags, bind=bind, zmq_port=zmq_port)
+    def __init__(self, *flags: str, bind: bool = True, zmq_port: int | None = None,
+                 learned_token: str | None = LEARNED_TOKEN):
+        super().__init__((), *flags, bind=bind, zmq_port=zmq_port, learned_token=learned_token)
 
     def feed(self) -> FeedClient:
         return FeedClient(self.url)

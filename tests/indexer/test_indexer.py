@@ -211,12 +211,13 @@ def test_connect_mode_identity_from_configuration(ctx):
 def test_learned_entries_are_shared_with_a_ttl(ctx):
     with h.Indexer("--pod", f"{POD}@{MODEL}", "--scrape-interval-ms", "0", "--learned-ttl-seconds", "1") as ix:
         feed = ix.feed()
-        status, body = ix.post("/v1/learned", h.encode_learned([(POD, [1, 2, 3]), ("10.9.9.9:80", [4])]))
-        assert status == 200 and json.loads(body) == {"accepted": 3, "rejected": 1}
+        token = ix.learned_token
+        status, body = ix.post("/v1/learned", h.encode_learned([(POD, [1, 2, 3]), ("10.9.9.9:80", [4])]), token)
+        assert status == 200 and json.loads(body) == {"accepted": 3, "rejected": 1, "token_domain": 0}
         assert feed.of(POD) == {1: "learned", 2: "learned", 3: "learned"}
-        status, body = ix.post("/v1/learned", b"KVRL\x01\x00\x00\x00\xff\xff\xff\xff")
+        status, body = ix.post("/v1/learned", b"KVRL\x01\x00\x00\x00\xff\xff\xff\xff", token)
         assert status == 400 and b"count" in body
-        status, _ = ix.post("/v1/learned", b"nope")
+        status, _ = ix.post("/v1/learned", b"nope", token)
         assert status == 400
         wait_for(lambda: feed.of(POD) == {}, timeout=5, what="learned entries expire")
         assert ix.metric("kvroute_indexer_learned_accepted_total") == 3

@@ -194,7 +194,7 @@ def test_module_and_bootstrap_mounted_where_the_configs_load_them(overlay):
     assert wasm_mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE and wasm_mount["readOnly"]
     assert volumes["kvroute-wasm"]["image"]["reference"].endswith("-compat")
     # the singleton: ISTIO_BOOTSTRAP_OVERRIDE names custom_bootstrap.json of the generated ConfigMap
-    env = {e["name"]: e["value"] for e in proxy["env"]}
+    env = {e["name"]: e.get("value") for e in proxy["env"]}
     (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
     assert volumes["kvroute-bootstrap"]["configMap"]["name"] == cm["metadata"]["name"]
     assert env["ISTIO_BOOTSTRAP_OVERRIDE"] == mounts["kvroute-bootstrap"]["mountPath"] + "/custom_bootstrap.json"
@@ -409,6 +409,55 @@ def test_lockdown_only_vllm_publishes_only_proxies_read(overlay):
     assert len(feed_from) == 2  # proxies, and the monitoring namespace for /metrics
     for rule in ingress:
         assert "from" in rule or all(p["port"] in (15020, 15021) for p in rule["ports"]), rule
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_reads_and_the_learned_write_are_apart(overlay):
+    """Issue 13: a learned entry steers every proxy. The write (POST /v1/learned) is granted by a
+    policy of its own to the gateway's identity alone; no rule mixes it with a read; sidecars may
+    only read (any client could otherwise steer everyone) and do not report; the indexer requires
+    the token that only the gateway pod gets (Secret -> env -> singleton VM)."""
+    objs = rendered(overlay)
+    reads = {"/v1/feed", "/healthz", "/metrics", "/v1/debug/*"}
+    writers, readers = [], {}
+    for ap in find(objs, "AuthorizationPolicy"):
+        for rule in ap["spec"]["rules"]:
+            ops = [t["operation"] for t in rule["to"]]
+            paths = {p for op in ops for p in op.get("paths", [])}
+            if "/v1/learned" in paths:
+                assert paths == {"/v1/learned"} and all(op["methods"] == ["POST"] for op in ops), ap
+                assert ap["metadata"]["name"] == "kvroute-indexer-learned"
+                writers += [s["source"] for s in rule["from"]]
+            for path in paths & reads:
+                assert all(op["methods"] == ["GET"] for op in ops if path in op.get("paths", [])), ap
+                readers.setdefault(path, []).extend(s["source"] for s in rule["from"])
+    assert set(readers) == reads
+    filt, singleton, _ = wasm_configs(objs)
+    indexer_cfg = plugin_json(singleton["config"])["indexer"]
+    (idx,) = find(objs, "Deployment", "kvroute-indexer")
+    pod = idx["spec"]["template"]["spec"]
+    token_file = arg_value(pod["containers"][0]["args"], "--learned-token-file")
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if token_file.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]["secretName"]
+    assert token_file == f"{mount['mountPath']}/token" and mount["readOnly"]
+    if overlay == "gateway":
+        assert writers == [{"principals": ["cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account"]}]
+        assert readers["/v1/feed"] == writers
+        assert indexer_cfg.get("share_learned", True) is True
+        variable = indexer_cfg["token_env"]
+        assert variable in singleton["config"]["vm_config"]["environment_variables"]["host_env_keys"]
+        _, proxy = istio_proxy_patch(overlay)
+        (env,) = [e for e in proxy["env"] if e["name"] == variable]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}
+    else:
+        assert writers == []
+        assert indexer_cfg["share_learned"] is False
+        assert "token_env" not in indexer_cfg
+        _, proxy = istio_proxy_patch(overlay)
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in proxy.get("env", []))
+    # the filters never hold the token either
+    assert "token_env" not in plugin_json(filt)["indexer"]
 
 
 def test_plugin_configs_in_istio_are_valid():
