@@ -7,13 +7,16 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 
-use kvroute_core::events::{
-    decode_batch, decode_seq, parse_topic, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium,
-};
 use kvroute_core::feed::{BlockOp, FeedUpdate, LearnedBatch, PodInfo, Tier};
-use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
+use kvroute_core::hash::{
+    extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
+};
 
 use crate::metrics::Metrics;
+use crate::vllm_wire::{
+    decode_batch, decode_seq, parse_topic, BlockRemoved, BlockStored, DecodedBatch, EventBatch,
+    KvEvent, Medium,
+};
 
 // ------------------------------------------------------------------ hashing
 
@@ -32,7 +35,9 @@ impl Hasher for MixHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 ^= v;
+        // A lone key leaves the state equal to it; a second one (the KV-cache
+        // group of a block key) lands on other bits.
+        self.0 = self.0.rotate_left(23) ^ v;
     }
 }
 
@@ -49,14 +54,30 @@ impl BuildHasher for BuildMix {
 
 type Map<V> = HashMap<u64, V, BuildMix>;
 
+/// A vLLM block of one publisher: (vLLM block hash, KV-cache group). Hybrid
+/// models store one block per group under the same hash; each group evicts
+/// on its own.
+type BlockKey = (u64, i64);
+
+/// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
+/// means the pod can skip that prefill. Sliding-window and mamba groups keep
+/// only a window or a state: not routed on. No kind (vLLM before hybrid
+/// groups, or a plain model): full attention.
+fn routed_spec_kind(kind: Option<&str>) -> bool {
+    matches!(
+        kind,
+        None | Some("full_attention" | "mla_attention" | "sink_full_attention")
+    )
+}
+
 /// Bytes a hashbrown map holds for `capacity` entries of `entry` bytes.
-fn map_bytes<V>(m: &Map<V>) -> usize {
+fn map_bytes<K, V>(m: &HashMap<K, V, BuildMix>) -> usize {
     let buckets = if m.capacity() == 0 {
         0
     } else {
         (m.capacity() * 8 / 7).next_power_of_two()
     };
-    buckets * (std::mem::size_of::<(u64, V)>() + 1)
+    buckets * (std::mem::size_of::<(K, V)>() + 1)
 }
 
 // ------------------------------------------------------------------ config
@@ -64,7 +85,8 @@ fn map_bytes<V>(m: &Map<V>) -> usize {
 /// Tunables of the index (flags of the service).
 #[derive(Debug, Clone)]
 pub struct IndexConfig {
-    /// Block size the filters hash with; events of another size are not indexed. 0: any.
+    /// Block size the filters hash with. Events of a multiple of it are split
+    /// into blocks of this size; events of another size are not indexed. 0: any.
     pub block_size: u32,
     /// Model for pods whose topic and configuration name none.
     pub default_model: Option<String>,
@@ -149,11 +171,35 @@ fn tier_bit(t: Tier) -> u8 {
 }
 
 /// A vLLM block held by one publisher (pod, rank).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct SourceEntry {
+    /// kvroute hash of the block (of its last kvroute-sized part: the parent of the next block).
     kv: u64,
+    /// kvroute hashes of the parts before `kv` when the vLLM block is a
+    /// multiple of kvroute's block size.
+    head: Option<Box<[u64]>>,
     /// Bit per tier (GPU, CPU, disk).
     tiers: u8,
+}
+
+impl SourceEntry {
+    fn kvs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.head
+            .iter()
+            .flat_map(|h| h.iter().copied())
+            .chain(std::iter::once(self.kv))
+    }
+
+    /// Adds (`up`) or drops one count of every tier the entry holds.
+    fn adjust_all(&self, blocks: &mut Map<TierCounts>, sink: &mut Sink, pod: u64, up: bool) {
+        for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
+            if self.tiers & tier_bit(t) != 0 {
+                for kv in self.kvs() {
+                    adjust(blocks, sink, pod, kv, t, up);
+                }
+            }
+        }
+    }
 }
 
 struct PendingReplay {
@@ -166,7 +212,9 @@ struct PendingReplay {
 #[derive(Default)]
 struct Source {
     next_seq: Option<u64>,
-    blocks: Map<SourceEntry>,
+    blocks: HashMap<BlockKey, SourceEntry, BuildMix>,
+    /// KV-cache groups whose spec kind is not routed on (their removals are ignored).
+    unrouted_groups: Vec<i64>,
     replay: Option<PendingReplay>,
 }
 
@@ -319,6 +367,21 @@ fn adjust(blocks: &mut Map<TierCounts>, sink: &mut Sink, pod: u64, kv: u64, tier
                 sink.stored(pod, tier, kv);
             }
         }
+    }
+}
+
+/// A block's extra keys without the LoRA adapter, which vLLM lists first and
+/// kvroute already has in the chain's root.
+fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [ExtraKey] {
+    let is_lora = match (keys.first(), &e.lora_name, e.lora_id) {
+        (Some(ExtraKey::Str(k)), Some(name), _) => k == name,
+        (Some(ExtraKey::Int(k)), None, Some(id)) => *k == i128::from(id),
+        _ => false,
+    };
+    if is_lora {
+        &keys[1..]
+    } else {
+        keys
     }
 }
 
@@ -543,13 +606,7 @@ impl Index {
                 return None;
             }
         };
-        let batch = match decode_batch(&m.payload) {
-            Ok(b) => b,
-            Err(e) => {
-                self.metrics.decode_error(e.kind());
-                return None;
-            }
-        };
+        let batch = self.decode(&m.payload)?;
         let key = match self.by_address.get(&address) {
             Some(&k) => k,
             None if self.cfg.accept_unknown_publishers => {
@@ -574,6 +631,23 @@ impl Index {
         self.sequence(key, rank, seq, batch, m.received_ms, now_ms)
     }
 
+    /// Decodes a payload, counting the events it skipped; `None` (counted)
+    /// when it is not a batch at all.
+    fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
+        match decode_batch(payload) {
+            Ok(DecodedBatch { batch, skipped }) => {
+                for e in &skipped {
+                    self.metrics.event_skipped(e.kind());
+                }
+                Some(batch)
+            }
+            Err(e) => {
+                self.metrics.decode_error(e.kind());
+                None
+            }
+        }
+    }
+
     fn sequence(
         &mut self,
         key: u64,
@@ -595,12 +669,8 @@ impl Index {
                 }
                 // Buffer full: give up on the replay, apply what we have.
                 self.metrics.replay("abandoned");
-                let pending = source.replay.take();
-                if let Some(p) = pending {
-                    self.metrics.seq_gaps_unrecovered.inc();
-                    for (s, b, r) in p.buffered {
-                        self.apply_in_order(key, rank, s, b, r, now_ms);
-                    }
+                if let Some(p) = source.replay.take() {
+                    self.flush_after_replay(key, rank, p, now_ms);
                 }
                 self.apply_in_order(key, rank, seq, batch, received_ms, now_ms);
                 return None;
@@ -656,6 +726,31 @@ impl Index {
         }
         self.apply_seq(key, rank, seq, &batch, received_ms, now_ms);
         None
+    }
+
+    /// Applies what was buffered during a replay. The gap before the first
+    /// buffered message was counted when it was detected (or was the join of
+    /// a running publisher): if the replay left it open, it counts once more
+    /// only as unrecovered.
+    fn flush_after_replay(&mut self, key: u64, rank: i64, pending: PendingReplay, now_ms: u64) {
+        let mut buffered = pending.buffered.into_iter();
+        if let Some((seq, batch, received_ms)) = buffered.next() {
+            let next = self
+                .pods
+                .get(&key)
+                .and_then(|p| p.sources.get(&rank))
+                .and_then(|s| s.next_seq)
+                .unwrap_or(pending.from);
+            if seq > next && pending.from > 0 {
+                self.metrics.seq_gaps_unrecovered.inc();
+            }
+            if seq >= next {
+                self.apply_seq(key, rank, seq, &batch, received_ms, now_ms);
+            }
+        }
+        for (s, b, r) in buffered {
+            self.apply_in_order(key, rank, s, b, r, now_ms);
+        }
     }
 
     /// Applies a batch whose sequence follows, counts a gap or restart otherwise
@@ -756,21 +851,16 @@ impl Index {
                     if pending.buffered.first().is_some_and(|(s, _, _)| seq >= *s) {
                         break;
                     }
-                    match decode_batch(&payload) {
-                        Ok(b) => {
-                            self.apply_in_order(key, req.rank, seq, b, now_ms, now_ms);
-                            self.metrics.replayed_messages.inc();
-                            next = seq + 1;
-                        }
-                        Err(e) => self.metrics.decode_error(e.kind()),
+                    if let Some(b) = self.decode(&payload) {
+                        self.apply_in_order(key, req.rank, seq, b, now_ms, now_ms);
+                        self.metrics.replayed_messages.inc();
+                        next = seq + 1;
                     }
                 }
             }
             Err(_) => self.metrics.replay("failed"),
         }
-        for (s, b, r) in pending.buffered {
-            self.apply_in_order(key, req.rank, s, b, r, now_ms);
-        }
+        self.flush_after_replay(key, req.rank, pending, now_ms);
     }
 
     fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
@@ -778,7 +868,11 @@ impl Index {
             match ev {
                 KvEvent::BlockStored(e) => {
                     self.metrics.event("BlockStored");
-                    self.stored(key, rank, e, sink);
+                    if e.is_placeholder() {
+                        self.placeholder(key, rank, e, sink);
+                    } else {
+                        self.stored(key, rank, e, sink);
+                    }
                 }
                 KvEvent::BlockRemoved(e) => {
                     self.metrics.event("BlockRemoved");
@@ -793,12 +887,35 @@ impl Index {
         }
     }
 
+    /// kvroute blocks per vLLM block of `block_size` tokens, `None` when
+    /// that size cannot be re-hashed into the filters' blocks.
+    fn span(&self, block_size: u32) -> Option<usize> {
+        match self.cfg.block_size {
+            _ if block_size == 0 => None,
+            0 => Some(1),
+            b if block_size % b == 0 => Some((block_size / b) as usize),
+            _ => None,
+        }
+    }
+
     fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
-        if self.cfg.block_size != 0 && e.block_size != self.cfg.block_size {
-            self.metrics.stored_block_size_mismatch.inc();
+        let group = e.group_idx.unwrap_or(0);
+        let span = self.span(e.block_size);
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        if !routed_spec_kind(e.kv_cache_spec_kind.as_deref()) {
+            let source = pod.sources.entry(rank).or_default();
+            if !source.unrouted_groups.contains(&group) {
+                source.unrouted_groups.push(group);
+            }
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
             return;
         }
-        let Some(pod) = self.pods.get_mut(&key) else {
+        let Some(span) = span else {
+            self.metrics.stored_block_size_mismatch.inc();
             return;
         };
         let model = match pod.models.first().or(self.cfg.default_model.as_ref()) {
@@ -825,7 +942,7 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match source.blocks.get(&p) {
+            Some(p) => match source.blocks.get(&(p, group)) {
                 Some(entry) => entry.kv,
                 None => {
                     self.metrics.stored_unknown_parent.inc();
@@ -833,27 +950,41 @@ impl Index {
                 }
             },
         };
-        let kvs = token_block_hashes(parent_kv, &e.token_ids[..need], bs, n);
+        // Extra keys belong to the first kvroute block of each vLLM block.
+        let mut extra = vec![None; n * span];
+        if let Some(keys) = &e.extra_keys {
+            for (i, block_keys) in keys.iter().take(n).enumerate() {
+                if let Some(block_keys) = block_keys {
+                    extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
+                }
+            }
+        }
+        let kvs =
+            keyed_token_block_hashes(parent_kv, &e.token_ids[..need], bs / span, n * span, &extra);
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut applied = 0u64;
-        for (&vh, &kv) in e.block_hashes.iter().zip(&kvs) {
-            match source.blocks.entry(vh) {
+        for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
+            let (head, kv) = match parts.split_last() {
+                Some((last, [])) => (None, *last),
+                Some((last, head)) => (Some(Box::<[u64]>::from(head)), *last),
+                None => continue,
+            };
+            match source.blocks.entry((vh, group)) {
                 Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
                     if entry.kv != kv {
                         // Same vLLM hash, other content (e.g. other LoRA scope): replace.
-                        for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-                            if entry.tiers & tier_bit(t) != 0 {
-                                adjust(&mut pod.blocks, sink, key, entry.kv, t, false);
-                            }
-                        }
+                        entry.adjust_all(&mut pod.blocks, sink, key, false);
                         entry.kv = kv;
+                        entry.head = head;
                         entry.tiers = 0;
                     }
                     if entry.tiers & bit == 0 {
                         entry.tiers |= bit;
-                        adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                        for kv in entry.kvs() {
+                            adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                        }
                     }
                 }
                 Entry::Vacant(v) => {
@@ -861,9 +992,15 @@ impl Index {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
                     }
-                    v.insert(SourceEntry { kv, tiers: bit });
+                    let entry = v.insert(SourceEntry {
+                        kv,
+                        head,
+                        tiers: bit,
+                    });
                     pod.source_blocks += 1;
-                    adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                    for kv in entry.kvs() {
+                        adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                    }
                 }
             }
             applied += 1;
@@ -871,16 +1008,52 @@ impl Index {
         self.metrics.blocks_stored.inc_by(applied);
     }
 
+    /// A CPU-offload placeholder names blocks by hash only: they now also
+    /// reside in its medium. Blocks this publisher never stored with tokens
+    /// cannot be re-hashed, so they are counted and skipped.
+    fn placeholder(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let group = e.group_idx.unwrap_or(0);
+        let source = pod.sources.entry(rank).or_default();
+        let tier = Medium::tier(e.medium.as_ref());
+        let bit = tier_bit(tier);
+        let (mut applied, mut unknown) = (0, 0);
+        for vh in &e.block_hashes {
+            let Some(entry) = source.blocks.get_mut(&(*vh, group)) else {
+                unknown += 1;
+                continue;
+            };
+            if entry.tiers & bit == 0 {
+                entry.tiers |= bit;
+                for kv in entry.kvs() {
+                    adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                }
+            }
+            applied += 1;
+        }
+        self.metrics.placeholder_blocks("applied", applied);
+        self.metrics.placeholder_blocks("unknown", unknown);
+    }
+
     fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
+        let group = e.group_idx.unwrap_or(0);
         let source = pod.sources.entry(rank).or_default();
+        if source.unrouted_groups.contains(&group) {
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        }
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
         for vh in &e.block_hashes {
-            let Entry::Occupied(mut o) = source.blocks.entry(*vh) else {
+            let Entry::Occupied(mut o) = source.blocks.entry((*vh, group)) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
@@ -890,12 +1063,13 @@ impl Index {
                 continue;
             }
             entry.tiers &= !bit;
-            let kv = entry.kv;
+            for kv in entry.kvs() {
+                adjust(&mut pod.blocks, sink, key, kv, tier, false);
+            }
             if entry.tiers == 0 {
                 o.remove();
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
             }
-            adjust(&mut pod.blocks, sink, key, kv, tier, false);
             removed += 1;
         }
         self.metrics.blocks_removed.inc_by(removed);
@@ -932,11 +1106,7 @@ impl Index {
         }
         for (_, entry) in source.blocks.drain() {
             pod.source_blocks = pod.source_blocks.saturating_sub(1);
-            for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-                if entry.tiers & tier_bit(t) != 0 {
-                    adjust(&mut pod.blocks, sink, key, entry.kv, t, false);
-                }
-            }
+            entry.adjust_all(&mut pod.blocks, sink, key, false);
         }
     }
 
