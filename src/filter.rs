@@ -50,14 +50,29 @@ impl RequestFilter {
     /// Returns true when the request must stay paused for the call.
     fn on_body(&mut self, body: &[u8]) -> bool {
         let parsed = request::parse_request(body);
-        let request = match parsed {
+        let mut request = match parsed {
             Ok(r) => r,
             Err(e) => {
                 self.fail_open(FailOpen::from(&e), &e.to_string());
                 return false;
             }
         };
-        if matches!(request.prompt, Prompt::Text(_)) {
+        if request.model.is_empty() {
+            let implied = self
+                .worker
+                .try_borrow()
+                .ok()
+                .and_then(|w| w.cluster.implied_model(&w.config));
+            match implied {
+                Some(model) => request.model = model,
+                None => {
+                    let why = "request names no model and the pods serve no single one (set default_model)";
+                    self.fail_open(FailOpen::NoModel, why);
+                    return false;
+                }
+            }
+        }
+        if matches!(request.prompt, Prompt::Text(_)) && !request.multimodal {
             if let Some(token) = self.start_tokenizer(body) {
                 self.tokenizing = Some((token, request, micros()));
                 return true;
@@ -238,8 +253,8 @@ impl Context for RequestFilter {
                         .record(micros().saturating_sub(started));
                 }
                 PromptRequest {
-                    model: request.model,
                     prompt: Prompt::Tokens(tokens),
+                    ..request
                 }
             }
             Err(why) => {

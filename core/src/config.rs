@@ -206,6 +206,9 @@ pub struct Config {
     /// LoRA adapter name → base model, so adapter requests hash in the
     /// adapter's scope and go to pods serving the base model.
     pub adapters: BTreeMap<String, String>,
+    /// Model a request without `model` is routed in when the pods do not all
+    /// serve one model (see `Cluster::implied_model`).
+    pub default_model: Option<String>,
     pub indexer: Option<IndexerSettings>,
     pub tokenizer: Option<TokenizerSettings>,
 }
@@ -228,6 +231,7 @@ impl Default for Config {
             default_capacity_blocks: 16384,
             endpoints: Vec::new(),
             adapters: BTreeMap::new(),
+            default_model: None,
             indexer: None,
             tokenizer: None,
         }
@@ -342,6 +346,12 @@ impl Config {
                 &format!("endpoints[{i}].capacity_blocks"),
                 endpoint.capacity_blocks,
             )?;
+        }
+        if self.default_model.as_ref().is_some_and(|m| m.is_empty()) {
+            return Err(invalid(
+                "default_model",
+                "must name a model (or be left out)",
+            ));
         }
         if let Some(indexer) = &self.indexer {
             check_callout("indexer", &indexer.cluster, indexer.timeout_ms)?;
@@ -490,6 +500,7 @@ mod tests {
             "destination_header"
         );
         assert_eq!(err(r#"{"paths":["v1"]}"#).field, "paths[0]");
+        assert_eq!(err(r#"{"default_model":""}"#).field, "default_model");
         assert!(err(r#"{"max_blocks":"many"}"#)
             .to_string()
             .contains("invalid type"));

@@ -1,0 +1,78 @@
+"""What real vLLM accepts, through the real Envoy (issue 12): `cache_salt` scopes prefix caches
+(the same prompt under another salt must predict no hit), and a request without `model` is
+served by the pod's one served model, so kvroute routes it in that model's scope."""
+
+import pytest
+import requests
+
+from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
+from envoyctl import EnvoyProcess, render_gateway
+
+
+@pytest.fixture(scope="module")
+def scoped(sims):
+    """The pods listed with the one model they serve."""
+    require_wasm()
+    endpoints = [{"address": a, "models": [MODEL]} for a in sims.addresses]
+    config = render_gateway(sims.addresses, {"endpoints": endpoints, "max_body_bytes": 262144})
+    with EnvoyProcess(config) as envoy:
+        envoy.wait_for_peers()
+        yield envoy
+
+
+def completion(envoy, prompt, **extra) -> requests.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
+    with requests.Session() as s:
+        return s.post(envoy.url + "/v1/completions", json=body, timeout=30)
+
+
+def test_the_same_chat_under_other_salts_never_matches(scoped):
+    system = unique_system()
+    first = decision(chat(scoped, system, "q", cache_salt="tenant-a"))
+    again = decision(chat(scoped, system, "q", cache_salt="tenant-a"))
+    assert (again["pod"], again["matched"]) == (first["pod"], first["total"]), again["raw"]
+    assert again["domain"] == "bytes" and again["total"] > 10, again["raw"]
+    for other in ({"cache_salt": "tenant-b"}, {}):
+        d = decision(chat(scoped, system, "q", **other))
+        assert d["matched"] == 0, (other, d["raw"])
+
+
+def test_the_same_token_prompt_under_other_salts_never_matches(scoped):
+    ids = [(i * 7919) % 40000 + 100 for i in range(16 * 12)]
+    first = completion(scoped, ids, cache_salt="tenant-a")
+    assert first.status_code == 200, first.text
+    again = decision(completion(scoped, ids, cache_salt="tenant-a"))
+    assert (again["domain"], again["matched"], again["total"]) == ("tokens", 12, 12), again["raw"]
+    assert again["pod"] == decision(first)["pod"]
+    other = decision(completion(scoped, ids, cache_salt="tenant-b"))
+    assert other["matched"] == 0, other["raw"]
+
+
+def test_a_request_without_model_sticks_to_its_prefix_pod(scoped):
+    system = unique_system()
+    body = {"max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}
+    pods = []
+    for i in range(6):
+        with requests.Session() as s:
+            r = s.post(scoped.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        d = decision(r)
+        assert d["pod"] == r.headers[POD], d["raw"]
+        pods.append(d["pod"])
+        if i > 0:
+            assert d["matched"] == d["total"] > 10, d["raw"]
+    assert len(set(pods)) == 1, pods
+    # Routed in the served model's scope: the same prompt naming the model shares its blocks.
+    named = decision(chat(scoped, system, "q", max_tokens=2))
+    assert (named["pod"], named["matched"]) == (pods[0], named["total"]), named["raw"]
+
+
+def test_without_model_and_no_single_served_model_fails_open(gateway):
+    """The default gateway lists pods without models (each may serve any): nothing settles the
+    scope, so the request fails open, and Envoy's own balancer still serves it."""
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": unique_system()}]}
+    with requests.Session() as s:
+        r = s.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvroute-decision"] == "fallback=no_model"
