@@ -35,9 +35,7 @@ impl Hasher for MixHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        // A lone key leaves the state equal to it; a second one (the KV-cache
-        // group of a block key) lands on other bits.
-        self.0 = self.0.rotate_left(23) ^ v;
+        self.0 ^= v;
     }
 }
 
@@ -54,11 +52,6 @@ impl BuildHasher for BuildMix {
 
 type Map<V> = HashMap<u64, V, BuildMix>;
 
-/// A vLLM block of one publisher: (vLLM block hash, KV-cache group). Hybrid
-/// models store one block per group under the same hash; each group evicts
-/// on its own.
-type BlockKey = (u64, i64);
-
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
 /// means the pod can skip that prefill. Sliding-window and mamba groups keep
 /// only a window or a state: not routed on. No kind (vLLM before hybrid
@@ -71,13 +64,13 @@ fn routed_spec_kind(kind: Option<&str>) -> bool {
 }
 
 /// Bytes a hashbrown map holds for `capacity` entries of `entry` bytes.
-fn map_bytes<K, V>(m: &HashMap<K, V, BuildMix>) -> usize {
+fn map_bytes<V>(m: &Map<V>) -> usize {
     let buckets = if m.capacity() == 0 {
         0
     } else {
         (m.capacity() * 8 / 7).next_power_of_two()
     };
-    buckets * (std::mem::size_of::<(K, V)>() + 1)
+    buckets * (std::mem::size_of::<(u64, V)>() + 1)
 }
 
 // ------------------------------------------------------------------ config
@@ -171,33 +164,64 @@ fn tier_bit(t: Tier) -> u8 {
 }
 
 /// A vLLM block held by one publisher (pod, rank).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 struct SourceEntry {
-    /// kvroute hash of the block (of its last kvroute-sized part: the parent of the next block).
+    /// kvroute hash of the block (of its last kvroute-sized part when it
+    /// spans several: the parent of the next block).
     kv: u64,
-    /// kvroute hashes of the parts before `kv` when the vLLM block is a
-    /// multiple of kvroute's block size.
-    head: Option<Box<[u64]>>,
     /// Bit per tier (GPU, CPU, disk).
     tiers: u8,
 }
 
-impl SourceEntry {
-    fn kvs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.head
-            .iter()
-            .flat_map(|h| h.iter().copied())
-            .chain(std::iter::once(self.kv))
-    }
+/// The blocks of one KV-cache group of a publisher. Hybrid models store
+/// each block once per group under the same vLLM hash, and each group evicts
+/// on its own.
+#[derive(Default)]
+struct Group {
+    /// vLLM hash → entry.
+    blocks: Map<SourceEntry>,
+    /// vLLM hash → kvroute hashes of the parts before the entry's `kv`, for
+    /// blocks of a multiple of the configured block size (kept apart so the
+    /// common entry stays small).
+    heads: Map<Box<[u64]>>,
+}
 
-    /// Adds (`up`) or drops one count of every tier the entry holds.
-    fn adjust_all(&self, blocks: &mut Map<TierCounts>, sink: &mut Sink, pod: u64, up: bool) {
-        for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-            if self.tiers & tier_bit(t) != 0 {
-                for kv in self.kvs() {
-                    adjust(blocks, sink, pod, kv, t, up);
-                }
-            }
+impl Group {
+    fn memory_bytes(&self) -> usize {
+        map_bytes(&self.blocks)
+            + map_bytes(&self.heads)
+            + self.heads.values().map(|h| h.len() * 8).sum::<usize>()
+    }
+}
+
+/// Adds (`up`) or drops one count of `tier` for every kvroute hash of a block.
+#[allow(clippy::too_many_arguments)]
+fn adjust_block(
+    blocks: &mut Map<TierCounts>,
+    sink: &mut Sink,
+    pod: u64,
+    kv: u64,
+    head: Option<&[u64]>,
+    tier: Tier,
+    up: bool,
+) {
+    for &part in head.unwrap_or_default() {
+        adjust(blocks, sink, pod, part, tier, up);
+    }
+    adjust(blocks, sink, pod, kv, tier, up);
+}
+
+/// Drops every tier count a block holds.
+fn drop_block(
+    blocks: &mut Map<TierCounts>,
+    sink: &mut Sink,
+    pod: u64,
+    entry: SourceEntry,
+    head: Option<&[u64]>,
+) {
+    for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
+        if entry.tiers & tier_bit(t) != 0 {
+            adjust_block(blocks, sink, pod, entry.kv, head, t, false);
         }
     }
 }
@@ -212,7 +236,8 @@ struct PendingReplay {
 #[derive(Default)]
 struct Source {
     next_seq: Option<u64>,
-    blocks: HashMap<BlockKey, SourceEntry, BuildMix>,
+    /// KV-cache group (`group_idx`, 0 when absent) → its blocks.
+    groups: BTreeMap<i64, Group>,
     /// KV-cache groups whose spec kind is not routed on (their removals are ignored).
     unrouted_groups: Vec<i64>,
     replay: Option<PendingReplay>,
@@ -255,7 +280,8 @@ impl Pod {
             + self
                 .sources
                 .values()
-                .map(|s| map_bytes(&s.blocks))
+                .flat_map(|s| s.groups.values())
+                .map(Group::memory_bytes)
                 .sum::<usize>()
     }
 }
@@ -899,15 +925,15 @@ impl Index {
     }
 
     fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
-        let group = e.group_idx.unwrap_or(0);
+        let group_idx = e.group_idx.unwrap_or(0);
         let span = self.span(e.block_size);
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
         if !routed_spec_kind(e.kv_cache_spec_kind.as_deref()) {
             let source = pod.sources.entry(rank).or_default();
-            if !source.unrouted_groups.contains(&group) {
-                source.unrouted_groups.push(group);
+            if !source.unrouted_groups.contains(&group_idx) {
+                source.unrouted_groups.push(group_idx);
             }
             self.metrics
                 .blocks_not_routed
@@ -931,7 +957,13 @@ impl Index {
             self.metrics.stored_token_mismatch.inc();
             return;
         };
-        let source = pod.sources.entry(rank).or_default();
+        let group = pod
+            .sources
+            .entry(rank)
+            .or_default()
+            .groups
+            .entry(group_idx)
+            .or_default();
         let parent_kv = match e.parent_block_hash {
             None => match (&e.lora_name, e.lora_id) {
                 (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
@@ -942,7 +974,7 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match source.blocks.get(&(p, group)) {
+            Some(p) => match group.blocks.get(&p) {
                 Some(entry) => entry.kv,
                 None => {
                     self.metrics.stored_unknown_parent.inc();
@@ -951,8 +983,9 @@ impl Index {
             },
         };
         // Extra keys belong to the first kvroute block of each vLLM block.
-        let mut extra = vec![None; n * span];
+        let mut extra = Vec::new();
         if let Some(keys) = &e.extra_keys {
+            extra.resize(n * span, None);
             for (i, block_keys) in keys.iter().take(n).enumerate() {
                 if let Some(block_keys) = block_keys {
                     extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
@@ -965,26 +998,25 @@ impl Index {
         let bit = tier_bit(tier);
         let mut applied = 0u64;
         for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
-            let (head, kv) = match parts.split_last() {
-                Some((last, [])) => (None, *last),
-                Some((last, head)) => (Some(Box::<[u64]>::from(head)), *last),
-                None => continue,
+            let Some((&kv, head)) = parts.split_last() else {
+                continue;
             };
-            match source.blocks.entry((vh, group)) {
+            let head = (!head.is_empty()).then_some(head);
+            match group.blocks.entry(vh) {
                 Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
                     if entry.kv != kv {
                         // Same vLLM hash, other content (e.g. other LoRA scope): replace.
-                        entry.adjust_all(&mut pod.blocks, sink, key, false);
-                        entry.kv = kv;
-                        entry.head = head;
-                        entry.tiers = 0;
+                        let old = group.heads.remove(&vh);
+                        drop_block(&mut pod.blocks, sink, key, *entry, old.as_deref());
+                        *entry = SourceEntry { kv, tiers: 0 };
+                        if let Some(head) = head {
+                            group.heads.insert(vh, head.into());
+                        }
                     }
                     if entry.tiers & bit == 0 {
                         entry.tiers |= bit;
-                        for kv in entry.kvs() {
-                            adjust(&mut pod.blocks, sink, key, kv, tier, true);
-                        }
+                        adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
                     }
                 }
                 Entry::Vacant(v) => {
@@ -992,15 +1024,12 @@ impl Index {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
                     }
-                    let entry = v.insert(SourceEntry {
-                        kv,
-                        head,
-                        tiers: bit,
-                    });
-                    pod.source_blocks += 1;
-                    for kv in entry.kvs() {
-                        adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                    v.insert(SourceEntry { kv, tiers: bit });
+                    if let Some(head) = head {
+                        group.heads.insert(vh, head.into());
                     }
+                    pod.source_blocks += 1;
+                    adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
                 }
             }
             applied += 1;
@@ -1015,21 +1044,25 @@ impl Index {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
-        let group = e.group_idx.unwrap_or(0);
-        let source = pod.sources.entry(rank).or_default();
+        let group = pod
+            .sources
+            .entry(rank)
+            .or_default()
+            .groups
+            .entry(e.group_idx.unwrap_or(0))
+            .or_default();
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
         for vh in &e.block_hashes {
-            let Some(entry) = source.blocks.get_mut(&(*vh, group)) else {
+            let Some(entry) = group.blocks.get_mut(vh) else {
                 unknown += 1;
                 continue;
             };
             if entry.tiers & bit == 0 {
                 entry.tiers |= bit;
-                for kv in entry.kvs() {
-                    adjust(&mut pod.blocks, sink, key, kv, tier, true);
-                }
+                let head = group.heads.get(vh).map(|h| &h[..]);
+                adjust_block(&mut pod.blocks, sink, key, entry.kv, head, tier, true);
             }
             applied += 1;
         }
@@ -1041,19 +1074,20 @@ impl Index {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
-        let group = e.group_idx.unwrap_or(0);
+        let group_idx = e.group_idx.unwrap_or(0);
         let source = pod.sources.entry(rank).or_default();
-        if source.unrouted_groups.contains(&group) {
+        if source.unrouted_groups.contains(&group_idx) {
             self.metrics
                 .blocks_not_routed
                 .inc_by(e.block_hashes.len() as u64);
             return;
         }
+        let group = source.groups.entry(group_idx).or_default();
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
         for vh in &e.block_hashes {
-            let Entry::Occupied(mut o) = source.blocks.entry((*vh, group)) else {
+            let Entry::Occupied(mut o) = group.blocks.entry(*vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
@@ -1063,13 +1097,18 @@ impl Index {
                 continue;
             }
             entry.tiers &= !bit;
-            for kv in entry.kvs() {
-                adjust(&mut pod.blocks, sink, key, kv, tier, false);
-            }
-            if entry.tiers == 0 {
+            let kv = entry.kv;
+            let gone = entry.tiers == 0;
+            if gone {
                 o.remove();
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
             }
+            let head = if gone {
+                group.heads.remove(vh)
+            } else {
+                group.heads.get(vh).cloned()
+            };
+            adjust_block(&mut pod.blocks, sink, key, kv, head.as_deref(), tier, false);
             removed += 1;
         }
         self.metrics.blocks_removed.inc_by(removed);
@@ -1091,22 +1130,25 @@ impl Index {
         let others = pod
             .sources
             .iter()
-            .any(|(r, s)| *r != rank && !s.blocks.is_empty());
+            .any(|(r, s)| *r != rank && s.groups.values().any(|g| !g.blocks.is_empty()));
         let Some(source) = pod.sources.get_mut(&rank) else {
             return;
         };
         if !others {
             pod.source_blocks = 0;
-            source.blocks.clear();
+            source.groups.clear();
             self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
             pod.learned.clear();
             pod.blocks.clear();
             sink.cleared(key);
             return;
         }
-        for (_, entry) in source.blocks.drain() {
-            pod.source_blocks = pod.source_blocks.saturating_sub(1);
-            entry.adjust_all(&mut pod.blocks, sink, key, false);
+        for (_, mut group) in std::mem::take(&mut source.groups) {
+            for (vh, entry) in group.blocks.drain() {
+                pod.source_blocks = pod.source_blocks.saturating_sub(1);
+                let head = group.heads.remove(&vh);
+                drop_block(&mut pod.blocks, sink, key, entry, head.as_deref());
+            }
         }
     }
 
@@ -1412,7 +1454,7 @@ impl Index {
                         .map(|(r, s)| SourceDebug {
                             rank: *r,
                             next_seq: s.next_seq,
-                            blocks: s.blocks.len(),
+                            blocks: s.groups.values().map(|g| g.blocks.len()).sum(),
                             replay_pending: s.replay.is_some(),
                         })
                         .collect(),

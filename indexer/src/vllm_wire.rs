@@ -17,6 +17,7 @@
 //! payload that is not a msgpack batch at all is refused as a whole.
 
 use std::fmt;
+use std::io::Cursor;
 
 use kvroute_core::feed::Tier;
 use kvroute_core::hash::ExtraKey;
@@ -277,67 +278,71 @@ pub fn parse_topic(topic: &str) -> Option<TopicIdentity> {
 
 /// Decodes a payload `[ts, events, data_parallel_rank?, ...]`.
 pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, EventError> {
-    let mut rest = payload;
-    let fields = rmp::decode::read_array_len(&mut rest)?;
+    let mut d = deserializer(Cursor::new(payload));
+    let fields = rmp::decode::read_array_len(d.get_mut())?;
     if fields < 2 {
         return Err(EventError::Invalid("batch: missing events".into()));
     }
-    let ts = f64::deserialize(&mut deserializer(rest))?;
-    skip_value(&mut rest)?;
-    let count = rmp::decode::read_array_len(&mut rest)?;
+    let ts = f64::deserialize(&mut d)?;
+    let count = rmp::decode::read_array_len(d.get_mut())?;
     // Every event takes at least one byte: a count beyond the input is a lie.
-    if count as usize > rest.len() {
+    if u64::from(count) > remaining(&d) {
         return Err(EventError::Truncated);
     }
     let mut events = Vec::with_capacity(count as usize);
     let mut skipped = Vec::new();
     for _ in 0..count {
-        let event = skip_value(&mut rest)?;
-        match KvEvent::deserialize(&mut deserializer(event)) {
+        let start = d.get_ref().position();
+        match KvEvent::deserialize(&mut d) {
             Ok(e) => events.push(e),
-            Err(e) => skipped.push(EventError::from(e)),
+            Err(e) => {
+                // Not an event: step over it as a msgpack value (from a fresh
+                // deserializer: the failed one may hold a peeked marker), or
+                // give up on the batch when it is not even that.
+                let mut cursor = d.into_inner();
+                cursor.set_position(start);
+                let mut fresh = deserializer(cursor);
+                IgnoredAny::deserialize(&mut fresh)?;
+                d = fresh;
+                skipped.push(EventError::from(e));
+            }
         }
     }
     let mut data_parallel_rank = None;
     if fields >= 3 {
-        data_parallel_rank = Option::<i64>::deserialize(&mut deserializer(rest))?;
-        skip_value(&mut rest)?;
+        data_parallel_rank = Option::<i64>::deserialize(&mut d)?;
     }
     for _ in 3..fields {
-        skip_value(&mut rest)?;
+        IgnoredAny::deserialize(&mut d)?;
     }
-    if !rest.is_empty() {
-        return Err(EventError::TrailingBytes(rest.len()));
+    match remaining(&d) {
+        0 => Ok(DecodedBatch {
+            batch: EventBatch {
+                ts,
+                events,
+                data_parallel_rank,
+            },
+            skipped,
+        }),
+        n => Err(EventError::TrailingBytes(
+            usize::try_from(n).unwrap_or(usize::MAX),
+        )),
     }
-    Ok(DecodedBatch {
-        batch: EventBatch {
-            ts,
-            events,
-            data_parallel_rank,
-        },
-        skipped,
-    })
 }
 
-fn deserializer(
-    bytes: &[u8],
-) -> rmp_serde::Deserializer<rmp_serde::decode::ReadRefReader<'_, [u8]>> {
-    let mut d = rmp_serde::Deserializer::from_read_ref(bytes);
+type PayloadDeserializer<'a> =
+    rmp_serde::Deserializer<rmp_serde::decode::ReadReader<Cursor<&'a [u8]>>>;
+
+fn deserializer(cursor: Cursor<&[u8]>) -> PayloadDeserializer<'_> {
+    let mut d = rmp_serde::Deserializer::new(cursor);
     d.set_max_depth(MAX_DEPTH);
     d
 }
 
-/// Advances `rest` past one msgpack value and returns that value's bytes.
-fn skip_value<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], EventError> {
-    let start = *rest;
-    let mut reader = start;
-    let mut d = rmp_serde::Deserializer::new(&mut reader);
-    d.set_max_depth(MAX_DEPTH);
-    IgnoredAny::deserialize(&mut d)?;
-    let used = start.len() - reader.len();
-    let (value, tail) = start.split_at(used);
-    *rest = tail;
-    Ok(value)
+/// Bytes of the payload not read yet.
+fn remaining(d: &PayloadDeserializer<'_>) -> u64 {
+    let cursor = d.get_ref();
+    (cursor.get_ref().len() as u64).saturating_sub(cursor.position())
 }
 
 /// A block hash in any of its wire forms.
@@ -369,9 +374,42 @@ struct WireHashes(Vec<u64>);
 
 impl<'de> Deserialize<'de> for WireHashes {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let hashes = Vec::<WireHash>::deserialize(d)?;
-        Ok(WireHashes(hashes.into_iter().map(|h| h.0).collect()))
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = WireHashes;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of block hashes")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WireHashes, A::Error> {
+                // The hint is the wire's count: capped, the input may lie.
+                let mut hashes = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(WireHash(h)) = seq.next_element()? {
+                    hashes.push(h);
+                }
+                Ok(WireHashes(hashes))
+            }
+        }
+        d.deserialize_seq(V)
     }
+}
+
+/// The fields of a map-encoded event kvroute reads; others are skipped.
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum Field {
+    Type,
+    BlockHashes,
+    ParentBlockHash,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    GroupIdx,
+    KvCacheSpecKind,
+    #[serde(other)]
+    Other,
 }
 
 /// Any msgpack value of an extra key.
@@ -505,20 +543,20 @@ impl<'de> Visitor<'de> for EventVisitor {
         let mut block_size: Option<u32> = None;
         let mut stored = BlockStored::default();
         let mut medium_name: Option<String> = None;
-        while let Some(key) = map.next_key::<&str>()? {
+        while let Some(key) = map.next_key::<Field>()? {
             match key {
-                "type" => tag = Some(map.next_value()?),
-                "block_hashes" => block_hashes = Some(map.next_value()?),
-                "parent_block_hash" => parent = Some(map.next_value()?),
-                "token_ids" => token_ids = Some(map.next_value()?),
-                "block_size" => block_size = Some(map.next_value()?),
-                "lora_id" => stored.lora_id = map.next_value()?,
-                "medium" => medium_name = map.next_value()?,
-                "lora_name" => stored.lora_name = map.next_value()?,
-                "extra_keys" => stored.extra_keys = extra_keys(map.next_value()?),
-                "group_idx" => stored.group_idx = map.next_value()?,
-                "kv_cache_spec_kind" => stored.kv_cache_spec_kind = map.next_value()?,
-                _ => {
+                Field::Type => tag = Some(map.next_value()?),
+                Field::BlockHashes => block_hashes = Some(map.next_value()?),
+                Field::ParentBlockHash => parent = Some(map.next_value()?),
+                Field::TokenIds => token_ids = Some(map.next_value()?),
+                Field::BlockSize => block_size = Some(map.next_value()?),
+                Field::LoraId => stored.lora_id = map.next_value()?,
+                Field::Medium => medium_name = map.next_value()?,
+                Field::LoraName => stored.lora_name = map.next_value()?,
+                Field::ExtraKeys => stored.extra_keys = extra_keys(map.next_value()?),
+                Field::GroupIdx => stored.group_idx = map.next_value()?,
+                Field::KvCacheSpecKind => stored.kv_cache_spec_kind = map.next_value()?,
+                Field::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
