@@ -72,6 +72,22 @@ impl RequestFilter {
                 }
             }
         }
+        if let Some(header) = self
+            .worker
+            .try_borrow()
+            .ok()
+            .and_then(|w| w.config.tenant_header.clone())
+        {
+            if let Err(why) = inject_tenant_salt(&header, body, &mut request) {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvroute: request {}: tenant salt not written: {why}",
+                        self.request_id
+                    ),
+                );
+            }
+        }
         if matches!(request.prompt, Prompt::Text(_)) && !request.multimodal {
             if let Some(token) = self.start_tokenizer(body) {
                 self.tokenizing = Some((token, request, micros()));
@@ -217,6 +233,23 @@ impl RequestFilter {
             }
         }
     }
+}
+
+/// Tenant isolation: writes the salt of the tenant named by `header` into the
+/// body as `cache_salt` (replacing the client's), so the pods and routing
+/// scope the prompt alike. A request without the header is the anonymous tenant.
+fn inject_tenant_salt(
+    header: &str,
+    body: &[u8],
+    request: &mut PromptRequest,
+) -> Result<(), String> {
+    let salt = request::tenant_salt(&host::request_header(header).unwrap_or_default());
+    let salted = request::with_cache_salt(body, &salt).map_err(|e| e.to_string())?;
+    host::set_request_body(body.len(), &salted).map_err(|s| format!("body: {s:?}"))?;
+    host::set_request_header("content-length", Some(&salted.len().to_string()))
+        .map_err(|s| format!("content-length: {s:?}"))?;
+    request.cache_salt = Some(salt);
+    Ok(())
 }
 
 fn micros() -> u64 {

@@ -209,6 +209,10 @@ pub struct Config {
     /// Model a request without `model` is routed in when the pods do not all
     /// serve one model (see `Cluster::implied_model`).
     pub default_model: Option<String>,
+    /// Tenant isolation: request header naming the tenant (set by the mesh
+    /// from the authenticated identity). When set, every routed request gets
+    /// the tenant's `cache_salt` written into its body.
+    pub tenant_header: Option<String>,
     pub indexer: Option<IndexerSettings>,
     pub tokenizer: Option<TokenizerSettings>,
 }
@@ -232,6 +236,7 @@ impl Default for Config {
             endpoints: Vec::new(),
             adapters: BTreeMap::new(),
             default_model: None,
+            tenant_header: None,
             indexer: None,
             tokenizer: None,
         }
@@ -352,6 +357,14 @@ impl Config {
                 "default_model",
                 "must name a model (or be left out)",
             ));
+        }
+        if let Some(header) = &self.tenant_header {
+            if !is_header_name(header) {
+                return Err(invalid(
+                    "tenant_header",
+                    "must be a lower-case HTTP header name",
+                ));
+            }
         }
         if let Some(indexer) = &self.indexer {
             check_callout("indexer", &indexer.cluster, indexer.timeout_ms)?;
@@ -501,6 +514,10 @@ mod tests {
         );
         assert_eq!(err(r#"{"paths":["v1"]}"#).field, "paths[0]");
         assert_eq!(err(r#"{"default_model":""}"#).field, "default_model");
+        assert_eq!(
+            err(r#"{"tenant_header":"X-Tenant"}"#).field,
+            "tenant_header"
+        );
         assert!(err(r#"{"max_blocks":"many"}"#)
             .to_string()
             .contains("invalid type"));

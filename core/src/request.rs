@@ -13,6 +13,7 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -305,6 +306,36 @@ fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), Pars
     Ok(())
 }
 
+/// The `cache_salt` of a tenant (tenant isolation): a digest of its identity,
+/// the same at every proxy, that does not show the identity to the pods.
+pub fn tenant_salt(identity: &str) -> String {
+    let mut input = Vec::with_capacity(identity.len() + 20);
+    input.extend_from_slice(b"kvroute/v1/tenant\0");
+    input.extend_from_slice(identity.as_bytes());
+    format!("kvroute-tenant-{:016x}", xxh3_64(&input))
+}
+
+/// The body with `cache_salt` set to `salt`, any client value replaced. The
+/// other fields are copied verbatim (numbers, escapes and all), first
+/// `cache_salt`, then the rest in key order.
+pub fn with_cache_salt(body: &[u8], salt: &str) -> Result<Vec<u8>, ParseError> {
+    let fields: BTreeMap<Cow<str>, &RawValue> = serde_json::from_slice(body)?;
+    let mut out = Vec::with_capacity(body.len() + salt.len() + 32);
+    out.extend_from_slice(b"{\"cache_salt\":");
+    serde_json::to_writer(&mut out, salt)?;
+    for (key, value) in &fields {
+        if key == "cache_salt" {
+            continue;
+        }
+        out.push(b',');
+        serde_json::to_writer(&mut out, key)?;
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
 /// Body of a vLLM-compatible `POST /tokenize` call for a request without
 /// token ids: a chat request's model (when named) and messages (rendered with
 /// the generation prompt, as the chat request itself is), or a completion's
@@ -548,6 +579,40 @@ mod tests {
         )
         .unwrap();
         assert!(!text.multimodal);
+    }
+
+    #[test]
+    fn tenant_salt_replaces_the_clients_and_keeps_the_rest_verbatim() {
+        let salt = tenant_salt("spiffe://cluster.local/ns/a/sa/app");
+        assert!(
+            salt.starts_with("kvroute-tenant-") && salt.len() == 31,
+            "{salt}"
+        );
+        assert_ne!(salt, tenant_salt("spiffe://cluster.local/ns/b/sa/app"));
+        assert_eq!(salt, tenant_salt("spiffe://cluster.local/ns/a/sa/app"));
+        let body = br#"{"model":"m","cache_salt":"forged","seed":123456789012345678901234,"temperature":1e-5,"prompt":"caf\u00e9 \"q\""}"#;
+        let salted = with_cache_salt(body, &salt).unwrap();
+        let text = String::from_utf8(salted.clone()).unwrap();
+        assert!(
+            text.starts_with(&format!(r#"{{"cache_salt":"{salt}","#)),
+            "{text}"
+        );
+        for verbatim in [
+            r#""seed":123456789012345678901234"#,
+            r#""temperature":1e-5"#,
+            r#""prompt":"caf\u00e9 \"q\"""#,
+        ] {
+            assert!(text.contains(verbatim), "{verbatim} in {text}");
+        }
+        assert!(!text.contains("forged"));
+        let parsed = parse_request(&salted).unwrap();
+        assert_eq!(parsed.cache_salt, Some(salt));
+        assert_eq!(
+            parsed.prompt,
+            Prompt::Text("café \"q\"".as_bytes().to_vec())
+        );
+        assert!(with_cache_salt(b"[1]", "s").is_err());
+        assert!(with_cache_salt(b"{", "s").is_err());
     }
 
     #[test]

@@ -76,3 +76,29 @@ def test_without_model_and_no_single_served_model_fails_open(gateway):
         r = s.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["x-kvroute-decision"] == "fallback=no_model"
+
+
+@pytest.fixture(scope="module")
+def isolated(sims):
+    """Tenant isolation on: the tenant comes from a header the mesh would set from the principal."""
+    require_wasm()
+    config = render_gateway(sims.addresses, {"tenant_header": "x-tenant", "max_body_bytes": 262144})
+    with EnvoyProcess(config) as envoy:
+        envoy.wait_for_peers()
+        yield envoy
+
+
+def test_tenants_get_their_own_salt_whatever_the_client_sends(isolated):
+    system = unique_system()
+    first = chat(isolated, system, "q", headers={"x-tenant": "spiffe://td/ns/a/sa/app"}, cache_salt="forged-1")
+    assert first.status_code == 200, first.text
+    # The body was rewritten and the pod accepted it; a client salt changes nothing.
+    same = chat(isolated, system, "q", headers={"x-tenant": "spiffe://td/ns/a/sa/app"}, cache_salt="forged-2")
+    assert same.status_code == 200, same.text
+    d = decision(same)
+    assert (d["pod"], d["matched"]) == (decision(first)["pod"], d["total"]), d["raw"]
+    # Another tenant, or none, never matches tenant a's blocks, even sending the same salt.
+    for headers in ({"x-tenant": "spiffe://td/ns/b/sa/app"}, {}):
+        r = chat(isolated, system, "q", headers=headers, cache_salt="forged-1")
+        assert r.status_code == 200, r.text
+        assert decision(r)["matched"] == 0, (headers, decision(r)["raw"])
