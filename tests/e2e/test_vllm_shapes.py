@@ -1,12 +1,15 @@
 """What real vLLM accepts, through the real Envoy (issue 12): `cache_salt` scopes prefix caches
-(the same prompt under another salt must predict no hit), and a request without `model` is
-served by the pod's one served model, so kvroute routes it in that model's scope."""
+(the same prompt under another salt must predict no hit), a request without `model` is served
+by the pod's one served model, so kvroute routes it in that model's scope, multimodal chats are
+not tokenized (their placeholder tokens are the same for every image), and tenant isolation
+writes each tenant's salt into the body."""
 
 import pytest
 import requests
 
 from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
-from envoyctl import EnvoyProcess, render_gateway
+from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
+from indexerctl import IndexerProcess
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,37 @@ def test_tenants_get_their_own_salt_whatever_the_client_sends(isolated):
         r = chat(isolated, system, "q", headers=headers, cache_salt="forged-1")
         assert r.status_code == 200, r.text
         assert decision(r)["matched"] == 0, (headers, decision(r)["raw"])
+
+
+@pytest.fixture(scope="module")
+def tokenizing(sims):
+    """The precise template: the pods' /tokenize gives chats their token ids."""
+    require_wasm()
+    with IndexerProcess(sims.addresses, "--scrape-interval-ms=0") as indexer:
+        config = render_gateway(sims.addresses, template=GATEWAY_PRECISE, indexer=indexer.address)
+        with EnvoyProcess(config) as envoy:
+            envoy.wait_for_peers()
+            yield envoy
+
+
+def tokenizer_calls(envoy) -> int:
+    stats = envoy.stats("wasmcustom.kvroute.tokenizer.")
+    return stats.get("wasmcustom.kvroute.tokenizer.ok", 0) + stats.get("wasmcustom.kvroute.tokenizer.failed", 0)
+
+
+def test_multimodal_chats_route_on_bytes_without_a_tokenizer_call(tokenizing):
+    system = unique_system()
+    text = chat(tokenizing, system, "describe it")
+    assert text.status_code == 200, text.text
+    assert decision(text)["domain"] == "tokens", decision(text)["raw"]
+    calls = tokenizer_calls(tokenizing)
+    image = {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": [{"type": "text", "text": "describe it"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    with requests.Session() as s:
+        r = s.post(tokenizing.url + "/v1/chat/completions", json=image, timeout=30)
+    # The simulated pod serves text only (400); kvroute decided before it answered.
+    d = decision(r)
+    assert d["domain"] == "bytes" and d["total"] > 10, d["raw"]
+    assert tokenizer_calls(tokenizing) == calls, "a multimodal chat must not be tokenized"
