@@ -930,15 +930,20 @@ impl Index {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
+        let source = pod.sources.entry(rank).or_default();
+        let unrouted_at = source.unrouted_groups.iter().position(|g| *g == group_idx);
         if !routed_spec_kind(e.kv_cache_spec_kind.as_deref()) {
-            let source = pod.sources.entry(rank).or_default();
-            if !source.unrouted_groups.contains(&group_idx) {
+            if unrouted_at.is_none() {
                 source.unrouted_groups.push(group_idx);
             }
             self.metrics
                 .blocks_not_routed
                 .inc_by(e.block_hashes.len() as u64);
             return;
+        }
+        // A group's kind changes only when the pod restarts with another model.
+        if let Some(i) = unrouted_at {
+            source.unrouted_groups.swap_remove(i);
         }
         let Some(span) = span else {
             self.metrics.stored_block_size_mismatch.inc();
@@ -1046,11 +1051,13 @@ impl Index {
         };
         let group = pod
             .sources
-            .entry(rank)
-            .or_default()
-            .groups
-            .entry(e.group_idx.unwrap_or(0))
-            .or_default();
+            .get_mut(&rank)
+            .and_then(|s| s.groups.get_mut(&e.group_idx.unwrap_or(0)));
+        let Some(group) = group else {
+            self.metrics
+                .placeholder_blocks("unknown", e.block_hashes.len() as u64);
+            return;
+        };
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
@@ -1082,7 +1089,12 @@ impl Index {
                 .inc_by(e.block_hashes.len() as u64);
             return;
         }
-        let group = source.groups.entry(group_idx).or_default();
+        let Some(group) = source.groups.get_mut(&group_idx) else {
+            self.metrics
+                .removed_unknown
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        };
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;

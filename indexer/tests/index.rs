@@ -1075,6 +1075,14 @@ fn hybrid_groups_are_keyed_apart_and_only_full_attention_is_routed() {
     ix.handle(&msg(POD, 3, &batch(vec![removed_in(3, &[2])], 0)), 0);
     c.poll(&ix);
     assert_eq!(c.of(POD), gpu(&kv[..1]));
+    // Restarted with another model whose group 1 is full attention: routed again.
+    ix.handle(&msg(POD, 0, &batch(vec![group(1, "full_attention")], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    ix.handle(&msg(POD, 1, &batch(vec![removed_in(1, &[2])], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv[..1]));
+    assert_eq!(ix.metrics().blocks_not_routed.get(), 5);
 }
 
 /// Hybrid models' attention groups report larger blocks (a multiple of the
