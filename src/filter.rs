@@ -57,21 +57,7 @@ impl RequestFilter {
                 return false;
             }
         };
-        if request.model.is_empty() {
-            let implied = self
-                .worker
-                .try_borrow()
-                .ok()
-                .and_then(|w| w.cluster.implied_model(&w.config));
-            match implied {
-                Some(model) => request.model = model,
-                None => {
-                    let why = "request names no model and the pods serve no single one (set default_model)";
-                    self.fail_open(FailOpen::NoModel, why);
-                    return false;
-                }
-            }
-        }
+        // Before anything may fail open: the pod must get the tenant's salt.
         if let Some(header) = self
             .worker
             .try_borrow()
@@ -86,6 +72,21 @@ impl RequestFilter {
                         self.request_id
                     ),
                 );
+            }
+        }
+        if request.model.is_empty() {
+            let implied = self
+                .worker
+                .try_borrow()
+                .ok()
+                .and_then(|w| w.cluster.implied_model(&w.config));
+            match implied {
+                Some(model) => request.model = model,
+                None => {
+                    let why = "request names no model and the pods serve no single one (set default_model)";
+                    self.fail_open(FailOpen::NoModel, why);
+                    return false;
+                }
             }
         }
         if matches!(request.prompt, Prompt::Text(_)) && !request.multimodal {
