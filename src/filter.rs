@@ -57,14 +57,46 @@ impl RequestFilter {
     /// Returns true when the request must stay paused for the call.
     fn on_body(&mut self, body: &[u8]) -> bool {
         let parsed = request::parse_request(body);
-        let request = match parsed {
+        let mut request = match parsed {
             Ok(r) => r,
             Err(e) => {
                 self.fail_open(FailOpen::from(&e), &e.to_string());
                 return false;
             }
         };
-        if matches!(request.prompt, Prompt::Text(_)) {
+        // Before anything may fail open: the pod must get the tenant's salt.
+        if let Some(header) = self
+            .worker
+            .try_borrow()
+            .ok()
+            .and_then(|w| w.config.tenant_header.clone())
+        {
+            if let Err(why) = inject_tenant_salt(&header, body, &mut request) {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvroute: request {}: tenant salt not written: {why}",
+                        self.request_id
+                    ),
+                );
+            }
+        }
+        if request.model.is_empty() {
+            let implied = self
+                .worker
+                .try_borrow()
+                .ok()
+                .and_then(|w| w.cluster.implied_model(&w.config));
+            match implied {
+                Some(model) => request.model = model,
+                None => {
+                    let why = "request names no model and the pods serve no single one (set default_model)";
+                    self.fail_open(FailOpen::NoModel, why);
+                    return false;
+                }
+            }
+        }
+        if matches!(request.prompt, Prompt::Text(_)) && !request.multimodal {
             if let Some(token) = self.start_tokenizer(body) {
                 self.tokenizing = Some((token, request, micros()));
                 return true;
@@ -222,6 +254,23 @@ impl RequestFilter {
     }
 }
 
+/// Tenant isolation: writes the salt of the tenant named by `header` into the
+/// body as `cache_salt` (replacing the client's), so the pods and routing
+/// scope the prompt alike. A request without the header is the anonymous tenant.
+fn inject_tenant_salt(
+    header: &str,
+    body: &[u8],
+    request: &mut PromptRequest,
+) -> Result<(), String> {
+    let salt = request::tenant_salt(&host::request_header(header).unwrap_or_default());
+    let salted = request::with_cache_salt(body, &salt).map_err(|e| e.to_string())?;
+    host::set_request_body(body.len(), &salted).map_err(|s| format!("body: {s:?}"))?;
+    host::set_request_header("content-length", Some(&salted.len().to_string()))
+        .map_err(|s| format!("content-length: {s:?}"))?;
+    request.cache_salt = Some(salt);
+    Ok(())
+}
+
 fn micros() -> u64 {
     host::nanos() / 1000
 }
@@ -256,8 +305,8 @@ impl Context for RequestFilter {
                         .record(micros().saturating_sub(started));
                 }
                 PromptRequest {
-                    model: request.model,
                     prompt: Prompt::Tokens(tokens),
+                    ..request
                 }
             }
             Err(why) => {

@@ -69,6 +69,11 @@ pub fn request_body(size: usize) -> Option<Bytes> {
     hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok()?
 }
 
+/// Replaces the buffered request body (`size` bytes: all of it) with `body`.
+pub fn set_request_body(size: usize, body: &[u8]) -> Result<(), Status> {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body)
+}
+
 pub fn resume_request() {
     let _ = hostcalls::resume_http_request();
 }

@@ -49,7 +49,6 @@ impl From<&ParseError> for FailOpen {
     fn from(e: &ParseError) -> Self {
         match e {
             ParseError::Malformed(_) => FailOpen::Malformed,
-            ParseError::NoModel => FailOpen::NoModel,
             ParseError::NoPrompt => FailOpen::NoPrompt,
         }
     }

@@ -125,7 +125,12 @@ impl Worker {
     /// Hands confirmed blocks to the singleton, which reports them to the
     /// indexer as learned entries (when this proxy shares what it learns).
     pub fn report_learned(&self, pod: &str, hashes: Vec<u64>) {
-        if self.config.indexer.as_ref().is_some_and(|i| i.share_learned) {
+        if self
+            .config
+            .indexer
+            .as_ref()
+            .is_some_and(|i| i.share_learned)
+        {
             let message = PeerMessage::Learned {
                 pod: pod.to_string(),
                 hashes,

@@ -228,6 +228,13 @@ pub struct Config {
     /// LoRA adapter name → base model, so adapter requests hash in the
     /// adapter's scope and go to pods serving the base model.
     pub adapters: BTreeMap<String, String>,
+    /// Model a request without `model` is routed in when the pods do not all
+    /// serve one model (see `Cluster::implied_model`).
+    pub default_model: Option<String>,
+    /// Tenant isolation: request header naming the tenant (set by the mesh
+    /// from the authenticated identity). When set, every routed request gets
+    /// the tenant's `cache_salt` written into its body.
+    pub tenant_header: Option<String>,
     pub indexer: Option<IndexerSettings>,
     pub tokenizer: Option<TokenizerSettings>,
 }
@@ -252,6 +259,8 @@ impl Default for Config {
             default_capacity_blocks: 16384,
             endpoints: Vec::new(),
             adapters: BTreeMap::new(),
+            default_model: None,
+            tenant_header: None,
             indexer: None,
             tokenizer: None,
         }
@@ -378,6 +387,20 @@ impl Config {
                 &format!("endpoints[{i}].capacity_blocks"),
                 endpoint.capacity_blocks,
             )?;
+        }
+        if self.default_model.as_ref().is_some_and(|m| m.is_empty()) {
+            return Err(invalid(
+                "default_model",
+                "must name a model (or be left out)",
+            ));
+        }
+        if let Some(header) = &self.tenant_header {
+            if !is_header_name(header) {
+                return Err(invalid(
+                    "tenant_header",
+                    "must be a lower-case HTTP header name",
+                ));
+            }
         }
         if let Some(indexer) = &self.indexer {
             check_callout("indexer", &indexer.cluster, indexer.timeout_ms)?;
@@ -566,6 +589,11 @@ mod tests {
         assert_eq!(
             err(r#"{"index":{"max_learn_share":0}}"#).field,
             "index.max_learn_share"
+        );
+        assert_eq!(err(r#"{"default_model":""}"#).field, "default_model");
+        assert_eq!(
+            err(r#"{"tenant_header":"X-Tenant"}"#).field,
+            "tenant_header"
         );
         assert!(err(r#"{"max_blocks":"many"}"#)
             .to_string()

@@ -12,6 +12,29 @@
 //! never collide with a token block of the same model by construction.
 //! Because every hash seeds the next, a match of block i implies blocks 0..i
 //! matched: longest-prefix search can bisect instead of probing every block.
+//!
+//! ## Extra keys (cache salt, multimodal inputs)
+//!
+//! vLLM hashes a block over its tokens *and* its extra keys: the LoRA name,
+//! the identifiers of multimodal inputs overlapping the block, and the
+//! request's `cache_salt` on block 0. Two blocks with equal tokens but other
+//! extra keys are different cache entries, so kvroute's hash covers them too:
+//!
+//! ```text
+//! h_i = XXH3-64(tokens of block i as little-endian u32 ‖ d_i as little-endian u64, seed = h_{i-1})
+//! d_i = XXH3-64(canonical encoding of block i's extra keys, seed 0)
+//! ```
+//!
+//! where the extra keys are vLLM's minus the LoRA name (already in the root),
+//! and `‖ d_i` is present only when that list is not empty: a block without
+//! extra keys hashes exactly as above (the pinned vectors do not change). The
+//! canonical encoding ([`extra_keys_digest`]) writes each key as a type byte
+//! and its value (`n` nil, `t`/`f` booleans, `i` integer as 16-byte LE i128,
+//! `d` float as LE f64 bits, `s` string and `b` bytes as LE u64 length and
+//! bytes, `l` list as LE u64 count and items). The filter puts a request's
+//! `cache_salt` into block 0's keys (`[salt]`), in the token and the byte
+//! domain alike; the indexer folds the keys each BlockStored event reports.
+//! The same prompt under two salts therefore shares no block hash.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -31,6 +54,75 @@ impl Domain {
             Domain::Bytes => b"kvroute/v1/bytes\0",
         }
     }
+}
+
+/// One element of a block's extra keys, as vLLM reports it (a string for the
+/// LoRA name, a multimodal identifier or the cache salt; any msgpack value in
+/// general).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExtraKey {
+    Nil,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+    List(Vec<ExtraKey>),
+}
+
+impl ExtraKey {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let len = |n: usize| (n as u64).to_le_bytes();
+        match self {
+            ExtraKey::Nil => out.push(b'n'),
+            ExtraKey::Bool(true) => out.push(b't'),
+            ExtraKey::Bool(false) => out.push(b'f'),
+            ExtraKey::Int(v) => {
+                out.push(b'i');
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            ExtraKey::Float(v) => {
+                out.push(b'd');
+                out.extend_from_slice(&v.to_bits().to_le_bytes());
+            }
+            ExtraKey::Str(s) => {
+                out.push(b's');
+                out.extend_from_slice(&len(s.len()));
+                out.extend_from_slice(s.as_bytes());
+            }
+            ExtraKey::Bytes(b) => {
+                out.push(b'b');
+                out.extend_from_slice(&len(b.len()));
+                out.extend_from_slice(b);
+            }
+            ExtraKey::List(items) => {
+                out.push(b'l');
+                out.extend_from_slice(&len(items.len()));
+                for item in items {
+                    item.encode(out);
+                }
+            }
+        }
+    }
+}
+
+/// Digest of one block's extra keys (LoRA name already removed), or `None`
+/// for an empty list: such a block hashes as a block without extra keys.
+pub fn extra_keys_digest(keys: &[ExtraKey]) -> Option<u64> {
+    if keys.is_empty() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(32);
+    for key in keys {
+        key.encode(&mut out);
+    }
+    Some(xxh3_64_with_seed(&out, 0))
+}
+
+/// The extra-key digest of block 0 of a request with this `cache_salt`
+/// (vLLM puts the salt, alone when no LoRA or multimodal input, into block 0's keys).
+pub fn salt_digest(salt: &str) -> Option<u64> {
+    extra_keys_digest(&[ExtraKey::Str(salt.to_owned())])
 }
 
 /// The seed of block 0: scopes every chain by domain, model and LoRA adapter,
@@ -55,17 +147,32 @@ pub fn token_block_hashes(
     block_size: usize,
     max_blocks: usize,
 ) -> Vec<u64> {
+    keyed_token_block_hashes(root, tokens, block_size, max_blocks, &[])
+}
+
+/// [`token_block_hashes`] where block `i` also covers `extra[i]`, the
+/// [`extra_keys_digest`] of its extra keys (`None` or past the end: none).
+pub fn keyed_token_block_hashes(
+    root: u64,
+    tokens: &[u32],
+    block_size: usize,
+    max_blocks: usize,
+    extra: &[Option<u64>],
+) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
     }
     let blocks = (tokens.len() / block_size).min(max_blocks);
     let mut out = Vec::with_capacity(blocks);
-    let mut bytes = Vec::with_capacity(block_size * 4);
+    let mut bytes = Vec::with_capacity(block_size * 4 + 8);
     let mut parent = root;
-    for block in tokens.chunks_exact(block_size).take(blocks) {
+    for (i, block) in tokens.chunks_exact(block_size).take(blocks).enumerate() {
         bytes.clear();
         for token in block {
             bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        if let Some(Some(digest)) = extra.get(i) {
+            bytes.extend_from_slice(&digest.to_le_bytes());
         }
         parent = xxh3_64_with_seed(&bytes, parent);
         out.push(parent);
@@ -82,14 +189,36 @@ pub fn byte_chunk_hashes(
     chunk_bytes: usize,
     max_blocks: usize,
 ) -> Vec<u64> {
+    keyed_byte_chunk_hashes(root, text, chunk_bytes, max_blocks, &[])
+}
+
+/// [`byte_chunk_hashes`] where chunk `i` also covers `extra[i]`, as
+/// [`keyed_token_block_hashes`] does for token blocks.
+pub fn keyed_byte_chunk_hashes(
+    root: u64,
+    text: &[u8],
+    chunk_bytes: usize,
+    max_blocks: usize,
+    extra: &[Option<u64>],
+) -> Vec<u64> {
     if chunk_bytes == 0 {
         return Vec::new();
     }
     let mut parent = root;
+    let mut keyed = Vec::new();
     text.chunks_exact(chunk_bytes)
         .take(max_blocks)
-        .map(|chunk| {
-            parent = xxh3_64_with_seed(chunk, parent);
+        .enumerate()
+        .map(|(i, chunk)| {
+            parent = match extra.get(i) {
+                Some(Some(digest)) => {
+                    keyed.clear();
+                    keyed.extend_from_slice(chunk);
+                    keyed.extend_from_slice(&digest.to_le_bytes());
+                    xxh3_64_with_seed(&keyed, parent)
+                }
+                _ => xxh3_64_with_seed(chunk, parent),
+            };
             parent
         })
         .collect()
@@ -172,6 +301,62 @@ mod tests {
         }
     }
 
+    #[test]
+    fn extra_keys_change_only_their_block_and_what_follows() {
+        let root = root_hash(Domain::Tokens, "Qwen/Qwen3-32B", None);
+        let tokens: Vec<u32> = (0..64).collect();
+        let salt = salt_digest("tenant-a");
+        assert_eq!(
+            keyed_token_block_hashes(root, &tokens, 16, usize::MAX, &[None, None]),
+            TOKENS_0_63_QWEN.to_vec(),
+            "no extra keys hash as before"
+        );
+        let a = keyed_token_block_hashes(root, &tokens, 16, usize::MAX, &[salt]);
+        let b = keyed_token_block_hashes(root, &tokens, 16, usize::MAX, &[salt_digest("b")]);
+        assert_eq!(a, KEYED_SALT_A.to_vec());
+        assert!(a.iter().zip(&TOKENS_0_63_QWEN).all(|(x, y)| x != y));
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        let tail = keyed_token_block_hashes(root, &tokens, 16, usize::MAX, &[None, salt]);
+        assert_eq!(tail[0], TOKENS_0_63_QWEN[0]);
+        assert_ne!(tail[1], TOKENS_0_63_QWEN[1]);
+        let text = [7u8; 128];
+        let broot = root_hash(Domain::Bytes, "m", None);
+        let plain = byte_chunk_hashes(broot, &text, 64, usize::MAX);
+        assert_eq!(
+            keyed_byte_chunk_hashes(broot, &text, 64, usize::MAX, &[]),
+            plain
+        );
+        let salted = keyed_byte_chunk_hashes(broot, &text, 64, usize::MAX, &[salt]);
+        assert!(salted.iter().zip(&plain).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn extra_key_digest_is_canonical_and_typed() {
+        use ExtraKey::*;
+        assert_eq!(extra_keys_digest(&[]), None);
+        assert_eq!(salt_digest("s"), extra_keys_digest(&[Str("s".into())]));
+        // Type bytes and lengths keep look-alike values apart.
+        let distinct = [
+            vec![Str("1".into())],
+            vec![Bytes(b"1".to_vec())],
+            vec![Int(1)],
+            vec![Float(1.0)],
+            vec![Bool(true)],
+            vec![Nil],
+            vec![Str("ab".into())],
+            vec![Str("a".into()), Str("b".into())],
+            vec![List(vec![Str("a".into()), Str("b".into())])],
+        ];
+        let digests: Vec<_> = distinct.iter().map(|k| extra_keys_digest(k)).collect();
+        for (i, x) in digests.iter().enumerate() {
+            assert!(x.is_some());
+            for y in &digests[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+        assert_eq!(salt_digest("tenant-a"), Some(SALT_TENANT_A));
+    }
+
     // Computed independently with Python's `xxhash` package (xxh3_64_intdigest).
     const ROOT_TOKENS_QWEN: u64 = 0xa7ae_0792_94bd_c51e;
     const ROOT_BYTES_QWEN: u64 = 0xc52e_b47c_c914_2ae3;
@@ -183,4 +368,13 @@ mod tests {
         0x6b2b_308c_32de_0f48,
     ];
     const BYTES_HELLO_QWEN: [u64; 2] = [0x7f71_4d3e_656b_653f, 0x1596_f951_9923_d2e5];
+    // xxh3_64(b"s" + (8).to_bytes(8, "little") + b"tenant-a"), then the first
+    // block of tokens 0..15 (LE u32) followed by that digest (LE u64).
+    const SALT_TENANT_A: u64 = 0x9e04_c984_4521_12aa;
+    const KEYED_SALT_A: [u64; 4] = [
+        0x7697_38a1_a2a3_170f,
+        0x16b6_cf6b_c387_4ff8,
+        0x2f87_7728_c121_51c8,
+        0x5ea8_8b84_8750_f30d,
+    ];
 }

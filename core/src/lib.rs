@@ -2,7 +2,6 @@
 //! natively and shared by the filter, the indexer and the simulator.
 
 pub mod config;
-pub mod events;
 pub mod feed;
 pub mod hash;
 pub mod index;

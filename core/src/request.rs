@@ -4,10 +4,16 @@
 //! array of int arrays for completions, `prompt_token_ids` for chat), else a
 //! canonical byte rendering of `messages` or of a string `prompt`. Only the
 //! first prompt of a batch is used: it decides where the batch goes.
+//!
+//! A body without `model` is accepted (vLLM then serves its one served
+//! model): [`PromptRequest::model`] is empty and the router scopes it (see
+//! `Cluster::implied_model`). `cache_salt` is kept: it scopes the prompt's
+//! hashes as it scopes vLLM's prefix cache.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -30,8 +36,27 @@ pub enum Prompt {
 /// A parsed request: the model that scopes its hashes and its prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptRequest {
+    /// The `model` field; empty when the body names none.
     pub model: String,
     pub prompt: Prompt,
+    /// vLLM's `cache_salt`: requests share cached blocks only under the same salt.
+    pub cache_salt: Option<String>,
+    /// The messages hold non-text parts (images, audio…). Their placeholder
+    /// tokens are the same for every image, so such prompts route on bytes,
+    /// whose rendering digests each part.
+    pub multimodal: bool,
+}
+
+impl PromptRequest {
+    /// A request for `model` with `prompt`, no salt, text only.
+    pub fn new(model: impl Into<String>, prompt: Prompt) -> PromptRequest {
+        PromptRequest {
+            model: model.into(),
+            prompt,
+            cache_salt: None,
+            multimodal: false,
+        }
+    }
 }
 
 /// Why a body yields no prompt. Each maps to a fail-open counter.
@@ -39,8 +64,6 @@ pub struct PromptRequest {
 pub enum ParseError {
     /// Not JSON, or JSON of the wrong shape.
     Malformed(String),
-    /// No `model` string.
-    NoModel,
     /// Neither `messages`, `prompt` nor token ids.
     NoPrompt,
 }
@@ -49,7 +72,6 @@ impl fmt::Display for ParseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ParseError::Malformed(why) => write!(f, "malformed request body: {why}"),
-            ParseError::NoModel => write!(f, "request has no model"),
             ParseError::NoPrompt => write!(f, "request has no prompt"),
         }
     }
@@ -73,6 +95,8 @@ struct RawRequest<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -99,20 +123,29 @@ struct RawPart<'a> {
 /// OpenAI-compatible server does.
 pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
     let raw: RawRequest = serde_json::from_slice(body)?;
-    let model = match raw.model {
-        Some(m) if !m.is_empty() => m.into_owned(),
-        _ => return Err(ParseError::NoModel),
-    };
+    let model = raw.model.map(Cow::into_owned).unwrap_or_default();
+    let mut multimodal = false;
     let prompt = if let Some(tokens) = raw.prompt_token_ids {
         Prompt::Tokens(parse_token_ids(tokens.get())?.0)
     } else if let Some(prompt) = raw.prompt {
         parse_prompt(prompt)?
     } else if let Some(messages) = raw.messages {
-        Prompt::Text(render_messages(&messages)?)
+        let (text, parts) = render_messages(&messages)?;
+        multimodal = parts;
+        Prompt::Text(text)
     } else {
         return Err(ParseError::NoPrompt);
     };
-    Ok(PromptRequest { model, prompt })
+    Ok(PromptRequest {
+        model,
+        prompt,
+        // vLLM refuses an empty salt; as routing scope it means none.
+        cache_salt: raw
+            .cache_salt
+            .filter(|s| !s.is_empty())
+            .map(Cow::into_owned),
+        multimodal,
+    })
 }
 
 /// `prompt` of a completion: a string, an array of strings, an array of
@@ -200,8 +233,9 @@ fn first_of<T>(batch: Vec<T>) -> Result<T, ParseError> {
 /// `role[:name] 0x1F content 0x1E`, where content is the text (string content
 /// or the text parts in order) and each non-text part is `0x1D type:digest 0x1D`
 /// with the XXH3 digest of its canonical JSON (keys sorted). Earlier messages
-/// render the same whatever follows, so conversations share prefixes.
-fn render_messages(messages: &[RawMessage]) -> Result<Vec<u8>, ParseError> {
+/// render the same whatever follows, so conversations share prefixes. Also
+/// tells whether any content part was not text.
+fn render_messages(messages: &[RawMessage]) -> Result<(Vec<u8>, bool), ParseError> {
     if messages.is_empty() {
         return Err(ParseError::NoPrompt);
     }
@@ -212,6 +246,7 @@ fn render_messages(messages: &[RawMessage]) -> Result<Vec<u8>, ParseError> {
             .sum::<usize>()
             + 16,
     );
+    let mut non_text = false;
     for message in messages {
         out.extend_from_slice(message.role.as_bytes());
         if let Some(name) = &message.name {
@@ -220,18 +255,20 @@ fn render_messages(messages: &[RawMessage]) -> Result<Vec<u8>, ParseError> {
         }
         out.push(ROLE_END);
         if let Some(content) = message.content {
-            render_content(content, &mut out)?;
+            non_text |= render_content(content, &mut out)?;
         }
         if let Some(calls) = message.tool_calls {
             push_digest("tool_calls", calls, &mut out)?;
         }
         out.push(MESSAGE_END);
     }
-    Ok(out)
+    Ok((out, non_text))
 }
 
-fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseError> {
+/// Renders one message's content; true when it had a non-text part.
+fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     let text = content.get().trim_start();
+    let mut non_text = false;
     match text.as_bytes().first() {
         Some(b'"') => out.extend_from_slice(serde_json::from_str::<Cow<str>>(text)?.as_bytes()),
         Some(b'[') => {
@@ -240,7 +277,10 @@ fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseErro
                 let parsed: RawPart = serde_json::from_str(part.get())?;
                 match (parsed.kind.as_ref(), parsed.text) {
                     ("text", Some(t)) => out.extend_from_slice(t.as_bytes()),
-                    (kind, _) => push_digest(kind, part, out)?,
+                    (kind, _) => {
+                        non_text = true;
+                        push_digest(kind, part, out)?
+                    }
                 }
             }
         }
@@ -251,7 +291,7 @@ fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseErro
             ))
         }
     }
-    Ok(())
+    Ok(non_text)
 }
 
 fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseError> {
@@ -266,22 +306,51 @@ fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), Pars
     Ok(())
 }
 
+/// The `cache_salt` of a tenant (tenant isolation): a digest of its identity,
+/// the same at every proxy, that does not show the identity to the pods.
+pub fn tenant_salt(identity: &str) -> String {
+    let mut input = Vec::with_capacity(identity.len() + 20);
+    input.extend_from_slice(b"kvroute/v1/tenant\0");
+    input.extend_from_slice(identity.as_bytes());
+    format!("kvroute-tenant-{:016x}", xxh3_64(&input))
+}
+
+/// The body with `cache_salt` set to `salt`, any client value replaced. The
+/// other fields are copied verbatim (numbers, escapes and all), first
+/// `cache_salt`, then the rest in key order.
+pub fn with_cache_salt(body: &[u8], salt: &str) -> Result<Vec<u8>, ParseError> {
+    let fields: BTreeMap<Cow<str>, &RawValue> = serde_json::from_slice(body)?;
+    let mut out = Vec::with_capacity(body.len() + salt.len() + 32);
+    out.extend_from_slice(b"{\"cache_salt\":");
+    serde_json::to_writer(&mut out, salt)?;
+    for (key, value) in &fields {
+        if key == "cache_salt" {
+            continue;
+        }
+        out.push(b',');
+        serde_json::to_writer(&mut out, key)?;
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
 /// Body of a vLLM-compatible `POST /tokenize` call for a request without
-/// token ids: a chat request's model and messages (rendered with the
-/// generation prompt, as the chat request itself is), or a completion's
+/// token ids: a chat request's model (when named) and messages (rendered with
+/// the generation prompt, as the chat request itself is), or a completion's
 /// model and string prompt. `None` for other bodies.
 pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
     #[derive(Deserialize)]
     struct Untokenized<'a> {
-        #[serde(borrow)]
-        model: &'a RawValue,
+        #[serde(borrow, default)]
+        model: Option<&'a RawValue>,
         #[serde(borrow, default)]
         messages: Option<&'a RawValue>,
         #[serde(borrow, default)]
         prompt: Option<&'a RawValue>,
     }
     let request: Untokenized = serde_json::from_slice(body).ok()?;
-    let model = request.model.get();
     let (field, value, tail): (&[u8], &str, &[u8]) = match (request.messages, request.prompt) {
         (Some(messages), _) => (
             b",\"messages\":",
@@ -293,10 +362,15 @@ pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
         }
         _ => return None,
     };
-    let mut out = Vec::with_capacity(model.len() + value.len() + 64);
-    out.extend_from_slice(b"{\"model\":");
-    out.extend_from_slice(model.as_bytes());
-    out.extend_from_slice(field);
+    let mut out = Vec::with_capacity(value.len() + 128);
+    out.push(b'{');
+    // Without a model the pod tokenizes for its served model, as it serves the request.
+    if let Some(model) = request.model {
+        out.extend_from_slice(b"\"model\":");
+        out.extend_from_slice(model.get().as_bytes());
+        out.push(b',');
+    }
+    out.extend_from_slice(&field[1..]);
     out.extend_from_slice(value.as_bytes());
     out.extend_from_slice(tail);
     Some(out)
@@ -439,10 +513,6 @@ mod tests {
             (b"{", |e| matches!(e, ParseError::Malformed(_))),
             (b"[1,2]", |e| matches!(e, ParseError::Malformed(_))),
             (b"\xff\xfe{}", |e| matches!(e, ParseError::Malformed(_))),
-            (br#"{"prompt":"p"}"#, |e| *e == ParseError::NoModel),
-            (br#"{"model":"","prompt":"p"}"#, |e| {
-                *e == ParseError::NoModel
-            }),
             (br#"{"model":"m"}"#, |e| *e == ParseError::NoPrompt),
             (br#"{"model":"m","messages":[]}"#, |e| {
                 *e == ParseError::NoPrompt
@@ -484,6 +554,68 @@ mod tests {
     }
 
     #[test]
+    fn model_is_optional_and_salt_is_kept() {
+        let r = parse_request(br#"{"prompt":"p","cache_salt":"tenant-a"}"#).unwrap();
+        assert_eq!(r.model, "");
+        assert_eq!(r.cache_salt.as_deref(), Some("tenant-a"));
+        assert!(!r.multimodal);
+        let r = parse_request(br#"{"model":"","prompt":"p","cache_salt":""}"#).unwrap();
+        assert_eq!((r.model.as_str(), r.cache_salt), ("", None));
+        assert!(matches!(
+            parse_request(br#"{"model":"m","prompt":"p","cache_salt":5}"#),
+            Err(ParseError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn non_text_parts_mark_the_request_multimodal() {
+        let image = parse_request(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        )
+        .unwrap();
+        assert!(image.multimodal);
+        let text = parse_request(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look"}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}"#,
+        )
+        .unwrap();
+        assert!(!text.multimodal);
+    }
+
+    #[test]
+    fn tenant_salt_replaces_the_clients_and_keeps_the_rest_verbatim() {
+        let salt = tenant_salt("spiffe://cluster.local/ns/a/sa/app");
+        assert!(
+            salt.starts_with("kvroute-tenant-") && salt.len() == 31,
+            "{salt}"
+        );
+        assert_ne!(salt, tenant_salt("spiffe://cluster.local/ns/b/sa/app"));
+        assert_eq!(salt, tenant_salt("spiffe://cluster.local/ns/a/sa/app"));
+        let body = br#"{"model":"m","cache_salt":"forged","seed":123456789012345678901234,"temperature":1e-5,"prompt":"caf\u00e9 \"q\""}"#;
+        let salted = with_cache_salt(body, &salt).unwrap();
+        let text = String::from_utf8(salted.clone()).unwrap();
+        assert!(
+            text.starts_with(&format!(r#"{{"cache_salt":"{salt}","#)),
+            "{text}"
+        );
+        for verbatim in [
+            r#""seed":123456789012345678901234"#,
+            r#""temperature":1e-5"#,
+            r#""prompt":"caf\u00e9 \"q\"""#,
+        ] {
+            assert!(text.contains(verbatim), "{verbatim} in {text}");
+        }
+        assert!(!text.contains("forged"));
+        let parsed = parse_request(&salted).unwrap();
+        assert_eq!(parsed.cache_salt, Some(salt));
+        assert_eq!(
+            parsed.prompt,
+            Prompt::Text("café \"q\"".as_bytes().to_vec())
+        );
+        assert!(with_cache_salt(b"[1]", "s").is_err());
+        assert!(with_cache_salt(b"{", "s").is_err());
+    }
+
+    #[test]
     fn tokenizer_call_out_bodies() {
         let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
         let call: serde_json::Value =
@@ -498,6 +630,9 @@ mod tests {
         .unwrap();
         assert_eq!(completion, serde_json::json!({"model":"m","prompt":"p"}));
         assert!(tokenize_call_body(br#"{"model":"m","prompt":[1,2]}"#).is_none());
+        let unnamed: serde_json::Value =
+            serde_json::from_slice(&tokenize_call_body(br#"{"prompt":"p"}"#).unwrap()).unwrap();
+        assert_eq!(unnamed, serde_json::json!({"prompt":"p"}));
         assert_eq!(
             parse_tokenize_response(br#"{"count":2,"max_model_len":9,"tokens":[5,6]}"#).unwrap(),
             vec![5, 6]

@@ -3,7 +3,9 @@
 
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
-use crate::hash::{byte_chunk_hashes, root_hash, token_block_hashes, Domain};
+use crate::hash::{
+    keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, Domain,
+};
 use crate::index::{MatchRules, PodTable};
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
@@ -97,25 +99,33 @@ pub struct HashedPrompt {
 }
 
 /// Hashes a parsed request per the configuration (block size, chunk size,
-/// cap, adapter scoping).
+/// cap, adapter scoping). A `cache_salt` enters block 0 as vLLM's extra key
+/// (see `hash`), in both domains, so salts never share blocks.
 pub fn hash_prompt(config: &Config, request: &PromptRequest) -> HashedPrompt {
     let (serving_model, lora) = match config.adapters.get(&request.model) {
         Some(base) => (base.clone(), Some(request.model.as_str())),
         None => (request.model.clone(), None),
     };
+    let extra = [request.cache_salt.as_deref().and_then(salt_digest)];
     let (domain, hashes) = match &request.prompt {
         Prompt::Tokens(tokens) => {
             let root = root_hash(Domain::Tokens, &serving_model, lora);
             (
                 Domain::Tokens,
-                token_block_hashes(root, tokens, config.block_size, config.max_blocks),
+                keyed_token_block_hashes(
+                    root,
+                    tokens,
+                    config.block_size,
+                    config.max_blocks,
+                    &extra,
+                ),
             )
         }
         Prompt::Text(text) => {
             let root = root_hash(Domain::Bytes, &serving_model, lora);
             (
                 Domain::Bytes,
-                byte_chunk_hashes(root, text, config.chunk_bytes, config.max_blocks),
+                keyed_byte_chunk_hashes(root, text, config.chunk_bytes, config.max_blocks, &extra),
             )
         }
     };
@@ -252,6 +262,18 @@ impl Cluster {
 
     pub fn len(&self) -> usize {
         self.pods.len()
+    }
+
+    /// The model a request that names none is routed in: the one model every
+    /// pod names (vLLM then serves that model), else `default_model` of the
+    /// configuration. `None` when neither settles it.
+    pub fn implied_model(&self, config: &Config) -> Option<String> {
+        let mut served = self.pods.iter().map(|p| p.spec.models.as_slice());
+        let only = match served.next() {
+            Some([model]) if served.all(|m| m == [model.as_str()]) => Some(model.clone()),
+            _ => None,
+        };
+        only.or_else(|| config.default_model.clone())
     }
 
     /// Table size for a pod. With the indexer, the pod's own token-block
@@ -552,6 +574,7 @@ impl Cluster {
 mod tests {
     use super::*;
     use crate::feed::PodInfo;
+    use crate::hash::token_block_hashes;
     use crate::request::parse_request;
 
     fn config(endpoints: &str) -> Config {
@@ -569,10 +592,7 @@ mod tests {
 
     /// The hashed prompt of `tokens` token ids 0, 1, … sent to `model`.
     fn token_prompt(config: &Config, model: &str, tokens: u32) -> HashedPrompt {
-        let request = PromptRequest {
-            model: model.into(),
-            prompt: Prompt::Tokens((0..tokens).collect()),
-        };
+        let request = PromptRequest::new(model, Prompt::Tokens((0..tokens).collect()));
         hash_prompt(config, &request)
     }
 
@@ -605,6 +625,67 @@ mod tests {
         let d = cluster.decide(config, &hashed, 10, seed).unwrap();
         cluster.record_routed(&d.pod, hashed.hashes.len() as u32, &hashed.hashes, 10);
         d
+    }
+
+    /// vLLM shares cached blocks only under one `cache_salt`: the same
+    /// prompt under another salt must predict no hit, in either domain.
+    #[test]
+    fn salts_never_share_blocks() {
+        let c = config(r#"[{"address":"a:1"}]"#);
+        let salted = |salt: Option<&str>, prompt: Prompt| {
+            let mut r = PromptRequest::new("m", prompt);
+            r.cache_salt = salt.map(str::to_owned);
+            hash_prompt(&c, &r).hashes
+        };
+        for prompt in [
+            Prompt::Tokens((0..64).collect()),
+            Prompt::Text(vec![b'x'; 256]),
+        ] {
+            let plain = salted(None, prompt.clone());
+            let a = salted(Some("tenant-a"), prompt.clone());
+            let b = salted(Some("tenant-b"), prompt.clone());
+            assert_eq!(a.len(), 4);
+            assert_eq!(a, salted(Some("tenant-a"), prompt.clone()));
+            for (x, y) in [(&a, &b), (&a, &plain), (&b, &plain)] {
+                assert!(x.iter().all(|h| !y.contains(h)));
+            }
+        }
+        // The token domain agrees with the indexer's re-hash of vLLM's
+        // block 0 extra keys ["tenant-a"].
+        let root = root_hash(Domain::Tokens, "m", None);
+        let tokens: Vec<u32> = (0..64).collect();
+        assert_eq!(
+            salted(Some("tenant-a"), Prompt::Tokens(tokens.clone())),
+            keyed_token_block_hashes(root, &tokens, 16, 4096, &[salt_digest("tenant-a")])
+        );
+    }
+
+    #[test]
+    fn requests_without_a_model_take_the_pods_one_model_or_the_default() {
+        let mut cluster = Cluster::default();
+        let one = config(r#"[{"address":"a:1","models":["m"]},{"address":"b:1","models":["m"]}]"#);
+        cluster.set_configured(&one, 0);
+        assert_eq!(cluster.implied_model(&one).as_deref(), Some("m"));
+        for endpoints in [
+            r#"[{"address":"a:1","models":["m"]},{"address":"b:1","models":["n"]}]"#,
+            r#"[{"address":"a:1","models":["m"]},{"address":"b:1"}]"#,
+            r#"[{"address":"a:1","models":["m","n"]}]"#,
+            r#"[]"#,
+        ] {
+            let mut cluster = Cluster::default();
+            let c = config(endpoints);
+            cluster.set_configured(&c, 0);
+            assert_eq!(cluster.implied_model(&c), None, "{endpoints}");
+            let with_default = Config {
+                default_model: Some("n".into()),
+                ..c
+            };
+            assert_eq!(
+                cluster.implied_model(&with_default).as_deref(),
+                Some("n"),
+                "{endpoints}"
+            );
+        }
     }
 
     #[test]
@@ -723,10 +804,7 @@ mod tests {
             assert!(!d.fallbacks.contains(&"d:1".to_string()));
             assert_eq!(d.candidates, 3);
         }
-        let other = PromptRequest {
-            model: "nobody".into(),
-            prompt: Prompt::Text(b"x".to_vec()),
-        };
+        let other = PromptRequest::new("nobody", Prompt::Text(b"x".to_vec()));
         let only_other = config(r#"[{"address":"d:1","models":["other"]}]"#);
         let mut cl = Cluster::default();
         cl.set_configured(&only_other, 0);

@@ -2,7 +2,7 @@
 //! panic, and be deterministic.
 #![no_main]
 
-use kvroute_core::events::{decode_batch, decode_seq, fold_hash_bytes, parse_topic};
+use kvroute_indexer::vllm_wire::{decode_batch, decode_seq, fold_hash_bytes, parse_topic};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -12,11 +12,11 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvroute_core::events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use kvroute_core::feed;
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig};
 use kvroute_indexer::metrics::Metrics;
 use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
+use kvroute_indexer::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
 struct Counting;
 
@@ -106,7 +106,7 @@ fn fill_messages(rng: &mut Rng) -> (Vec<Incoming>, Vec<Vec<u64>>) {
                     parent_block_hash: parent,
                     token_ids: tokens,
                     block_size: BLOCK as u32,
-                    medium: Some(kvroute_core::events::Medium::Gpu),
+                    medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
                     group_idx: Some(0),
                     ..BlockStored::default()
                 });
@@ -184,7 +184,7 @@ fn main() {
         let events = vec![
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: victims,
-                medium: Some(kvroute_core::events::Medium::Gpu),
+                medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
                 group_idx: Some(0),
             }),
             KvEvent::BlockStored(BlockStored {

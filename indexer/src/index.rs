@@ -7,13 +7,16 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 
-use kvroute_core::events::{
-    decode_batch, decode_seq, parse_topic, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium,
-};
 use kvroute_core::feed::{BlockOp, FeedUpdate, LearnedBatch, PodInfo, Tier};
-use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
+use kvroute_core::hash::{
+    extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
+};
 
 use crate::metrics::Metrics;
+use crate::vllm_wire::{
+    decode_batch, decode_seq, parse_topic, BlockRemoved, BlockStored, DecodedBatch, EventBatch,
+    KvEvent, Medium,
+};
 
 // ------------------------------------------------------------------ hashing
 
@@ -49,6 +52,17 @@ impl BuildHasher for BuildMix {
 
 type Map<V> = HashMap<u64, V, BuildMix>;
 
+/// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
+/// means the pod can skip that prefill. Sliding-window and mamba groups keep
+/// only a window or a state: not routed on. No kind (vLLM before hybrid
+/// groups, or a plain model): full attention.
+fn routed_spec_kind(kind: Option<&str>) -> bool {
+    matches!(
+        kind,
+        None | Some("full_attention" | "mla_attention" | "sink_full_attention")
+    )
+}
+
 /// Bytes a hashbrown map holds for `capacity` entries of `entry` bytes.
 fn map_bytes<V>(m: &Map<V>) -> usize {
     let buckets = if m.capacity() == 0 {
@@ -64,7 +78,8 @@ fn map_bytes<V>(m: &Map<V>) -> usize {
 /// Tunables of the index (flags of the service).
 #[derive(Debug, Clone)]
 pub struct IndexConfig {
-    /// Block size the filters hash with; events of another size are not indexed. 0: any.
+    /// Block size the filters hash with. Events of a multiple of it are split
+    /// into blocks of this size; events of another size are not indexed. 0: any.
     pub block_size: u32,
     /// Model for pods whose topic and configuration name none.
     pub default_model: Option<String>,
@@ -151,9 +166,64 @@ fn tier_bit(t: Tier) -> u8 {
 /// A vLLM block held by one publisher (pod, rank).
 #[derive(Debug, Clone, Copy)]
 struct SourceEntry {
+    /// kvroute hash of the block (of its last kvroute-sized part when it
+    /// spans several: the parent of the next block).
     kv: u64,
     /// Bit per tier (GPU, CPU, disk).
     tiers: u8,
+}
+
+/// The blocks of one KV-cache group of a publisher. Hybrid models store
+/// each block once per group under the same vLLM hash, and each group evicts
+/// on its own.
+#[derive(Default)]
+struct Group {
+    /// vLLM hash → entry.
+    blocks: Map<SourceEntry>,
+    /// vLLM hash → kvroute hashes of the parts before the entry's `kv`, for
+    /// blocks of a multiple of the configured block size (kept apart so the
+    /// common entry stays small).
+    heads: Map<Box<[u64]>>,
+}
+
+impl Group {
+    fn memory_bytes(&self) -> usize {
+        map_bytes(&self.blocks)
+            + map_bytes(&self.heads)
+            + self.heads.values().map(|h| h.len() * 8).sum::<usize>()
+    }
+}
+
+/// Adds (`up`) or drops one count of `tier` for every kvroute hash of a block.
+#[allow(clippy::too_many_arguments)]
+fn adjust_block(
+    blocks: &mut Map<TierCounts>,
+    sink: &mut Sink,
+    pod: u64,
+    kv: u64,
+    head: Option<&[u64]>,
+    tier: Tier,
+    up: bool,
+) {
+    for &part in head.unwrap_or_default() {
+        adjust(blocks, sink, pod, part, tier, up);
+    }
+    adjust(blocks, sink, pod, kv, tier, up);
+}
+
+/// Drops every tier count a block holds.
+fn drop_block(
+    blocks: &mut Map<TierCounts>,
+    sink: &mut Sink,
+    pod: u64,
+    entry: SourceEntry,
+    head: Option<&[u64]>,
+) {
+    for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
+        if entry.tiers & tier_bit(t) != 0 {
+            adjust_block(blocks, sink, pod, entry.kv, head, t, false);
+        }
+    }
 }
 
 struct PendingReplay {
@@ -166,7 +236,10 @@ struct PendingReplay {
 #[derive(Default)]
 struct Source {
     next_seq: Option<u64>,
-    blocks: Map<SourceEntry>,
+    /// KV-cache group (`group_idx`, 0 when absent) → its blocks.
+    groups: BTreeMap<i64, Group>,
+    /// KV-cache groups whose spec kind is not routed on (their removals are ignored).
+    unrouted_groups: Vec<i64>,
     replay: Option<PendingReplay>,
 }
 
@@ -207,7 +280,8 @@ impl Pod {
             + self
                 .sources
                 .values()
-                .map(|s| map_bytes(&s.blocks))
+                .flat_map(|s| s.groups.values())
+                .map(Group::memory_bytes)
                 .sum::<usize>()
     }
 }
@@ -319,6 +393,21 @@ fn adjust(blocks: &mut Map<TierCounts>, sink: &mut Sink, pod: u64, kv: u64, tier
                 sink.stored(pod, tier, kv);
             }
         }
+    }
+}
+
+/// A block's extra keys without the LoRA adapter, which vLLM lists first and
+/// kvroute already has in the chain's root.
+fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [ExtraKey] {
+    let is_lora = match (keys.first(), &e.lora_name, e.lora_id) {
+        (Some(ExtraKey::Str(k)), Some(name), _) => k == name,
+        (Some(ExtraKey::Int(k)), None, Some(id)) => *k == i128::from(id),
+        _ => false,
+    };
+    if is_lora {
+        &keys[1..]
+    } else {
+        keys
     }
 }
 
@@ -543,13 +632,7 @@ impl Index {
                 return None;
             }
         };
-        let batch = match decode_batch(&m.payload) {
-            Ok(b) => b,
-            Err(e) => {
-                self.metrics.decode_error(e.kind());
-                return None;
-            }
-        };
+        let batch = self.decode(&m.payload)?;
         let key = match self.by_address.get(&address) {
             Some(&k) => k,
             None if self.cfg.accept_unknown_publishers => {
@@ -574,6 +657,23 @@ impl Index {
         self.sequence(key, rank, seq, batch, m.received_ms, now_ms)
     }
 
+    /// Decodes a payload, counting the events it skipped; `None` (counted)
+    /// when it is not a batch at all.
+    fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
+        match decode_batch(payload) {
+            Ok(DecodedBatch { batch, skipped }) => {
+                for e in &skipped {
+                    self.metrics.event_skipped(e.kind());
+                }
+                Some(batch)
+            }
+            Err(e) => {
+                self.metrics.decode_error(e.kind());
+                None
+            }
+        }
+    }
+
     fn sequence(
         &mut self,
         key: u64,
@@ -595,12 +695,8 @@ impl Index {
                 }
                 // Buffer full: give up on the replay, apply what we have.
                 self.metrics.replay("abandoned");
-                let pending = source.replay.take();
-                if let Some(p) = pending {
-                    self.metrics.seq_gaps_unrecovered.inc();
-                    for (s, b, r) in p.buffered {
-                        self.apply_in_order(key, rank, s, b, r, now_ms);
-                    }
+                if let Some(p) = source.replay.take() {
+                    self.flush_after_replay(key, rank, p, now_ms);
                 }
                 self.apply_in_order(key, rank, seq, batch, received_ms, now_ms);
                 return None;
@@ -656,6 +752,31 @@ impl Index {
         }
         self.apply_seq(key, rank, seq, &batch, received_ms, now_ms);
         None
+    }
+
+    /// Applies what was buffered during a replay. The gap before the first
+    /// buffered message was counted when it was detected (or was the join of
+    /// a running publisher): if the replay left it open, it counts once more
+    /// only as unrecovered.
+    fn flush_after_replay(&mut self, key: u64, rank: i64, pending: PendingReplay, now_ms: u64) {
+        let mut buffered = pending.buffered.into_iter();
+        if let Some((seq, batch, received_ms)) = buffered.next() {
+            let next = self
+                .pods
+                .get(&key)
+                .and_then(|p| p.sources.get(&rank))
+                .and_then(|s| s.next_seq)
+                .unwrap_or(pending.from);
+            if seq > next && pending.from > 0 {
+                self.metrics.seq_gaps_unrecovered.inc();
+            }
+            if seq >= next {
+                self.apply_seq(key, rank, seq, &batch, received_ms, now_ms);
+            }
+        }
+        for (s, b, r) in buffered {
+            self.apply_in_order(key, rank, s, b, r, now_ms);
+        }
     }
 
     /// Applies a batch whose sequence follows, counts a gap or restart otherwise
@@ -756,21 +877,16 @@ impl Index {
                     if pending.buffered.first().is_some_and(|(s, _, _)| seq >= *s) {
                         break;
                     }
-                    match decode_batch(&payload) {
-                        Ok(b) => {
-                            self.apply_in_order(key, req.rank, seq, b, now_ms, now_ms);
-                            self.metrics.replayed_messages.inc();
-                            next = seq + 1;
-                        }
-                        Err(e) => self.metrics.decode_error(e.kind()),
+                    if let Some(b) = self.decode(&payload) {
+                        self.apply_in_order(key, req.rank, seq, b, now_ms, now_ms);
+                        self.metrics.replayed_messages.inc();
+                        next = seq + 1;
                     }
                 }
             }
             Err(_) => self.metrics.replay("failed"),
         }
-        for (s, b, r) in pending.buffered {
-            self.apply_in_order(key, req.rank, s, b, r, now_ms);
-        }
+        self.flush_after_replay(key, req.rank, pending, now_ms);
     }
 
     fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
@@ -778,7 +894,11 @@ impl Index {
             match ev {
                 KvEvent::BlockStored(e) => {
                     self.metrics.event("BlockStored");
-                    self.stored(key, rank, e, sink);
+                    if e.is_placeholder() {
+                        self.placeholder(key, rank, e, sink);
+                    } else {
+                        self.stored(key, rank, e, sink);
+                    }
                 }
                 KvEvent::BlockRemoved(e) => {
                     self.metrics.event("BlockRemoved");
@@ -793,12 +913,40 @@ impl Index {
         }
     }
 
+    /// kvroute blocks per vLLM block of `block_size` tokens, `None` when
+    /// that size cannot be re-hashed into the filters' blocks.
+    fn span(&self, block_size: u32) -> Option<usize> {
+        match self.cfg.block_size {
+            _ if block_size == 0 => None,
+            0 => Some(1),
+            b if block_size % b == 0 => Some((block_size / b) as usize),
+            _ => None,
+        }
+    }
+
     fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
-        if self.cfg.block_size != 0 && e.block_size != self.cfg.block_size {
-            self.metrics.stored_block_size_mismatch.inc();
+        let group_idx = e.group_idx.unwrap_or(0);
+        let span = self.span(e.block_size);
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let source = pod.sources.entry(rank).or_default();
+        let unrouted_at = source.unrouted_groups.iter().position(|g| *g == group_idx);
+        if !routed_spec_kind(e.kv_cache_spec_kind.as_deref()) {
+            if unrouted_at.is_none() {
+                source.unrouted_groups.push(group_idx);
+            }
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
             return;
         }
-        let Some(pod) = self.pods.get_mut(&key) else {
+        // A group's kind changes only when the pod restarts with another model.
+        if let Some(i) = unrouted_at {
+            source.unrouted_groups.swap_remove(i);
+        }
+        let Some(span) = span else {
+            self.metrics.stored_block_size_mismatch.inc();
             return;
         };
         let model = match pod.models.first().or(self.cfg.default_model.as_ref()) {
@@ -814,7 +962,13 @@ impl Index {
             self.metrics.stored_token_mismatch.inc();
             return;
         };
-        let source = pod.sources.entry(rank).or_default();
+        let group = pod
+            .sources
+            .entry(rank)
+            .or_default()
+            .groups
+            .entry(group_idx)
+            .or_default();
         let parent_kv = match e.parent_block_hash {
             None => match (&e.lora_name, e.lora_id) {
                 (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
@@ -825,7 +979,7 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match source.blocks.get(&p) {
+            Some(p) => match group.blocks.get(&p) {
                 Some(entry) => entry.kv,
                 None => {
                     self.metrics.stored_unknown_parent.inc();
@@ -833,27 +987,41 @@ impl Index {
                 }
             },
         };
-        let kvs = token_block_hashes(parent_kv, &e.token_ids[..need], bs, n);
+        // Extra keys belong to the first kvroute block of each vLLM block.
+        let mut extra = Vec::new();
+        if let Some(keys) = &e.extra_keys {
+            extra.resize(n * span, None);
+            for (i, block_keys) in keys.iter().take(n).enumerate() {
+                if let Some(block_keys) = block_keys {
+                    extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
+                }
+            }
+        }
+        let kvs =
+            keyed_token_block_hashes(parent_kv, &e.token_ids[..need], bs / span, n * span, &extra);
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut applied = 0u64;
-        for (&vh, &kv) in e.block_hashes.iter().zip(&kvs) {
-            match source.blocks.entry(vh) {
+        for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
+            let Some((&kv, head)) = parts.split_last() else {
+                continue;
+            };
+            let head = (!head.is_empty()).then_some(head);
+            match group.blocks.entry(vh) {
                 Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
                     if entry.kv != kv {
                         // Same vLLM hash, other content (e.g. other LoRA scope): replace.
-                        for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-                            if entry.tiers & tier_bit(t) != 0 {
-                                adjust(&mut pod.blocks, sink, key, entry.kv, t, false);
-                            }
+                        let old = group.heads.remove(&vh);
+                        drop_block(&mut pod.blocks, sink, key, *entry, old.as_deref());
+                        *entry = SourceEntry { kv, tiers: 0 };
+                        if let Some(head) = head {
+                            group.heads.insert(vh, head.into());
                         }
-                        entry.kv = kv;
-                        entry.tiers = 0;
                     }
                     if entry.tiers & bit == 0 {
                         entry.tiers |= bit;
-                        adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                        adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
                     }
                 }
                 Entry::Vacant(v) => {
@@ -862,8 +1030,11 @@ impl Index {
                         break;
                     }
                     v.insert(SourceEntry { kv, tiers: bit });
+                    if let Some(head) = head {
+                        group.heads.insert(vh, head.into());
+                    }
                     pod.source_blocks += 1;
-                    adjust(&mut pod.blocks, sink, key, kv, tier, true);
+                    adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
                 }
             }
             applied += 1;
@@ -871,16 +1042,64 @@ impl Index {
         self.metrics.blocks_stored.inc_by(applied);
     }
 
+    /// A CPU-offload placeholder names blocks by hash only: they now also
+    /// reside in its medium. Blocks this publisher never stored with tokens
+    /// cannot be re-hashed, so they are counted and skipped.
+    fn placeholder(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let group = pod
+            .sources
+            .get_mut(&rank)
+            .and_then(|s| s.groups.get_mut(&e.group_idx.unwrap_or(0)));
+        let Some(group) = group else {
+            self.metrics
+                .placeholder_blocks("unknown", e.block_hashes.len() as u64);
+            return;
+        };
+        let tier = Medium::tier(e.medium.as_ref());
+        let bit = tier_bit(tier);
+        let (mut applied, mut unknown) = (0, 0);
+        for vh in &e.block_hashes {
+            let Some(entry) = group.blocks.get_mut(vh) else {
+                unknown += 1;
+                continue;
+            };
+            if entry.tiers & bit == 0 {
+                entry.tiers |= bit;
+                let head = group.heads.get(vh).map(|h| &h[..]);
+                adjust_block(&mut pod.blocks, sink, key, entry.kv, head, tier, true);
+            }
+            applied += 1;
+        }
+        self.metrics.placeholder_blocks("applied", applied);
+        self.metrics.placeholder_blocks("unknown", unknown);
+    }
+
     fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
+        let group_idx = e.group_idx.unwrap_or(0);
         let source = pod.sources.entry(rank).or_default();
+        if source.unrouted_groups.contains(&group_idx) {
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        }
+        let Some(group) = source.groups.get_mut(&group_idx) else {
+            self.metrics
+                .removed_unknown
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        };
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
         for vh in &e.block_hashes {
-            let Entry::Occupied(mut o) = source.blocks.entry(*vh) else {
+            let Entry::Occupied(mut o) = group.blocks.entry(*vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
@@ -891,11 +1110,17 @@ impl Index {
             }
             entry.tiers &= !bit;
             let kv = entry.kv;
-            if entry.tiers == 0 {
+            let gone = entry.tiers == 0;
+            if gone {
                 o.remove();
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
             }
-            adjust(&mut pod.blocks, sink, key, kv, tier, false);
+            let head = if gone {
+                group.heads.remove(vh)
+            } else {
+                group.heads.get(vh).cloned()
+            };
+            adjust_block(&mut pod.blocks, sink, key, kv, head.as_deref(), tier, false);
             removed += 1;
         }
         self.metrics.blocks_removed.inc_by(removed);
@@ -917,25 +1142,24 @@ impl Index {
         let others = pod
             .sources
             .iter()
-            .any(|(r, s)| *r != rank && !s.blocks.is_empty());
+            .any(|(r, s)| *r != rank && s.groups.values().any(|g| !g.blocks.is_empty()));
         let Some(source) = pod.sources.get_mut(&rank) else {
             return;
         };
         if !others {
             pod.source_blocks = 0;
-            source.blocks.clear();
+            source.groups.clear();
             self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
             pod.learned.clear();
             pod.blocks.clear();
             sink.cleared(key);
             return;
         }
-        for (_, entry) in source.blocks.drain() {
-            pod.source_blocks = pod.source_blocks.saturating_sub(1);
-            for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-                if entry.tiers & tier_bit(t) != 0 {
-                    adjust(&mut pod.blocks, sink, key, entry.kv, t, false);
-                }
+        for (_, mut group) in std::mem::take(&mut source.groups) {
+            for (vh, entry) in group.blocks.drain() {
+                pod.source_blocks = pod.source_blocks.saturating_sub(1);
+                let head = group.heads.remove(&vh);
+                drop_block(&mut pod.blocks, sink, key, entry, head.as_deref());
             }
         }
     }
@@ -1253,7 +1477,7 @@ impl Index {
                         .map(|(r, s)| SourceDebug {
                             rank: *r,
                             next_seq: s.next_seq,
-                            blocks: s.blocks.len(),
+                            blocks: s.groups.values().map(|g| g.blocks.len()).sum(),
                             replay_pending: s.replay.is_some(),
                         })
                         .collect(),

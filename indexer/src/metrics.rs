@@ -14,6 +14,8 @@ type Labels = [(&'static str, &'static str); 1];
 pub struct Metrics {
     events: Family<Labels, Counter>,
     decode_errors: Family<Labels, Counter>,
+    events_skipped: Family<Labels, Counter>,
+    placeholder_blocks: Family<Labels, Counter>,
     rejected: Family<Labels, Counter>,
     dropped: Family<Labels, Counter>,
     replays: Family<Labels, Counter>,
@@ -34,6 +36,9 @@ pub struct Metrics {
     pub stored_block_size_mismatch: Counter,
     /// Blocks refused because a pod is at `--max-blocks-per-pod`.
     pub blocks_refused_capacity: Counter,
+    /// Blocks stored or removed in KV-cache groups that are not routed on
+    /// (sliding-window, mamba… groups of hybrid models).
+    pub blocks_not_routed: Counter,
     /// Sequence gaps detected.
     pub seq_gaps: Counter,
     /// Messages missing in those gaps.
@@ -87,6 +92,8 @@ impl Metrics {
         let mut r = Registry::default();
         let events = Family::<Labels, Counter>::default();
         let decode_errors = Family::<Labels, Counter>::default();
+        let events_skipped = Family::<Labels, Counter>::default();
+        let placeholder_blocks = Family::<Labels, Counter>::default();
         let rejected = Family::<Labels, Counter>::default();
         let dropped = Family::<Labels, Counter>::default();
         let replays = Family::<Labels, Counter>::default();
@@ -96,6 +103,8 @@ impl Metrics {
         let m = Metrics {
             events,
             decode_errors,
+            events_skipped,
+            placeholder_blocks,
             rejected,
             dropped,
             replays,
@@ -108,6 +117,7 @@ impl Metrics {
             stored_token_mismatch: Counter::default(),
             stored_block_size_mismatch: Counter::default(),
             blocks_refused_capacity: Counter::default(),
+            blocks_not_routed: Counter::default(),
             seq_gaps: Counter::default(),
             seq_missed: Counter::default(),
             seq_gaps_unrecovered: Counter::default(),
@@ -147,6 +157,16 @@ impl Metrics {
             "decode_errors",
             "Messages dropped as undecodable, by kind",
             m.decode_errors
+        );
+        add!(
+            "events_skipped",
+            "Events skipped inside a decoded message (the rest of it applied), by reason",
+            m.events_skipped
+        );
+        add!(
+            "placeholder_blocks",
+            "Blocks of CPU-offload placeholder events, by result (applied: the block was known by hash; unknown: it was not)",
+            m.placeholder_blocks
         );
         add!(
             "messages_rejected",
@@ -207,6 +227,11 @@ impl Metrics {
             "blocks_refused_capacity",
             "Blocks refused at --max-blocks-per-pod",
             m.blocks_refused_capacity
+        );
+        add!(
+            "blocks_not_routed",
+            "Blocks stored or removed in KV-cache groups not routed on (sliding-window, mamba)",
+            m.blocks_not_routed
         );
         add!("seq_gaps", "Sequence gaps detected", m.seq_gaps);
         add!(
@@ -339,6 +364,18 @@ impl Metrics {
         Self::inc(&self.decode_errors, "kind", kind, 1);
     }
 
+    /// An event of a decoded message was skipped for `reason`.
+    pub fn event_skipped(&self, reason: &'static str) {
+        Self::inc(&self.events_skipped, "reason", reason, 1);
+    }
+
+    /// `n` blocks of placeholder events ended with `result`.
+    pub fn placeholder_blocks(&self, result: &'static str, n: u64) {
+        if n > 0 {
+            Self::inc(&self.placeholder_blocks, "result", result, n);
+        }
+    }
+
     /// A message was rejected.
     pub fn rejected(&self, reason: &'static str) {
         Self::inc(&self.rejected, "reason", reason, 1);
@@ -369,6 +406,8 @@ impl Metrics {
         let (f, key) = match family {
             "events" => (&self.events, "type"),
             "decode_errors" => (&self.decode_errors, "kind"),
+            "events_skipped" => (&self.events_skipped, "reason"),
+            "placeholder_blocks" => (&self.placeholder_blocks, "result"),
             "rejected" => (&self.rejected, "reason"),
             "dropped" => (&self.dropped, "reason"),
             "replays" => (&self.replays, "result"),

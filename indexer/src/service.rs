@@ -15,7 +15,6 @@ use hyper::body::Incoming as Body;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use kvroute_core::events::decode_seq;
 use kvroute_core::feed::{self, LearnedBatch};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -26,6 +25,7 @@ use crate::config::{bind_endpoint, split_connect, split_pod, Args};
 use crate::index::{new_epoch, origin, Incoming, Index, ReplayRequest};
 use crate::metrics::Metrics;
 use crate::scrape::parse_vllm_metrics;
+use crate::vllm_wire::decode_seq;
 
 /// Errors that stop the service at start-up.
 #[derive(Debug)]

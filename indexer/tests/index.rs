@@ -6,12 +6,15 @@
 
 use std::collections::HashMap;
 
-use kvroute_core::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_core::feed::{self, BlockOp, FeedUpdate, LearnedBatch, Tier};
-use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
+use kvroute_core::hash::{
+    extra_keys_digest, keyed_token_block_hashes, root_hash, salt_digest, token_block_hashes,
+    Domain, ExtraKey,
+};
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
 use kvroute_indexer::metrics::Metrics;
 use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
+use kvroute_indexer::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 
 const POD: &str = "10.0.0.1:8000";
 const MODEL: &str = "Qwen/Qwen3-32B";
@@ -330,16 +333,8 @@ fn garbage_is_counted_and_the_stream_goes_on() {
     bad.seq = vec![1, 2, 3];
     ix.handle(&bad, 0);
     let m = ix.metrics();
-    assert_eq!(
-        m.counter_value("decode_errors", "truncated")
-            + m.counter_value("decode_errors", "count_too_large"),
-        1
-    );
-    assert_eq!(
-        ix.metrics()
-            .counter_value("decode_errors", "unexpected_type"),
-        1
-    );
+    assert_eq!(m.counter_value("decode_errors", "truncated"), 1);
+    assert_eq!(m.counter_value("decode_errors", "malformed"), 1);
     assert_eq!(
         ix.metrics().counter_value("decode_errors", "bad_seq_frame"),
         1
@@ -418,7 +413,10 @@ fn gaps_are_filled_from_the_replay_socket_in_order() {
     assert_eq!(req.from_seq, 4);
     ix.finish_replay(&req, Err("timeout".into()), 0);
     assert_eq!(ix.metrics().counter_value("replays", "failed"), 1);
+    // One lost stretch (4..=8) counts once in each counter.
     assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 1);
+    assert_eq!(ix.metrics().seq_gaps.get(), 2);
+    assert_eq!(ix.metrics().seq_missed.get(), 2 + 5);
     assert!(ix.handle(&msg(POD, 10, &batch(vec![], 0)), 0).is_none());
     // Data-parallel rank 2 replays from port + 2.
     ix.handle(&msg(POD, 0, &batch(vec![], 2)), 0);
@@ -884,4 +882,269 @@ fn configured_identity_takes_its_model_from_the_topic_when_it_names_none() {
         kv_chain(&tokens(0, 1))
     );
     assert_eq!(ix.debug_pods(0)[0].models, vec![MODEL.to_string()]);
+}
+
+// ------------------------------------------------ what real vLLM sends
+
+fn kv_chain_keyed(toks: &[u32], lora: Option<&str>, extra: &[Option<u64>]) -> Vec<u64> {
+    let root = root_hash(Domain::Tokens, MODEL, lora);
+    keyed_token_block_hashes(root, toks, 16, usize::MAX, extra)
+}
+
+fn gpu(hashes: &[u64]) -> HashMap<u64, Tier> {
+    hashes.iter().map(|h| (*h, Tier::Gpu)).collect()
+}
+
+/// vLLM's CPU offloading publishes placeholders (no tokens, block size 0,
+/// medium CPU) in the same batch as the GPU pool's events.
+#[test]
+fn offload_placeholders_mark_known_blocks_cpu_resident_and_poison_nothing() {
+    let mut ix = index();
+    let toks = tokens(0, 3);
+    let kv = kv_chain(&toks);
+    let placeholder = |hashes: &[u64]| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            medium: Some(Medium::Cpu),
+            ..BlockStored::default()
+        })
+    };
+    let b = batch(
+        vec![
+            stored(&[1, 2], None, toks[..32].to_vec(), Some(Medium::Gpu)),
+            placeholder(&[1, 99]),
+            stored(&[3], Some(2), toks[32..].to_vec(), Some(Medium::Gpu)),
+        ],
+        0,
+    );
+    ix.handle(&msg(POD, 0, &b), 0);
+    let m = ix.metrics();
+    assert_eq!(m.counter_value("placeholder_blocks", "applied"), 1);
+    assert_eq!(m.counter_value("placeholder_blocks", "unknown"), 1);
+    assert_eq!(m.blocks_stored.get(), 3);
+    let mut c = fresh(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    // The GPU copy goes; the CPU copy the placeholder announced stays.
+    ix.handle(
+        &msg(POD, 1, &batch(vec![removed(&[1], Some(Medium::Gpu))], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD).get(&kv[0]), Some(&Tier::Cpu));
+    ix.handle(
+        &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Cpu))], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(POD).get(&kv[0]), None);
+    assert_eq!(ix.metrics().joined_midstream.get(), 0);
+    assert_eq!(ix.metrics().seq_gaps.get(), 0);
+}
+
+/// An event that is msgpack but not a valid event is skipped and counted;
+/// the batch's other events apply and the sequence goes on.
+#[test]
+fn an_invalid_event_is_skipped_and_its_batch_applies() {
+    let mut ix = index();
+    let toks = tokens(0, 2);
+    // The bytes of one event: its batch minus `[ts, [` (11 bytes) and the rank (1 byte).
+    let event_bytes = |e: KvEvent| {
+        let p = encode_batch(&batch(vec![e], 0), Encoding::Array, HashForm::Uint);
+        p[11..p.len() - 1].to_vec()
+    };
+    // A BlockStored whose block size is a string, between two good events.
+    let mut bad = Vec::new();
+    rmp::encode::write_array_len(&mut bad, 5).unwrap();
+    rmp::encode::write_str(&mut bad, "BlockStored").unwrap();
+    rmp::encode::write_array_len(&mut bad, 0).unwrap();
+    rmp::encode::write_nil(&mut bad).unwrap();
+    rmp::encode::write_array_len(&mut bad, 0).unwrap();
+    rmp::encode::write_str(&mut bad, "sixteen").unwrap();
+    let mut payload = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x93];
+    payload.extend(event_bytes(stored(&[1], None, toks[..16].to_vec(), None)));
+    payload.extend(bad);
+    payload.extend(event_bytes(stored(
+        &[2],
+        Some(1),
+        toks[16..].to_vec(),
+        None,
+    )));
+    payload.push(0);
+    let m = Incoming {
+        payload,
+        ..msg(POD, 0, &batch(vec![], 0))
+    };
+    ix.handle(&m, 0);
+    assert_eq!(ix.metrics().counter_value("events_skipped", "invalid"), 1);
+    assert_eq!(ix.metrics().counter_value("decode_errors", "invalid"), 0);
+    assert_eq!(fresh(&ix).of(POD), gpu(&kv_chain(&toks)));
+    ix.handle(&msg(POD, 1, &batch(vec![], 0)), 0);
+    assert_eq!(ix.metrics().seq_gaps.get(), 0);
+}
+
+/// vLLM scopes blocks by cache_salt (block 0's extra keys, after the LoRA
+/// name) and multimodal identifiers: the re-hash folds them the way the
+/// filter does, so other salts and other images never match.
+#[test]
+fn extra_keys_scope_the_rehash() {
+    let toks = tokens(0, 2);
+    let with_keys = |keys: Vec<Option<Vec<ExtraKey>>>, lora: Option<&str>| {
+        let mut ix = index();
+        let e = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![1, 2],
+            token_ids: toks.clone(),
+            block_size: 16,
+            lora_name: lora.map(str::to_owned),
+            lora_id: lora.map(|_| 7),
+            extra_keys: Some(keys),
+            ..BlockStored::default()
+        });
+        ix.handle(&msg(POD, 0, &batch(vec![e], 0)), 0);
+        let mut got: Vec<u64> = fresh(&ix).of(POD).into_keys().collect();
+        got.sort();
+        got
+    };
+    let sorted = |mut v: Vec<u64>| {
+        v.sort();
+        v
+    };
+    let salt = |s: &str| ExtraKey::Str(s.into());
+    assert_eq!(
+        with_keys(vec![Some(vec![salt("salt-A")]), None], None),
+        sorted(kv_chain_keyed(&toks, None, &[salt_digest("salt-A")]))
+    );
+    // The golden capture's shape: the LoRA name first, then the salt.
+    assert_eq!(
+        with_keys(
+            vec![Some(vec![salt("my-lora"), salt("salt-A")])],
+            Some("my-lora")
+        ),
+        sorted(kv_chain_keyed(
+            &toks,
+            Some("my-lora"),
+            &[salt_digest("salt-A")]
+        ))
+    );
+    // LoRA alone hashes as before extra keys existed.
+    assert_eq!(
+        with_keys(
+            vec![Some(vec![salt("my-lora")]), Some(vec![salt("my-lora")])],
+            Some("my-lora")
+        ),
+        sorted(kv_chain_keyed(&toks, Some("my-lora"), &[]))
+    );
+    // Two images with the same placeholder tokens: different blocks.
+    let image = |id: &str| Some(vec![ExtraKey::List(vec![salt(id), ExtraKey::Int(0)])]);
+    let a = with_keys(vec![None, image("img-a")], None);
+    let b = with_keys(vec![None, image("img-b")], None);
+    let plain = sorted(kv_chain(&toks));
+    assert!(a.contains(&kv_chain(&toks)[0]), "block 0 has no image");
+    assert_ne!(a, b);
+    assert_ne!(a, plain);
+    let digest = extra_keys_digest(&[ExtraKey::List(vec![salt("img-a"), ExtraKey::Int(0)])]);
+    assert_eq!(a, sorted(kv_chain_keyed(&toks, None, &[None, digest])));
+}
+
+/// Hybrid models: every KV-cache group stores the same hashes; a
+/// sliding-window group's eviction must not remove what full attention holds.
+#[test]
+fn hybrid_groups_are_keyed_apart_and_only_full_attention_is_routed() {
+    let mut ix = index();
+    let toks = tokens(0, 2);
+    let kv = kv_chain(&toks);
+    let group = |g: i64, kind: &str| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![1, 2],
+            token_ids: toks.clone(),
+            block_size: 16,
+            group_idx: Some(g),
+            kv_cache_spec_kind: Some(kind.into()),
+            ..BlockStored::default()
+        })
+    };
+    let removed_in = |g: i64, hashes: &[u64]| {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: None,
+            group_idx: Some(g),
+        })
+    };
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(
+                vec![
+                    group(0, "full_attention"),
+                    group(1, "sliding_window"),
+                    group(2, "mamba"),
+                    group(3, "full_attention"),
+                ],
+                0,
+            ),
+        ),
+        0,
+    );
+    let mut c = fresh(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    assert_eq!(ix.metrics().blocks_not_routed.get(), 4);
+    // The window slides: group 1 evicts block 1, full attention keeps it.
+    ix.handle(&msg(POD, 1, &batch(vec![removed_in(1, &[1])], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    assert_eq!(ix.metrics().removed_unknown.get(), 0);
+    // One of two full-attention groups evicts: the other still holds it.
+    ix.handle(&msg(POD, 2, &batch(vec![removed_in(0, &[2])], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    ix.handle(&msg(POD, 3, &batch(vec![removed_in(3, &[2])], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv[..1]));
+    // Restarted with another model whose group 1 is full attention: routed again.
+    ix.handle(&msg(POD, 0, &batch(vec![group(1, "full_attention")], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    ix.handle(&msg(POD, 1, &batch(vec![removed_in(1, &[2])], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv[..1]));
+    assert_eq!(ix.metrics().blocks_not_routed.get(), 5);
+}
+
+/// Hybrid models' attention groups report larger blocks (a multiple of the
+/// kernel block): each is re-hashed as several of the filters' blocks.
+#[test]
+fn blocks_of_a_multiple_size_are_split_and_others_counted() {
+    let mut ix = index();
+    let toks = tokens(0, 4);
+    let kv = kv_chain(&toks);
+    let big = |hashes: &[u64], parent: Option<u64>, toks: Vec<u32>, size: u32| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: toks,
+            block_size: size,
+            ..BlockStored::default()
+        })
+    };
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(
+                vec![
+                    big(&[1], None, toks[..32].to_vec(), 32),
+                    big(&[2], Some(1), toks[32..].to_vec(), 32),
+                    big(&[3], None, toks[..24].to_vec(), 24),
+                ],
+                0,
+            ),
+        ),
+        0,
+    );
+    let mut c = fresh(&ix);
+    assert_eq!(c.of(POD), gpu(&kv));
+    assert_eq!(ix.metrics().stored_block_size_mismatch.get(), 1);
+    ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], None)], 0)), 0);
+    c.poll(&ix);
+    assert_eq!(c.of(POD), gpu(&kv[..2]));
 }

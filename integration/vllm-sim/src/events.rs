@@ -592,11 +592,11 @@ mod tests {
     }
 }
 
-/// Interop with kvroute's own decoder (core/src/events.rs), which the indexer uses on real vLLM pods.
+/// Interop with kvroute's own decoder (indexer/src/vllm_wire.rs), which the indexer uses on real vLLM pods.
 #[cfg(test)]
 mod interop_tests {
     use super::*;
-    use kvroute_core::events as core_ev;
+    use kvroute_indexer::vllm_wire as core_ev;
 
     #[test]
     fn kvroute_core_decodes_what_we_publish() {
@@ -621,7 +621,7 @@ mod interop_tests {
             ],
             0,
         );
-        let got = core_ev::decode_batch(&batch).unwrap();
+        let got = core_ev::decode_batch(&batch).unwrap().batch;
         assert_eq!(got.ts, 1.25);
         assert_eq!(got.data_parallel_rank, Some(0));
         assert_eq!(got.events.len(), 3);
