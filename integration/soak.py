@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
+    # The commit under test: taken before the run, which may outlast later commits.
+    commit = git_commit()
     samples = []
     with SimCluster(pods=args.pods, time_scale=0.2) as sims:
         config = render_gateway(sims.addresses)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = {k: v for k, v in traffic.counts.items() if k.split(":")[1] != EXPECTED[k.split(":")[0]]}
     warm = [s for s in samples if s["t_s"] >= min(120.0, args.minutes * 30)]
     summary = {
-        "commit": git_commit(),
+        "commit": commit,
         "command": "integration/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "minutes": args.minutes, "rate": args.rate, "pods": args.pods, "concurrency": args.concurrency,
         "requests": sum(traffic.counts.values()), "routed": traffic.routed, "counts": dict(traffic.counts),
