@@ -180,8 +180,8 @@ struct Req {
     keys: HashKeys,
     /// Blocks registered in the prefix cache (hits included).
     num_cached_blocks: usize,
-    /// Leading blocks already out of every sliding window.
-    num_out_of_window: usize,
+    /// Per KV-cache group, leading blocks already out of its sliding window.
+    num_out_of_window: Vec<usize>,
     num_preemptions: u32,
     cached_tokens: Option<usize>,
     /// Picks this request's output tokens: sampled outputs differ between requests, so
@@ -361,7 +361,7 @@ impl Engine {
                 hashes,
                 keys: r.keys,
                 num_cached_blocks: 0,
-                num_out_of_window: 0,
+                num_out_of_window: vec![0; self.pool.groups().len()],
                 num_preemptions: 0,
                 cached_tokens: None,
                 output_seed: mix(id ^ 0x5EED),
@@ -405,7 +405,7 @@ impl Engine {
             r.block_ids.clear();
             r.num_computed = 0;
             r.num_cached_blocks = 0;
-            r.num_out_of_window = 0;
+            r.num_out_of_window.fill(0);
             r.num_preemptions += 1;
         }
         self.waiting.push_front(id);
@@ -480,21 +480,18 @@ impl Engine {
         }
         // vLLM's remove_skipped_blocks: tokens before `num_computed - window` are no longer read.
         let computed = r.num_computed;
-        for g in self.pool.groups().to_vec() {
-            let Some(window) = g.sliding_window else {
+        for (gi, g) in self.pool.groups().to_vec().into_iter().enumerate() {
+            let (Some(window), Some(done)) = (g.sliding_window, r.num_out_of_window.get_mut(gi))
+            else {
                 continue;
             };
-            let out = computed.saturating_sub(window as usize) / bs;
-            for b in r.num_out_of_window..out.min(r.num_cached_blocks) {
+            let out = (computed.saturating_sub(window as usize) / bs).min(r.num_cached_blocks);
+            for b in *done..out {
                 if let Some(bid) = r.block_ids.get(b) {
                     self.pool.leave_window(*bid, g.idx);
                 }
             }
-        }
-        let min_window = self.cfg.sliding_windows.iter().min().copied();
-        if let Some(w) = min_window {
-            let out = computed.saturating_sub(w as usize) / bs;
-            r.num_out_of_window = r.num_out_of_window.max(out.min(r.num_cached_blocks));
+            *done = (*done).max(out);
         }
     }
 
@@ -1270,7 +1267,7 @@ mod tests {
     #[test]
     fn sliding_window_group_drops_blocks_full_attention_keeps() {
         let mut c = cfg(48, 256, 16);
-        c.sliding_windows = vec![32];
+        c.sliding_windows = vec![32, 64];
         let mut e = Engine::new(c, (10..26).collect());
         let (ledger, _rxs) = pressured_run(&mut e, 2);
         assert_eq!(
@@ -1285,7 +1282,7 @@ mod tests {
         // Both groups store every block; the window group holds far fewer at the end.
         let held = |g: u32| ledger.live.keys().filter(|(x, _)| *x == g).count();
         assert_eq!(held(0), e.pool.num_cached());
-        assert!(held(1) < held(0), "{} vs {}", held(1), held(0));
+        assert!(held(1) < held(2) && held(2) < held(0), "{} {} {}", held(0), held(1), held(2));
         let groups = e.pool.groups();
         assert_eq!(groups[0].kind, Some("full_attention"));
         assert_eq!(

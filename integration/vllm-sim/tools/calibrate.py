@@ -5,6 +5,7 @@
     calibrate.py curve  [--scale S]         one pod: output tok/s and TTFT vs QPS (its 1/8 share of the reference)
     calibrate.py random8 [--scale S]        8 pods, 150 groups x 5 prompts, random routing vs group affinity
     calibrate.py cpu                        8 pods at 60 QPS, 1,000-token outputs: CPU used by the simulator
+    calibrate.py clock [--pods P] [--scales 1 0.25]   closed loop, 80 in flight per pod: tok/s per time scale
     calibrate.py all
 
 Workload (llm-d 73-capacity, inference-perf shared_prefix): per group a 6,000-token system prompt, 5 questions of
@@ -232,9 +233,61 @@ def cmd_cpu(args):
                rows)
 
 
+def cmd_clock(args):
+    """Closed loop: 80 requests in flight per pod all the time (one group per pod's share, group affinity), so
+    each pod decodes ~80 sequences; output tok/s in simulated time must not depend on the time scale."""
+    prompts = workload(19 * args.pods, 5)
+    inflight = args.max_inflight // 8
+    print(f"\n## Clock: {args.pods} pod(s), {inflight} in flight per pod, closed loop, {args.warmup} s warm-up + "
+          f"{args.stage} s measured (simulated)")
+    print("| time scale | out tok/s per pod | TTFT p50 | TTFT p90 | sim CPU (cores) |\n|---|---|---|---|---|")
+    for scale in args.scales:
+        with simcluster.SimCluster(pods=args.pods, time_scale=scale, stream_interval=64) as c:
+            row = asyncio.run(closed_loop(c, prompts, inflight, scale, args.warmup, args.stage))
+        print(f"| {scale:g} | {row['tok_s']:.0f} | {row['p50']:.3f} | {row['p90']:.3f} | {row['cpu']:.3f} |")
+        sys.stdout.flush()
+
+
+async def closed_loop(cluster, prompts, per_pod, scale, warmup, stage):
+    bodies = [body(p) for _, p in prompts]
+    ttfts = []
+    measuring = [False]
+    stop = [False]
+
+    pods = len(cluster.ports)
+    mine = [[i for i, (g, _) in enumerate(prompts) if g % pods == p] for p in range(pods)]  # group affinity
+
+    async def worker(pod, k):
+        i = k
+        while not stop[0]:
+            idx = mine[pod][i % len(mine[pod])]
+            t0 = time.monotonic()
+
+            def on_first():
+                if measuring[0]:
+                    ttfts.append((time.monotonic() - t0) / scale)
+
+            await stream_request(cluster.host, cluster.ports[pod], bodies[idx], 3600, on_first)
+            i += per_pod
+
+    tasks = [asyncio.create_task(worker(p, k)) for p in range(len(cluster.ports)) for k in range(per_pod)]
+    await asyncio.sleep(warmup * scale)
+    before, cpu0, t0 = scrape(cluster.urls), cluster.cpu_seconds(), time.monotonic()
+    measuring[0] = True
+    await asyncio.sleep(stage * scale)
+    after, cpu1, wall = scrape(cluster.urls), cluster.cpu_seconds(), time.monotonic() - t0
+    stop[0] = True
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gen = total(after, "vllm:generation_tokens_total") - total(before, "vllm:generation_tokens_total")
+    return {"tok_s": gen / (wall / scale) / len(cluster.ports), "p50": pct(ttfts, 50), "p90": pct(ttfts, 90),
+            "cpu": (cpu1 - cpu0) / wall}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["ttft", "curve", "random8", "cpu", "all"])
+    ap.add_argument("what", choices=["ttft", "curve", "random8", "cpu", "clock", "all"])
     ap.add_argument("--scale", type=float, default=1.0, help="time scale of the pods (wall s per sim s)")
     ap.add_argument("--stage", type=float, default=30.0, help="seconds (simulated) per QPS stage")
     ap.add_argument("--warmup", type=float, default=30.0)
@@ -243,8 +296,11 @@ def main():
     ap.add_argument("--drain", type=float, default=120.0, help="simulated s to wait for first tokens after the last stage")
     ap.add_argument("--strategies", nargs="+", default=["random", "affinity"], choices=["random", "affinity"],
                     help="random8: routing strategies (affinity = each group on one pod, ideal prefix routing)")
+    ap.add_argument("--pods", type=int, default=1, help="clock: pods in one process")
+    ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.25], help="clock: time scales to compare")
     args = ap.parse_args()
-    for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu)]:
+    for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu),
+                     ("clock", cmd_clock)]:
         if args.what in (name, "all"):
             fn(args)
 
