@@ -11,7 +11,7 @@
 Workload (llm-d 73-capacity, inference-perf shared_prefix): per group a 6,000-token system prompt, 5 questions of
 1,200 tokens, 1,000 output tokens (ignore_eos), streaming, pretokenized prompts (random ids, so the load generator
 stays cheap). Arrivals are Poisson in simulated time; at most --max-inflight requests in flight (inference-perf's
-worker concurrency; TTFT is timed from dispatch, as benchmark.md explains). Throughput comes from the pods'
+worker concurrency; TTFT is timed from dispatch, as the reference's numbers imply). Throughput comes from the pods'
 vllm:generation_tokens_total deltas over each stage; TTFT from the client. --scale < 1 runs the pods (and the
 arrival clock) faster than real time; TTFTs are reported in simulated seconds.
 """
