@@ -689,6 +689,7 @@ impl Engine {
     /// Admin flush, as vLLM's `reset_prefix_cache`: refused (false) while any request holds
     /// blocks; otherwise drops the prefix cache (AllBlocksCleared) and resets the counters.
     pub fn flush(&mut self) -> bool {
+        self.reap_aborted();
         if self.reqs.values().any(|r| !r.block_ids.is_empty()) {
             return false;
         }
