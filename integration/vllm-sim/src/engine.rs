@@ -1283,7 +1283,13 @@ mod tests {
         // Both groups store every block; the window group holds far fewer at the end.
         let held = |g: u32| ledger.live.keys().filter(|(x, _)| *x == g).count();
         assert_eq!(held(0), e.pool.num_cached());
-        assert!(held(1) < held(2) && held(2) < held(0), "{} {} {}", held(0), held(1), held(2));
+        assert!(
+            held(1) < held(2) && held(2) < held(0),
+            "{} {} {}",
+            held(0),
+            held(1),
+            held(2)
+        );
         let groups = e.pool.groups();
         assert_eq!(groups[0].kind, Some("full_attention"));
         assert_eq!(
