@@ -1,6 +1,8 @@
 """Real vLLM event shapes behind flags, end to end through the binary: CPU-offload placeholders,
 cache_salt, image parts (extra_keys), sliding-window KV-cache groups."""
 
+import queue
+
 import requests
 
 import simcluster
@@ -12,6 +14,20 @@ def post(url, path, body):
     r = requests.post(url + path, json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def subscribed(c, sub):
+    """Waits until the pod's publisher reaches the SUB (a connecting PUB drops what it sends before that), then
+    flushes the pod and drains up to its AllBlocksCleared, so the test starts cold and receives every later batch."""
+    for attempt in range(100):
+        post(c.urls[0], "/v1/completions", {"prompt": [7 + attempt] * 17, "max_tokens": 1})
+        try:
+            sub.get(timeout=0.2)
+            break
+        except queue.Empty:
+            continue
+    assert requests.post(c.urls[0] + "/admin/flush", timeout=10).status_code == 200
+    sub.events(lambda got: any(e["type"] == "AllBlocksCleared" for e in got))
 
 
 def cached(resp):
@@ -30,6 +46,7 @@ def hashes(events):
 def test_offload_placeholders_join_gpu_batches(sim_bin, sub):
     with simcluster.SimCluster(pods=1, time_scale=0.02, max_num_batched_tokens=32, kv_offload_cpu_blocks=4,
                                kv_events_endpoint=sub.endpoint) as c:
+        subscribed(c, sub)
         post(c.urls[0], "/v1/completions", {"prompt": list(range(1000, 1100)), "max_tokens": 1})
         evs, msgs = sub.events(lambda got: len(hashes(stored(got, "CPU"))) >= 6)
         gpu, cpu = stored(evs), stored(evs, "CPU")
@@ -49,6 +66,7 @@ def test_offload_placeholders_join_gpu_batches(sim_bin, sub):
 def test_cache_salt_isolates_tenants(sim_bin, sub):
     prompt = list(range(2000, 2100))
     with simcluster.SimCluster(pods=1, time_scale=0.02, kv_events_endpoint=sub.endpoint) as c:
+        subscribed(c, sub)
         url = c.urls[0]
         assert cached(post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": "a"})) == 0
         evs, _ = sub.events(lambda got: len(hashes(stored(got))) >= 6)
@@ -74,6 +92,7 @@ def test_image_parts_key_their_blocks(sim_bin, sub):
         return post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
 
     with simcluster.SimCluster(pods=1, time_scale=0.02, kv_events_endpoint=sub.endpoint) as c:
+        subscribed(c, sub)
         url = c.urls[0]
         first = chat(url, "https://example.com/cat.png")
         n = first["usage"]["prompt_tokens"]
@@ -92,6 +111,7 @@ def test_image_parts_key_their_blocks(sim_bin, sub):
 def test_sliding_window_group_events(sim_bin, sub):
     with simcluster.SimCluster(pods=1, time_scale=0.02, max_num_batched_tokens=32, sliding_window_groups=[32],
                                kv_events_endpoint=sub.endpoint) as c:
+        subscribed(c, sub)
         post(c.urls[0], "/v1/completions", {"prompt": list(range(3000, 3100)), "max_tokens": 1})
         evs, _ = sub.events(lambda got: len(hashes(stored(got, group=1))) >= 6)
         full, sliding = stored(evs, group=0), stored(evs, group=1)
