@@ -69,10 +69,19 @@ def baseline(endpoints: List[str], policy: str) -> str:
 
 def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None) -> str:
     """kvroute gateway (envoy/gateway.yaml); with indexer_address the precise one (envoy/gateway-precise.yaml:
-    singleton feed poller, kvroute_indexer cluster, vllm_tokenizer cluster = the pods' /tokenize)."""
+    singleton feed poller, kvroute_indexer cluster, vllm_tokenizer cluster = the pods' /tokenize).
+    `plugin["indexer"]` (e.g. a scaled poll_ms) also reaches the singleton's own configuration."""
     ctl = _envoyctl()
     if indexer_address:
         text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address)
     else:
         text = ctl.render_gateway(endpoints, plugin)
-    return yaml.safe_dump(overlay(yaml.safe_load(text)), sort_keys=False)
+    cfg = overlay(yaml.safe_load(text))
+    if "indexer" in plugin:
+        for extension in cfg.get("bootstrap_extensions", []):
+            conf = extension["typed_config"]["config"]["configuration"]
+            singleton = json.loads(conf["value"])
+            if "indexer" in singleton:
+                singleton["indexer"].update(plugin["indexer"])
+                conf["value"] = json.dumps(singleton)
+    return yaml.safe_dump(cfg, sort_keys=False)

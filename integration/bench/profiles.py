@@ -17,9 +17,10 @@ s × their modelled time, and the load is compressed the same way — each stage
 keeps its request count N = int(rate × duration), over round(duration × s)
 wall seconds (≥ 1). Every time the report prints is converted back to
 simulated seconds (TTFT ÷ s, tok/s × s), so a scaled run reads like the
-reference. What does not scale: the routers' own wall-clock timers (event
-feed polling, learned-entry TTLs, the peers' tree-eviction intervals) run
-1/s times slower relative to the pods. `full` at s = 0.25 takes ~3 hours
+reference. kvroute's timers (feed polling, learned-entry TTL, snapshot
+interval) are scaled alike (strategies.kvroute_timers); the peers' own
+wall-clock timers (tree-eviction intervals) run 1/s times slower relative to
+the pods. `full` at s = 0.25 takes ~3 hours
 for all 9 strategies on 2 cores (measured: 15–18 min per prefix-aware strategy,
 ~24 min per cache-blind one); at s = 1, four times that.
 

@@ -302,8 +302,11 @@ def write(out: str) -> str:
         L.append(f"**Time-scaled run: the pods ran at {ts:g} wall seconds per simulated second** (vllm-sim `--time-scale {ts:g}`), "
                  "the load compressed the same way (same requests per stage, stages shortened to round(duration × scale) s). "
                  f"Every time and rate below is in simulated seconds (wall TTFT ÷ {ts:g}, wall tok/s × {ts:g}), so it reads "
-                 "like the reference; the routers' own wall-clock timers (feed polling, TTLs, tree eviction) were "
-                 f"{1 / ts:g}× slower relative to the pods than in a real-time run. Wall-clock values are kept in results.json.")
+                 "like the reference. Routers' timers in simulated time: kvroute's are scaled with the pods (feed poll, "
+                 "learned-entry TTL and snapshot interval set to their shipped value × the scale, so they keep their shipped "
+                 "simulated length: 100 ms, 600 s, 2 s; see each strategy's notes); every other router's timers "
+                 f"(tree eviction, health checks) run on wall time, so a wall interval T lasts T ÷ {ts:g} simulated. "
+                 "Wall-clock values are kept in results.json.")
         L.append("")
     L.append("## Summary")
     L.append("")

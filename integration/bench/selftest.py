@@ -6,7 +6,8 @@
 Covers: profile arithmetic, Prometheus parsing and counter deltas, wrk output
 parsing, the seeded arrival schedule (two timers from the same seed give the
 same gaps, a different seed does not), the Envoy configs (baseline and kvroute
-precise: overlay present, filter removed or singleton added), and the report on
+precise: overlay present, filter removed or singleton added), kvroute's timers
+scaled with the pods' time scale (singleton and filter), and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -124,6 +125,27 @@ def envoy_configs():
     assert single["role"] == "singleton" and single["indexer"]["cluster"] == "kvroute_indexer"
     hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["http_filters"][0]["name"] == "kvroute" and hcm["stream_idle_timeout"] == "0s"
+    assert single["indexer"]["poll_ms"] == 100
+
+
+@check
+def kvroute_timers_scale_with_the_pods():
+    import yaml
+
+    import envoy_bench
+    import strategies
+
+    assert strategies.kvroute_timers(1.0) == strategies.KVROUTE_TIMERS
+    assert strategies.kvroute_timers(0.25) == {"poll_ms": 25, "ttl_seconds": 150, "snapshot_interval_ms": 500}
+    assert strategies.kvroute_timers(0.01)["poll_ms"] == 10  # the config's minimum
+    eps = ["127.0.0.1:1001"]
+    plugin = strategies.kvroute_plugin_config("precise", eps, 100, 16, time_scale=0.25)
+    pr = yaml.safe_load(envoy_bench.kvroute(eps, plugin, indexer_address="127.0.0.1:9"))
+    single = json.loads(pr["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"])
+    hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filt = json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
+    assert single["indexer"]["poll_ms"] == 25 and filt["indexer"]["poll_ms"] == 25
+    assert filt["index"] == {"ttl_seconds": 150, "snapshot_interval_ms": 500}
 
 
 @check

@@ -138,21 +138,36 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 
 # ---------------------------------------------------------------- kvroute
 
-def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int) -> Dict[str, Any]:
+# kvroute's shipped wall-clock timers (envoy/gateway-precise.yaml, schema/plugin-config.schema.json defaults).
+KVROUTE_TIMERS = {"poll_ms": 100, "ttl_seconds": 600, "snapshot_interval_ms": 2000}
+KVROUTE_TIMER_MINIMA = {"poll_ms": 10, "ttl_seconds": 1, "snapshot_interval_ms": 100}
+
+
+def kvroute_timers(time_scale: float) -> Dict[str, int]:
+    """kvroute's timers in wall time for pods running at `time_scale` (wall s per simulated s): the shipped
+    values times the scale (within the config's minima), so each keeps its shipped length in simulated time."""
+    return {k: max(KVROUTE_TIMER_MINIMA[k], round(v * time_scale)) for k, v in KVROUTE_TIMERS.items()}
+
+
+def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int,
+                          time_scale: float = 1.0) -> Dict[str, Any]:
     """Plugin config per mode, merged over envoy/gateway.yaml (precise: envoy/gateway-precise.yaml).
 
     Only the pods, their KV capacity (the simulated pods' real one) and the block size are set for
-    every mode; load-only sets weights.prefill = 0. Everything else is the shipped config."""
+    every mode; load-only sets weights.prefill = 0; the timers are scaled with the pods' clock
+    (kvroute_timers). Everything else is the shipped config."""
+    t = kvroute_timers(time_scale)
     cfg: Dict[str, Any] = {
         "block_size": block_size,
         "endpoints": [{"address": a, "capacity_blocks": capacity_blocks} for a in endpoints],
+        "index": {"ttl_seconds": t["ttl_seconds"], "snapshot_interval_ms": t["snapshot_interval_ms"]},
     }
     if mode == "load":
         cfg["weights"] = {"prefill": 0.0, "decode": 1.0}
     elif mode == "approximate":
         pass
     elif mode == "precise":
-        pass  # envoy/gateway-precise.yaml's indexer, tokenizer and weights
+        cfg["indexer"] = {"poll_ms": t["poll_ms"]}  # else envoy/gateway-precise.yaml's indexer, tokenizer, weights
     else:
         raise ValueError(mode)
     return cfg
@@ -205,7 +220,11 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
     with contextlib.ExitStack() as stack:
         argv: List[List[str]] = []
         pids: List[int] = []
-        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size)
+        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size, sim.time_scale)
+        t = kvroute_timers(sim.time_scale)
+        notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
+                     f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "
+                     f"snapshot interval {t['snapshot_interval_ms']} ms (2,000 ms)")
         idx = None
         if mode == "precise":
             idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size,

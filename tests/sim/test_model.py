@@ -39,11 +39,13 @@ def test_cold_vs_warm_ttft_matches_cost_model(sim_bin):
 
 
 def test_queueing_when_max_num_seqs_reached(sim_bin):
+    # Each pair of requests decodes for 2,000 steps (≈ 1.3 s wall at this scale), so the queue
+    # is still full when scraped.
     with simcluster.SimCluster(pods=1, time_scale=0.05, max_num_seqs=2) as c:
         url = c.urls[0]
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(requests.post, url + "/v1/completions",
-                              json={"prompt": [i + 1] * 32, "max_tokens": 200}, timeout=60) for i in range(6)]
+                              json={"prompt": [i + 1] * 32, "max_tokens": 2000}, timeout=60) for i in range(6)]
             time.sleep(0.3)
             m = requests.get(url + "/metrics", timeout=5).text
             for f in futs:

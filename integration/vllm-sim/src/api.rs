@@ -17,7 +17,7 @@ use axum::Router;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, Notify};
 
-use crate::engine::{Engine, Finish, NewRequest, Out, Sink};
+use crate::engine::{Engine, Finish, HashKeys, MmItem, NewRequest, Out, Sink};
 use crate::events::Publisher;
 use crate::tokenize::{render_chat, ChatMessage, Tokenizer};
 
@@ -203,7 +203,15 @@ fn token_array(v: &Value, key: &'static str) -> ApiResult<Vec<u32>> {
         .collect()
 }
 
-fn message_text(content: &Value) -> ApiResult<String> {
+/// Stands for an image part in rendered chat text; replaced by the image's placeholder tokens.
+const IMAGE_SENTINEL: char = '\u{FFFC}';
+/// Qwen2-VL's `<|image_pad|>`: every image becomes this many copies of it (real models vary
+/// the count with the resolution; the routing question is only that the ids repeat).
+const IMAGE_PAD_TOKEN: u32 = 151_655;
+const IMAGE_PAD_TOKENS: usize = 64;
+
+/// A message's text, with [`IMAGE_SENTINEL`] for each image part (its URL pushed to `images`).
+fn message_text(content: &Value, images: &mut Vec<String>) -> ApiResult<String> {
     match content {
         Value::Null => Ok(String::new()),
         Value::String(s) => Ok(s.clone()),
@@ -215,6 +223,20 @@ fn message_text(content: &Value) -> ApiResult<String> {
                     p.get("text").and_then(Value::as_str),
                 ) {
                     (Some("text"), Some(t)) => s.push_str(t),
+                    (Some("image_url"), _) => {
+                        let url = p
+                            .get("image_url")
+                            .and_then(|u| u.get("url"))
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| {
+                                ApiError::bad_param(
+                                    "messages",
+                                    "messages: image_url part without `image_url.url`",
+                                )
+                            })?;
+                        images.push(url.to_string());
+                        s.push(IMAGE_SENTINEL);
+                    }
                     (Some("text"), None) => {
                         return Err(ApiError::bad_param(
                             "messages",
@@ -246,7 +268,7 @@ fn message_text(content: &Value) -> ApiResult<String> {
     }
 }
 
-fn chat_messages(m: &Map<String, Value>) -> ApiResult<Vec<ChatMessage>> {
+fn chat_messages(m: &Map<String, Value>, images: &mut Vec<String>) -> ApiResult<Vec<ChatMessage>> {
     let msgs = match m.get("messages") {
         None => return Err(ApiError::bad_param("messages", "messages: Field required")),
         Some(Value::Array(a)) => a,
@@ -270,7 +292,7 @@ fn chat_messages(m: &Map<String, Value>) -> ApiResult<Vec<ChatMessage>> {
             })?;
             Ok(ChatMessage {
                 role: role.to_string(),
-                content: message_text(msg.get("content").unwrap_or(&Value::Null))?,
+                content: message_text(msg.get("content").unwrap_or(&Value::Null), images)?,
             })
         })
         .collect()
@@ -278,14 +300,53 @@ fn chat_messages(m: &Map<String, Value>) -> ApiResult<Vec<ChatMessage>> {
 
 /// Prompt token ids of a chat request: `prompt_token_ids` when given, else the template.
 fn chat_tokens(pod: &Pod, m: &Map<String, Value>) -> ApiResult<Vec<u32>> {
+    Ok(chat_prompt(pod, m)?.0)
+}
+
+/// Chat prompt ids and their multimodal items. Text between images is tokenized piecewise;
+/// each image becomes `IMAGE_PAD_TOKENS` placeholder ids, identified (as vLLM's mm hash
+/// identifies the image) by a hash of its URL.
+fn chat_prompt(pod: &Pod, m: &Map<String, Value>) -> ApiResult<(Vec<u32>, Vec<MmItem>)> {
     if let Some(v) = m.get("prompt_token_ids").filter(|v| !v.is_null()) {
-        return token_array(v, "prompt_token_ids");
+        return Ok((token_array(v, "prompt_token_ids")?, Vec::new()));
     }
-    let msgs = chat_messages(m)?;
+    let mut images = Vec::new();
+    let msgs = chat_messages(m, &mut images)?;
     let text = render_chat(&msgs, opt_bool(m, "add_generation_prompt", true)?);
-    pod.tokenizer
-        .encode(&text, opt_bool(m, "add_special_tokens", false)?)
-        .map_err(|e| ApiError::internal(e.0))
+    let special = opt_bool(m, "add_special_tokens", false)?;
+    let mut tokens = Vec::new();
+    let mut items = Vec::new();
+    for (i, piece) in text.split(IMAGE_SENTINEL).enumerate() {
+        if i > 0 {
+            let url = images.get(i - 1).map(String::as_str).unwrap_or_default();
+            items.push(MmItem {
+                identifier: format!("{:032x}", xxhash_rust::xxh3::xxh3_128(url.as_bytes())),
+                offset: tokens.len(),
+                len: IMAGE_PAD_TOKENS,
+            });
+            tokens.extend(std::iter::repeat_n(IMAGE_PAD_TOKEN, IMAGE_PAD_TOKENS));
+        }
+        if !piece.is_empty() {
+            let ids = pod
+                .tokenizer
+                .encode(piece, special && i == 0)
+                .map_err(|e| ApiError::internal(e.0))?;
+            tokens.extend(ids);
+        }
+    }
+    Ok((tokens, items))
+}
+
+/// vLLM's `cache_salt`: a non-empty string when given.
+fn cache_salt(m: &Map<String, Value>) -> ApiResult<Option<String>> {
+    match m.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_param(
+            "cache_salt",
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+        )),
+    }
 }
 
 /// Prompts of a completions request (string, strings, ids, or lists of ids).
@@ -423,16 +484,20 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-fn submit(pod: &Pod, prompts: Vec<(Vec<u32>, usize)>) -> mpsc::UnboundedReceiver<(usize, Out)> {
+fn submit(
+    pod: &Pod,
+    prompts: Vec<(Vec<u32>, usize, HashKeys)>,
+) -> mpsc::UnboundedReceiver<(usize, Out)> {
     let (tx, rx) = mpsc::unbounded_channel();
     {
         let mut e = pod.engine();
         let now = Instant::now();
-        for (idx, (prompt, max_tokens)) in prompts.into_iter().enumerate() {
+        for (idx, (prompt, max_tokens, keys)) in prompts.into_iter().enumerate() {
             e.add(
                 NewRequest {
                     prompt,
                     max_tokens,
+                    keys,
                     sink: Sink {
                         idx,
                         tx: tx.clone(),
@@ -634,15 +699,23 @@ async fn generate(pod: Arc<Pod>, body: Bytes, chat: bool) -> ApiResult<Response>
         let m = parse_body(&body)?;
         let model = check_model(&p, &m)?;
         let (stream, include_usage, max_tokens) = sampling(&m, chat)?;
+        let salt = cache_salt(&m)?;
         let prompts = if chat {
-            vec![chat_tokens(&p, &m)?]
+            vec![chat_prompt(&p, &m)?]
         } else {
             completion_prompts(&p, &m)?
+                .into_iter()
+                .map(|t| (t, Vec::new()))
+                .collect()
         };
         let mut reqs = Vec::with_capacity(prompts.len());
-        for prompt in prompts {
+        for (prompt, mm) in prompts {
             let mt = check_lengths(&p, &prompt, max_tokens)?;
-            reqs.push((prompt, mt));
+            let keys = HashKeys {
+                cache_salt: salt.clone(),
+                mm,
+            };
+            reqs.push((prompt, mt, keys));
         }
         Ok((model, stream, include_usage, reqs))
     })
@@ -785,10 +858,20 @@ async fn metrics(State(pod): State<Arc<Pod>>) -> Response {
 
 async fn flush(State(pod): State<Arc<Pod>>) -> Response {
     let mut e = pod.engine();
-    e.flush();
+    let flushed = e.flush();
     pod.publish_pending(&mut e);
     drop(e);
-    axum::Json(json!({"flushed": true, "pod": pod.addr})).into_response()
+    // As vLLM's reset_prefix_cache, refused while requests hold blocks (409).
+    let status = if flushed {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
+    };
+    (
+        status,
+        axum::Json(json!({"flushed": flushed, "pod": pod.addr})),
+    )
+        .into_response()
 }
 
 async fn not_found() -> Response {

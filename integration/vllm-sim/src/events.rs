@@ -25,6 +25,45 @@ const RECONNECT_ATTEMPT: std::time::Duration = std::time::Duration::from_secs(1)
 /// Pause between connect attempts (libzmq's default reconnect interval is 100 ms).
 const RECONNECT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// Where a block lives (vLLM's `medium`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    Gpu,
+    /// CPU tier of vLLM's OffloadingConnector (placeholder stores, CPU evictions).
+    Cpu,
+}
+
+impl Medium {
+    fn wire(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+        }
+    }
+}
+
+/// The KV-cache group an event belongs to (vLLM's `group_idx`, and on stores
+/// `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` when a model has several groups).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    pub idx: u32,
+    pub kind: Option<&'static str>,
+    pub sliding_window: Option<u32>,
+}
+
+impl Group {
+    /// The only group of a plain (non-hybrid) model, as vLLM writes it: `group_idx` 0, no kind.
+    pub const PLAIN: Group = Group {
+        idx: 0,
+        kind: None,
+        sliding_window: None,
+    };
+}
+
+/// Per-block extra keys of a store (vLLM's `extra_keys`: one entry per block, nil when a
+/// block has none); `None` when no block has any (the field is then omitted, as vLLM does).
+pub type ExtraKeys = Option<Vec<Option<Vec<String>>>>;
+
 /// One KV-cache event (the fields the simulator sets). Hashes are full digests; the
 /// wire form is chosen by [`HashEncoding`] when the batch is encoded.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,15 +75,68 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<u32>,
         lora_name: Option<String>,
+        medium: Medium,
+        extra_keys: ExtraKeys,
+        /// `None`: no group fields (vLLM's OffloadingConnector placeholders).
+        group: Option<Group>,
     },
     BlockRemoved {
         block_hashes: Vec<BlockHash>,
+        medium: Medium,
+        group: Option<Group>,
     },
     AllBlocksCleared,
 }
 
-/// Medium of every block the simulator holds (vLLM's `MEDIUM_GPU`).
-pub const MEDIUM_GPU: &str = "GPU";
+impl KvEvent {
+    /// A GPU store of full blocks in the plain group, without LoRA or extra keys.
+    #[cfg(test)]
+    pub fn stored(
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> Self {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id: None,
+            lora_name: None,
+            medium: Medium::Gpu,
+            extra_keys: None,
+            group: Some(Group::PLAIN),
+        }
+    }
+
+    /// A GPU removal in the plain group.
+    #[cfg(test)]
+    pub fn removed(block_hashes: Vec<BlockHash>) -> Self {
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium: Medium::Gpu,
+            group: Some(Group::PLAIN),
+        }
+    }
+
+    /// vLLM's OffloadingConnector placeholder: blocks now also held in CPU memory, named by
+    /// hash only (empty token_ids, block_size 0, medium "CPU", no parent, no group).
+    pub fn cpu_placeholder(block_hashes: Vec<BlockHash>) -> Self {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            lora_name: None,
+            medium: Medium::Cpu,
+            extra_keys: None,
+            group: None,
+        }
+    }
+}
+
 /// vLLM's replay buffer size (`buffer_steps` default).
 pub const REPLAY_BUFFER_STEPS: usize = 10_000;
 /// Sequence number of the replay end marker.
@@ -113,6 +205,13 @@ fn hashes(w: &mut W, hs: &[BlockHash], e: HashEncoding) {
     }
 }
 
+fn opt_uint(w: &mut W, v: Option<u32>) {
+    match v {
+        Some(v) => uint(w, u64::from(v)),
+        None => nil(w),
+    }
+}
+
 fn encode_event(w: &mut W, ev: &KvEvent, e: HashEncoding) {
     match ev {
         KvEvent::BlockStored {
@@ -122,12 +221,19 @@ fn encode_event(w: &mut W, ev: &KvEvent, e: HashEncoding) {
             block_size,
             lora_id,
             lora_name,
+            medium,
+            extra_keys,
+            group,
         } => {
-            // type, block_hashes, parent_block_hash, token_ids, block_size,
-            // lora_id, medium, lora_name, group_idx = 9 fields written; the
-            // struct has > 15 fields so msgspec uses a map16 header.
+            // Fields in vLLM's order; optional ones only when set (msgspec omit_defaults).
+            // The struct has > 15 fields, so msgspec always writes a map16 header.
+            let fields = 8
+                + u16::from(extra_keys.is_some())
+                + group.map_or(0, |g| {
+                    1 + u16::from(g.kind.is_some()) + u16::from(g.sliding_window.is_some())
+                });
             w.push(0xde);
-            w.extend_from_slice(&9u16.to_be_bytes());
+            w.extend_from_slice(&fields.to_be_bytes());
             str_(w, "type");
             str_(w, "BlockStored");
             str_(w, "block_hashes");
@@ -145,30 +251,58 @@ fn encode_event(w: &mut W, ev: &KvEvent, e: HashEncoding) {
             str_(w, "block_size");
             uint(w, u64::from(*block_size));
             str_(w, "lora_id");
-            match lora_id {
-                Some(id) => uint(w, u64::from(*id)),
-                None => nil(w),
-            }
+            opt_uint(w, *lora_id);
             str_(w, "medium");
-            str_(w, MEDIUM_GPU);
+            str_(w, medium.wire());
             str_(w, "lora_name");
             match lora_name {
                 Some(n) => str_(w, n),
                 None => nil(w),
             }
-            str_(w, "group_idx");
-            uint(w, 0);
+            if let Some(per_block) = extra_keys {
+                str_(w, "extra_keys");
+                let _ = enc::write_array_len(w, per_block.len() as u32);
+                for keys in per_block {
+                    match keys {
+                        Some(keys) => {
+                            let _ = enc::write_array_len(w, keys.len() as u32);
+                            for k in keys {
+                                str_(w, k);
+                            }
+                        }
+                        None => nil(w),
+                    }
+                }
+            }
+            if let Some(g) = group {
+                str_(w, "group_idx");
+                uint(w, u64::from(g.idx));
+                if let Some(kind) = g.kind {
+                    str_(w, "kv_cache_spec_kind");
+                    str_(w, kind);
+                }
+                if let Some(window) = g.sliding_window {
+                    str_(w, "kv_cache_spec_sliding_window");
+                    uint(w, u64::from(window));
+                }
+            }
         }
-        KvEvent::BlockRemoved { block_hashes } => {
-            let _ = enc::write_map_len(w, 4);
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            group,
+        } => {
+            let _ = enc::write_map_len(w, 3 + u32::from(group.is_some()));
             str_(w, "type");
             str_(w, "BlockRemoved");
             str_(w, "block_hashes");
             hashes(w, block_hashes, e);
             str_(w, "medium");
-            str_(w, MEDIUM_GPU);
-            str_(w, "group_idx");
-            uint(w, 0);
+            str_(w, medium.wire());
+            if let Some(g) = group {
+                str_(w, "group_idx");
+                uint(w, u64::from(g.idx));
+            }
         }
         KvEvent::AllBlocksCleared => {
             let _ = enc::write_map_len(w, 1);
@@ -425,14 +559,7 @@ mod tests {
 
     #[test]
     fn stored_from_root_matches_golden_bytes() {
-        let ev = KvEvent::BlockStored {
-            block_hashes: H.to_vec(),
-            parent_block_hash: None,
-            token_ids: (0..64).collect(),
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-        };
+        let ev = KvEvent::stored(H.to_vec(), None, (0..64).collect(), 16);
         assert_eq!(
             encode_batch(TS, &[ev], 0),
             golden("int_00_stored_4blocks_root.payload.msgpack")
@@ -456,22 +583,18 @@ mod tests {
             .iter()
             .map(|x| x.as_u64().unwrap() as u32)
             .collect();
-        let ours = KvEvent::BlockStored {
-            block_hashes: hs,
-            parent_block_hash: ev["parent_block_hash"].as_u64().map(u128::from),
-            token_ids: toks,
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-        };
+        let ours = KvEvent::stored(
+            hs,
+            ev["parent_block_hash"].as_u64().map(u128::from),
+            toks,
+            16,
+        );
         assert_eq!(encode_batch(TS, &[ours], 0), g);
     }
 
     #[test]
     fn removed_cleared_and_mixed_match_golden_bytes() {
-        let removed = KvEvent::BlockRemoved {
-            block_hashes: vec![H[3]],
-        };
+        let removed = KvEvent::removed(vec![H[3]]);
         assert_eq!(
             encode_batch(TS, std::slice::from_ref(&removed), 0),
             golden("int_03_removed_gpu.payload.msgpack")
@@ -480,14 +603,7 @@ mod tests {
             encode_batch(TS, &[KvEvent::AllBlocksCleared], 0),
             golden("int_05_all_cleared.payload.msgpack")
         );
-        let stored = KvEvent::BlockStored {
-            block_hashes: vec![H[2], H[3]],
-            parent_block_hash: Some(H[1]),
-            token_ids: (32..64).collect(),
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-        };
+        let stored = KvEvent::stored(vec![H[2], H[3]], Some(H[1]), (32..64).collect(), 16);
         let mixed = encode_batch(TS, &[stored, removed, KvEvent::AllBlocksCleared], 0);
         assert_eq!(
             mixed,
@@ -496,9 +612,9 @@ mod tests {
     }
 
     #[test]
-    fn lora_event_has_vllm_field_order() {
-        // Golden 02 carries extra fields we never set (extra_keys, session_id);
-        // check that the fields we write appear in the golden's order with its values.
+    fn lora_and_extra_keys_have_vllm_field_order() {
+        // Golden 02 also carries session_id, which we never set; every field we write
+        // appears in the golden's order with its value (extra_keys included).
         let g = golden("int_02_stored_lora_extrakeys_session.payload.msgpack");
         let gv = rmpv::decode::read_value(&mut &g[..]).unwrap();
         let ours = encode_batch(
@@ -510,6 +626,9 @@ mod tests {
                 block_size: 16,
                 lora_id: Some(7),
                 lora_name: Some("my-lora".into()),
+                medium: Medium::Gpu,
+                extra_keys: Some(vec![Some(vec!["my-lora".into(), "salt-A".into()])]),
+                group: Some(Group::PLAIN),
             }],
             0,
         );
@@ -524,12 +643,96 @@ mod tests {
             .filter(|k| our_keys.contains(k))
             .collect();
         assert_eq!(filtered, our_keys);
+        assert_eq!(
+            golden_keys.len(),
+            our_keys.len() + 1,
+            "only session_id is missing"
+        );
         for (k, v) in om {
             let gvv = gm.iter().find(|(gk, _)| gk == k).map(|(_, v)| v).unwrap();
             assert_eq!(gvv, v, "field {k}");
         }
         // Header is map16 as msgspec writes it for BlockStored.
         assert_eq!(ours[11], 0xde);
+    }
+
+    #[test]
+    fn cpu_removal_without_group_matches_golden_bytes() {
+        let ev = KvEvent::BlockRemoved {
+            block_hashes: vec![H[0], H[1]],
+            medium: Medium::Cpu,
+            group: None,
+        };
+        assert_eq!(
+            encode_batch(TS, &[ev], 0),
+            golden("int_04_removed_cpu_no_group.payload.msgpack")
+        );
+    }
+
+    #[test]
+    fn offload_placeholder_and_hybrid_group_shapes() {
+        let batch = encode_batch(
+            TS,
+            &[
+                KvEvent::cpu_placeholder(vec![H[0]]),
+                KvEvent::BlockStored {
+                    block_hashes: vec![H[1]],
+                    parent_block_hash: Some(H[0]),
+                    token_ids: (16..32).collect(),
+                    block_size: 16,
+                    lora_id: None,
+                    lora_name: None,
+                    medium: Medium::Gpu,
+                    extra_keys: Some(vec![None]),
+                    group: Some(Group {
+                        idx: 1,
+                        kind: Some("sliding_window"),
+                        sliding_window: Some(128),
+                    }),
+                },
+            ],
+            0,
+        );
+        let v = rmpv::decode::read_value(&mut &batch[..]).unwrap();
+        let keys = |e: &rmpv::Value| -> Vec<String> {
+            e.as_map()
+                .unwrap()
+                .iter()
+                .map(|(k, _)| k.as_str().unwrap().to_string())
+                .collect()
+        };
+        let placeholder = &v[1][0];
+        assert_eq!(
+            keys(placeholder),
+            [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name"
+            ]
+        );
+        assert_eq!(placeholder["token_ids"].as_array().unwrap().len(), 0);
+        assert_eq!(placeholder["block_size"].as_u64(), Some(0));
+        assert_eq!(placeholder["medium"].as_str(), Some("CPU"));
+        let sliding = &v[1][1];
+        assert_eq!(
+            keys(sliding)[8..],
+            [
+                "extra_keys",
+                "group_idx",
+                "kv_cache_spec_kind",
+                "kv_cache_spec_sliding_window"
+            ]
+        );
+        assert!(sliding["extra_keys"][0].is_nil());
+        assert_eq!(sliding["group_idx"].as_u64(), Some(1));
+        assert_eq!(sliding["kv_cache_spec_sliding_window"].as_u64(), Some(128));
+        // Every BlockStored keeps msgspec's map16 header, whatever its field count.
+        assert_eq!(batch[11], 0xde);
     }
 
     #[test]
@@ -548,13 +751,7 @@ mod tests {
         assert_eq!(frames[1], 3u64.to_be_bytes());
         assert_eq!(
             frames[2],
-            encode_batch(
-                TS,
-                &[KvEvent::BlockRemoved {
-                    block_hashes: vec![H[3]]
-                }],
-                0
-            )
+            encode_batch(TS, &[KvEvent::removed(vec![H[3]])], 0)
         );
     }
 
@@ -601,22 +798,18 @@ mod interop_tests {
     #[test]
     fn kvroute_core_decodes_what_we_publish() {
         let toks: Vec<u32> = (0..48).collect();
-        let digests = crate::hash::chain(&toks, 16, None);
+        let digests = crate::hash::chain(&toks, 16);
         let hashes: Vec<u64> = digests.iter().map(|h| event_hash(*h)).collect();
         let batch = encode_batch(
             1.25,
             &[
-                KvEvent::BlockStored {
-                    block_hashes: digests[1..].to_vec(),
-                    parent_block_hash: Some(digests[0]),
-                    token_ids: toks[16..].to_vec(),
-                    block_size: 16,
-                    lora_id: None,
-                    lora_name: None,
-                },
-                KvEvent::BlockRemoved {
-                    block_hashes: vec![digests[2]],
-                },
+                KvEvent::stored(
+                    digests[1..].to_vec(),
+                    Some(digests[0]),
+                    toks[16..].to_vec(),
+                    16,
+                ),
+                KvEvent::removed(vec![digests[2]]),
                 KvEvent::AllBlocksCleared,
             ],
             0,
@@ -653,7 +846,7 @@ mod interop_tests {
     fn our_block_hash_is_not_kvroutes() {
         // Consumers must re-hash token_ids; nothing may line up by accident.
         let toks: Vec<u32> = (0..64).collect();
-        let ours: Vec<u64> = crate::hash::chain(&toks, 16, None)
+        let ours: Vec<u64> = crate::hash::chain(&toks, 16)
             .into_iter()
             .map(crate::hash::event_hash)
             .collect();
@@ -694,31 +887,15 @@ mod bytes_tests {
 
     #[test]
     fn bytes_hashes_match_golden_structure() {
-        let d = crate::hash::chain(&(0..64).collect::<Vec<u32>>(), 16, None);
+        let d = crate::hash::chain(&(0..64).collect::<Vec<u32>>(), 16);
         let e = HashEncoding::Bytes;
-        let stored = KvEvent::BlockStored {
-            block_hashes: d.clone(),
-            parent_block_hash: None,
-            token_ids: (0..64).collect(),
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-        };
+        let stored = KvEvent::stored(d.clone(), None, (0..64).collect(), 16);
         let ours = encode_batch_with(1_700_000_000.5, &[stored], 0, e);
         let g = golden("bytes_00_stored_4blocks_root.payload.msgpack");
         assert_eq!(ours.len(), g.len());
         assert_eq!(shape(&decode(&ours)), shape(&decode(&g)));
-        let with_parent = KvEvent::BlockStored {
-            block_hashes: d[2..].to_vec(),
-            parent_block_hash: Some(d[1]),
-            token_ids: (32..64).collect(),
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-        };
-        let removed = KvEvent::BlockRemoved {
-            block_hashes: vec![d[3]],
-        };
+        let with_parent = KvEvent::stored(d[2..].to_vec(), Some(d[1]), (32..64).collect(), 16);
+        let removed = KvEvent::removed(vec![d[3]]);
         let mixed = encode_batch_with(
             1_700_000_000.5,
             &[with_parent, removed, KvEvent::AllBlocksCleared],

@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::events::KvEvent;
+use crate::events::{Group, KvEvent, Medium};
 use crate::hash::BlockHash;
 
 #[derive(Debug, Clone, Default)]
@@ -24,6 +24,8 @@ struct Block {
     ref_cnt: u32,
     /// Stamp of the block's live entry in the free queue (0 = not free).
     free_stamp: u64,
+    /// Sliding-window groups (bit g-1 for group g) that still hold this block's hash.
+    sliding_held: u32,
 }
 
 #[derive(Debug)]
@@ -34,10 +36,14 @@ pub struct BlockPool {
     next_stamp: u64,
     cached: HashMap<BlockHash, Vec<u32>>,
     events: Vec<KvEvent>,
+    /// KV-cache groups of the model: group 0 full attention, then sliding-window groups.
+    groups: Vec<Group>,
 }
 
 impl BlockPool {
-    pub fn new(num_blocks: usize) -> Self {
+    /// A pool of `num_blocks` blocks for a model whose KV-cache groups are `groups`
+    /// (`[Group::PLAIN]` for a plain model).
+    pub fn new(num_blocks: usize, groups: Vec<Group>) -> Self {
         let mut pool = Self {
             blocks: vec![Block::default(); num_blocks],
             free: VecDeque::with_capacity(num_blocks),
@@ -45,6 +51,7 @@ impl BlockPool {
             next_stamp: 1,
             cached: HashMap::new(),
             events: Vec::new(),
+            groups,
         };
         for id in 0..num_blocks as u32 {
             pool.push_free(id);
@@ -157,9 +164,48 @@ impl BlockPool {
                 self.cached.remove(&h);
             }
         }
-        self.events.push(KvEvent::BlockRemoved {
-            block_hashes: vec![h],
-        });
+        let held = self
+            .blocks
+            .get_mut(id as usize)
+            .map_or(0, |b| std::mem::take(&mut b.sliding_held));
+        for g in &self.groups {
+            if g.idx == 0 || held & Self::sliding_bit(g.idx) != 0 {
+                self.events.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                    medium: Medium::Gpu,
+                    group: Some(*g),
+                });
+            }
+        }
+    }
+
+    fn sliding_bit(group_idx: u32) -> u32 {
+        1u32.checked_shl(group_idx.saturating_sub(1)).unwrap_or(0)
+    }
+
+    /// The model's KV-cache groups (group 0 first).
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// A sliding-window group no longer needs block `id` (it left the window): vLLM frees it
+    /// from that group, whose copy of the hash goes (BlockRemoved for that group). Once only.
+    pub fn leave_window(&mut self, id: u32, group_idx: u32) {
+        let bit = Self::sliding_bit(group_idx);
+        let Some(b) = self.blocks.get_mut(id as usize) else {
+            return;
+        };
+        let (Some(h), true) = (b.hash, b.sliding_held & bit != 0) else {
+            return;
+        };
+        b.sliding_held &= !bit;
+        if let Some(g) = self.groups.iter().find(|g| g.idx == group_idx) {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![h],
+                medium: Medium::Gpu,
+                group: Some(*g),
+            });
+        }
     }
 
     /// Releases a request's blocks; vLLM frees them tail-first so the tail is evicted first.
@@ -178,13 +224,22 @@ impl BlockPool {
         }
     }
 
-    /// Registers a block that just became full under `hash` (the caller emits BlockStored).
+    /// Registers a full block under `hash` in every group (the caller emits BlockStored).
+    /// Like vLLM, an identical block already cached is not deduplicated: both stay cached.
     pub fn cache_block(&mut self, id: u32, hash: BlockHash) {
+        let sliding_all = self.groups.iter().fold(0, |m, g| {
+            m | if g.idx == 0 {
+                0
+            } else {
+                Self::sliding_bit(g.idx)
+            }
+        });
         if let Some(b) = self.blocks.get_mut(id as usize) {
             if b.hash.is_some() {
                 return;
             }
             b.hash = Some(hash);
+            b.sliding_held = sliding_all;
             self.cached.entry(hash).or_default().push(id);
         }
     }
@@ -202,6 +257,7 @@ impl BlockPool {
     pub fn reset_prefix_cache(&mut self) {
         for b in &mut self.blocks {
             b.hash = None;
+            b.sliding_held = 0;
         }
         self.cached.clear();
         self.events.push(KvEvent::AllBlocksCleared);
@@ -216,7 +272,7 @@ mod tests {
     fn removed(evs: &[KvEvent]) -> Vec<BlockHash> {
         evs.iter()
             .filter_map(|e| match e {
-                KvEvent::BlockRemoved { block_hashes } => Some(block_hashes[0]),
+                KvEvent::BlockRemoved { block_hashes, .. } => Some(block_hashes[0]),
                 _ => None,
             })
             .collect()
@@ -224,9 +280,9 @@ mod tests {
 
     #[test]
     fn hits_misses_and_refcounts() {
-        let mut p = BlockPool::new(8);
+        let mut p = BlockPool::new(8, vec![Group::PLAIN]);
         let toks: Vec<u32> = (0..48).collect();
-        let hs = chain(&toks, 16, None);
+        let hs = chain(&toks, 16);
         assert!(p.cached_prefix(&hs).is_empty());
         let ids = p.allocate(3).unwrap();
         for (id, h) in ids.iter().zip(&hs) {
@@ -236,7 +292,7 @@ mod tests {
         // A different second block: hit only the first.
         let mut other = toks.clone();
         other[20] = 7;
-        assert_eq!(p.cached_prefix(&chain(&other, 16, None)), vec![ids[0]]);
+        assert_eq!(p.cached_prefix(&chain(&other, 16)), vec![ids[0]]);
         // Shared blocks: touch, free by both owners, still cached.
         p.touch(&ids[..2]);
         assert_eq!(p.num_free(), 5);
@@ -255,11 +311,11 @@ mod tests {
 
     #[test]
     fn eviction_is_lru_and_tail_first() {
-        let mut p = BlockPool::new(4);
+        let mut p = BlockPool::new(4, vec![Group::PLAIN]);
         let a: Vec<u32> = (0..32).collect();
         let b: Vec<u32> = (100..132).collect();
-        let ha = chain(&a, 16, None);
-        let hb = chain(&b, 16, None);
+        let ha = chain(&a, 16);
+        let hb = chain(&b, 16);
         let ia = p.allocate(2).unwrap();
         ia.iter().zip(&ha).for_each(|(i, h)| p.cache_block(*i, *h));
         let ib = p.allocate(2).unwrap();
@@ -285,8 +341,8 @@ mod tests {
 
     #[test]
     fn reset_clears_everything_and_emits_event() {
-        let mut p = BlockPool::new(4);
-        let hs = chain(&(0..32).collect::<Vec<u32>>(), 16, None);
+        let mut p = BlockPool::new(4, vec![Group::PLAIN]);
+        let hs = chain(&(0..32).collect::<Vec<u32>>(), 16);
         let ids = p.allocate(2).unwrap();
         ids.iter().zip(&hs).for_each(|(i, h)| p.cache_block(*i, *h));
         p.free_blocks(&ids);
@@ -300,7 +356,7 @@ mod tests {
 
     #[test]
     fn stale_queue_entries_stay_bounded() {
-        let mut p = BlockPool::new(4);
+        let mut p = BlockPool::new(4, vec![Group::PLAIN]);
         for _ in 0..1000 {
             let ids = p.allocate(4).unwrap();
             p.free_blocks(&ids);

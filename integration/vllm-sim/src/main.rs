@@ -17,7 +17,7 @@ use clap::Parser;
 use tokio::sync::Notify;
 
 use crate::api::Pod;
-use crate::engine::{CostModel, Engine, EngineConfig};
+use crate::engine::{CostModel, Engine, EngineConfig, PrefixStats};
 use crate::events::Publisher;
 use crate::tokenize::Tokenizer;
 
@@ -82,6 +82,18 @@ struct Args {
     /// Cost model: decode KV read per context token per running sequence (ns).
     #[arg(long, default_value_t = CostModel::default().kv_read_ns_per_token)]
     kv_read_ns_per_token: f64,
+    /// When prefix-cache queries/hits are counted: every lookup (vLLM before mid-2026) or
+    /// once at admission (vLLM since).
+    #[arg(long, value_enum, default_value_t = PrefixStats::Lookup)]
+    prefix_cache_stats: PrefixStats,
+    /// Emulate vLLM's OffloadingConnector with a CPU tier of this many blocks: its events
+    /// (placeholder BlockStored with medium "CPU", CPU BlockRemoved) join the GPU events.
+    #[arg(long, default_value_t = 0)]
+    kv_offload_cpu_blocks: usize,
+    /// A hybrid model: one sliding-window KV-cache group per value (window in tokens) beside
+    /// the full-attention group 0; events carry group_idx and kv_cache_spec_kind per group.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    sliding_window_groups: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -125,6 +137,9 @@ fn validate(a: &Args) -> Result<(), SimError> {
     if a.stream_interval == 0 {
         return bad("--stream-interval must be at least 1");
     }
+    if a.sliding_window_groups.len() > 31 || a.sliding_window_groups.contains(&0) {
+        return bad("--sliding-window-groups takes at most 31 positive windows");
+    }
     if u32::from(a.port) + u32::from(a.pods) > 65_536 {
         return bad("--port + --pods exceeds 65535");
     }
@@ -137,23 +152,47 @@ fn pod_blocks(a: &Args, i: u16) -> usize {
     v.get(usize::from(i)).or(v.first()).copied().unwrap_or(1)
 }
 
-/// The engine loop of one pod: schedule, wait the step's simulated time, commit, publish.
+/// The engine loop of one pod: schedule (and publish the step's events, as vLLM does at
+/// schedule time), wait until the step's end on the simulated clock, commit.
+///
+/// The clock is deadline-based: while the pod is busy each step ends at the previous step's
+/// end plus its simulated duration (× time scale), whatever the wall time spent scheduling
+/// or waking up, so overhead is not lost from simulated time; a late wake-up is made up by
+/// the next steps. When idle, the clock restarts at the next request.
 async fn engine_loop(pod: Arc<Pod>, time_scale: f64) {
+    let mut clock: Option<Instant> = None;
     loop {
-        let plan = pod.engine().schedule();
+        let plan = {
+            let mut e = pod.engine();
+            let plan = e.schedule();
+            pod.publish_pending(&mut e);
+            plan
+        };
         if plan.items.is_empty() {
-            {
-                let mut e = pod.engine();
-                pod.publish_pending(&mut e);
-            }
+            clock = None;
             pod.notify.notified().await;
             continue;
         }
-        tokio::time::sleep(Duration::from_secs_f64(plan.seconds * time_scale)).await;
-        let mut e = pod.engine();
-        e.complete(&plan, Instant::now());
-        pod.publish_pending(&mut e);
+        let start = clock.unwrap_or_else(Instant::now);
+        let end = start + Duration::from_secs_f64(plan.seconds * time_scale);
+        tokio::time::sleep_until(end.into()).await;
+        clock = Some(end);
+        pod.engine().complete(&plan, end);
     }
+}
+
+/// Runs a pod's engine loop on a thread of its own (a current-thread runtime): HTTP work,
+/// other pods' steps and their wake-ups never delay this pod's clock.
+fn spawn_engine(pod: Arc<Pod>, time_scale: f64, i: u16) -> Result<(), SimError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| SimError::Io(format!("engine runtime of pod {i}"), e))?;
+    std::thread::Builder::new()
+        .name(format!("engine-{i}"))
+        .spawn(move || rt.block_on(engine_loop(pod, time_scale)))
+        .map_err(|e| SimError::Io(format!("engine thread of pod {i}"), e))?;
+    Ok(())
 }
 
 async fn start_pod(
@@ -206,6 +245,9 @@ async fn start_pod(
             kv_read_ns_per_token: a.kv_read_ns_per_token,
         },
         time_scale: a.time_scale,
+        prefix_stats: a.prefix_cache_stats,
+        offload_cpu_blocks: a.kv_offload_cpu_blocks,
+        sliding_windows: a.sliding_window_groups.clone(),
     };
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -227,7 +269,7 @@ async fn start_pod(
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|e| SimError::Io(format!("bind {addr}"), e))?;
-    tokio::spawn(engine_loop(pod.clone(), a.time_scale));
+    spawn_engine(pod.clone(), a.time_scale, i)?;
     let app = api::router(pod);
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {

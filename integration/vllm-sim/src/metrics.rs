@@ -120,6 +120,22 @@ pub fn render(s: &Snapshot) -> String {
         l,
         c.prefix_hits as f64,
     );
+    // Not exported by vLLM (it logs them): lookups of resumed requests, kept apart as its
+    // PrefixCacheStats does, so the vllm: pair above stays comparable.
+    counter(
+        &mut out,
+        "vllm_sim:preempted_prefix_cache_queries_total",
+        "Prefix cache queries of previously preempted requests, in tokens.",
+        l,
+        c.preempted_prefix_queries as f64,
+    );
+    counter(
+        &mut out,
+        "vllm_sim:preempted_prefix_cache_hits_total",
+        "Prefix cache hits of previously preempted requests, in tokens.",
+        l,
+        c.preempted_prefix_hits as f64,
+    );
     counter(
         &mut out,
         "vllm:num_preemptions_total",

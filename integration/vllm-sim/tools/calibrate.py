@@ -5,6 +5,8 @@
     calibrate.py curve  [--scale S]         one pod: output tok/s and TTFT vs QPS (its 1/8 share of the reference)
     calibrate.py random8 [--scale S]        8 pods, 150 groups x 5 prompts, random routing vs group affinity
     calibrate.py cpu                        8 pods at 60 QPS, 1,000-token outputs: CPU used by the simulator
+    calibrate.py clock [--pods P] [--scales 1 0.25]   closed loop, 80 in flight per pod: tok/s per time scale
+    calibrate.py events [--route R]         8 pods, random or affinity routing: KV events replayed as an indexer would
     calibrate.py all
 
 Workload (llm-d 73-capacity, inference-perf shared_prefix): per group a 6,000-token system prompt, 5 questions of
@@ -232,9 +234,161 @@ def cmd_cpu(args):
                rows)
 
 
+def cmd_clock(args):
+    """Closed loop: 80 requests in flight per pod all the time (one group per pod's share, group affinity), so
+    each pod decodes ~80 sequences; output tok/s in simulated time must not depend on the time scale."""
+    prompts = workload(19 * args.pods, 5)
+    inflight = args.max_inflight // 8
+    print(f"\n## Clock: {args.pods} pod(s), {inflight} in flight per pod, closed loop, {args.warmup} s warm-up + "
+          f"{args.stage} s measured (simulated)")
+    print("| time scale | out tok/s per pod | TTFT p50 | TTFT p90 | sim CPU (cores) |\n|---|---|---|---|---|")
+    for scale in args.scales:
+        with simcluster.SimCluster(pods=args.pods, time_scale=scale, stream_interval=64) as c:
+            row = asyncio.run(closed_loop(c, prompts, inflight, scale, args.warmup, args.stage))
+        print(f"| {scale:g} | {row['tok_s']:.0f} | {row['p50']:.3f} | {row['p90']:.3f} | {row['cpu']:.3f} |")
+        sys.stdout.flush()
+
+
+async def closed_loop(cluster, prompts, per_pod, scale, warmup, stage):
+    bodies = [body(p) for _, p in prompts]
+    ttfts = []
+    measuring = [False]
+    stop = [False]
+
+    pods = len(cluster.ports)
+    mine = [[i for i, (g, _) in enumerate(prompts) if g % pods == p] for p in range(pods)]  # group affinity
+
+    async def worker(pod, k):
+        i = k
+        while not stop[0]:
+            idx = mine[pod][i % len(mine[pod])]
+            t0 = time.monotonic()
+
+            def on_first():
+                if measuring[0]:
+                    ttfts.append((time.monotonic() - t0) / scale)
+
+            await stream_request(cluster.host, cluster.ports[pod], bodies[idx], 3600, on_first)
+            i += per_pod
+
+    tasks = [asyncio.create_task(worker(p, k)) for p in range(len(cluster.ports)) for k in range(per_pod)]
+    await asyncio.sleep(warmup * scale)
+    before, cpu0, t0 = scrape(cluster.urls), cluster.cpu_seconds(), time.monotonic()
+    measuring[0] = True
+    await asyncio.sleep(stage * scale)
+    after, cpu1, wall = scrape(cluster.urls), cluster.cpu_seconds(), time.monotonic() - t0
+    stop[0] = True
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gen = total(after, "vllm:generation_tokens_total") - total(before, "vllm:generation_tokens_total")
+    return {"tok_s": gen / (wall / scale) / len(cluster.ports), "p50": pct(ttfts, 50), "p90": pct(ttfts, 90),
+            "cpu": (cpu1 - cpu0) / wall}
+
+
+class EventLedger:
+    """Replays KV events as an indexer does, counting live copies per (pod, group, hash); `present` is the view of
+    an indexer that keeps a set of hashes instead (a second store is a no-op, the first removal forgets the hash)."""
+
+    def __init__(self, prompt_tails=frozenset()):
+        self.live = {}
+        self.present = set()
+        self.prompt_tails = prompt_tails  # last 16 tokens of each block-aligned prompt
+        self.n = {"batches": 0, "stored": 0, "removed": 0, "dup_stores": 0, "dup_stores_last_block": 0,
+                  "unknown_removals": 0, "unknown_parents": 0, "set_unknown_removals": 0, "set_unknown_parents": 0}
+
+    def apply(self, topic, batch):
+        self.n["batches"] += 1
+        for e in batch[1]:
+            kind = e.get("type")
+            if kind == "AllBlocksCleared":
+                self.live = {k: v for k, v in self.live.items() if k[0] != topic}
+                self.present = {k for k in self.present if k[0] != topic}
+            if kind not in ("BlockStored", "BlockRemoved") or e.get("medium") != "GPU":
+                continue
+            g = e.get("group_idx") or 0
+            if kind == "BlockStored":
+                parent = e.get("parent_block_hash")
+                if parent is not None and (topic, g, parent) not in self.live:
+                    self.n["unknown_parents"] += 1
+                if parent is not None and (topic, g, parent) not in self.present:
+                    self.n["set_unknown_parents"] += 1
+                for i, h in enumerate(e["block_hashes"]):
+                    self.n["stored"] += 1
+                    self.present.add((topic, g, h))
+                    if (topic, g, h) in self.live:
+                        self.n["dup_stores"] += 1
+                        bs = e["block_size"]
+                        self.n["dup_stores_last_block"] += tuple(e["token_ids"][i * bs:(i + 1) * bs]) in self.prompt_tails
+                    self.live[(topic, g, h)] = self.live.get((topic, g, h), 0) + 1
+            else:
+                for h in e["block_hashes"]:
+                    self.n["removed"] += 1
+                    if (topic, g, h) in self.present:
+                        self.present.discard((topic, g, h))
+                    else:
+                        self.n["set_unknown_removals"] += 1
+                    left = self.live.get((topic, g, h), 0) - 1
+                    if left < 0:
+                        self.n["unknown_removals"] += 1
+                    elif left == 0:
+                        del self.live[(topic, g, h)]
+                    else:
+                        self.live[(topic, g, h)] = left
+
+
+def cmd_events(args):
+    """8 pods under random routing (evictions everywhere) or group affinity (same prefixes meet on one pod), every
+    pod's KV events received by one SUB and replayed as an indexer would: stores of a live hash, removals of an
+    unknown hash, stores whose parent is unknown."""
+    import threading
+
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    prompts = workload(150, 5)
+    tails = frozenset(tuple(p[-16:]) for _, p in prompts if len(p) % 16 == 0)
+    ledger, stop, seqs = EventLedger(tails), threading.Event(), {}
+
+    def receive():
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(50):
+                topic, seq, payload = sub.recv_multipart()
+                seqs.setdefault(topic, []).append(int.from_bytes(seq, "big"))
+                ledger.apply(topic, msgpack.unpackb(payload, raw=False, strict_map_key=False))
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    stages = [(15, args.warmup)] + [(q, args.stage) for q in args.qps]
+    with simcluster.SimCluster(pods=8, time_scale=args.scale, kv_events_endpoint=f"tcp://127.0.0.1:{port}") as c:
+        route = (lambda g, r: r.randrange(8)) if args.route == "random" else (lambda g, r: g % 8)
+        rows = asyncio.run(run_stages(c, prompts, stages, route, args.scale, args.max_inflight, drain=0.0))
+        time.sleep(1.0)
+    stop.set()
+    t.join()
+    sub.close(linger=0)
+    ctx.term()
+    gaps = sum(len(v) - len(set(v)) + (max(v) + 1 - len(set(v))) for v in seqs.values())
+    print(f"\n## KV events, 8 pods, {args.route} routing, stages {stages} (simulated s), time scale {args.scale}")
+    print(f"out tok/s per stage: {[round(r['out_tok_s']) for r in rows]}; sequence gaps or repeats: {gaps}")
+    print("| batches | blocks stored | blocks removed | stores of a live hash | removals of an unknown hash "
+          "(copies counted / set of hashes) | stores with an unknown parent (copies / set) |\n|---|---|---|---|---|---|")
+    n = ledger.n
+    print(f"| {n['batches']} | {n['stored']} | {n['removed']} | {n['dup_stores']} (last block of a block-aligned "
+          f"prompt: {n['dup_stores_last_block']}) | {n['unknown_removals']} / "
+          f"{n['set_unknown_removals']} | {n['unknown_parents']} / {n['set_unknown_parents']} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["ttft", "curve", "random8", "cpu", "all"])
+    ap.add_argument("what", choices=["ttft", "curve", "random8", "cpu", "clock", "events", "all"])
     ap.add_argument("--scale", type=float, default=1.0, help="time scale of the pods (wall s per sim s)")
     ap.add_argument("--stage", type=float, default=30.0, help="seconds (simulated) per QPS stage")
     ap.add_argument("--warmup", type=float, default=30.0)
@@ -243,8 +397,12 @@ def main():
     ap.add_argument("--drain", type=float, default=120.0, help="simulated s to wait for first tokens after the last stage")
     ap.add_argument("--strategies", nargs="+", default=["random", "affinity"], choices=["random", "affinity"],
                     help="random8: routing strategies (affinity = each group on one pod, ideal prefix routing)")
+    ap.add_argument("--pods", type=int, default=1, help="clock: pods in one process")
+    ap.add_argument("--route", default="random", choices=["random", "affinity"], help="events: routing")
+    ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.25], help="clock: time scales to compare")
     args = ap.parse_args()
-    for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu)]:
+    for name, fn in [("ttft", cmd_ttft), ("curve", cmd_curve), ("random8", cmd_random8), ("cpu", cmd_cpu),
+                     ("clock", cmd_clock), ("events", cmd_events)]:
         if args.what in (name, "all"):
             fn(args)
 
