@@ -1,4 +1,4 @@
-# kvroute-indexer (indexer/), the vLLM KV-event decoder and feed codec (core/src/{events,feed}.rs),
+# kvroute-indexer (indexer/; its vLLM KV-event codec is indexer/src/vllm_wire.rs), the feed codec (core/src/feed.rs),
 # the fuzz targets of every decoder and parser (fuzz/) and end-to-end tests (tests/indexer).
 INDEXER_BIN := target/release/kvroute-indexer
 FUZZ_SECONDS ?= 60
@@ -13,8 +13,8 @@ indexer-lint: ## rustfmt + clippy (-D warnings) of kvroute-indexer and kvroute-c
 	cargo fmt -p kvroute-indexer -p kvroute-core -- --check
 	cargo clippy -p kvroute-indexer -p kvroute-core --all-targets -- -D warnings
 
-indexer-test: indexer venv ## cargo tests (decoder goldens, codec, index) + pytest tests/indexer
-	cargo test -p kvroute-core --lib -- events:: feed::
+indexer-test: indexer venv ## cargo tests (codec goldens, feed codec, index) + pytest tests/indexer
+	cargo test -p kvroute-core --lib -- feed::
 	cargo test -p kvroute-indexer
 	KVROUTE_INDEXER_BIN=$(INDEXER_BIN) $(PY) -m pytest tests/indexer
 

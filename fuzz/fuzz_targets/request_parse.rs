@@ -1,10 +1,13 @@
 //! The filter's request path on arbitrary bodies: parsing, the tokenizer
-//! call-out helpers and hashing never panic; a parsed prompt always hashes
-//! to at most `max_blocks` blocks.
+//! call-out helpers, hashing and the tenant-salt rewrite never panic; a parsed
+//! prompt always hashes to at most `max_blocks` blocks; a rewritten body is
+//! JSON and parses with the tenant's salt.
 #![no_main]
 
 use kvroute_core::config::Config;
-use kvroute_core::request::{parse_request, parse_tokenize_response, tokenize_call_body};
+use kvroute_core::request::{
+    parse_request, parse_tokenize_response, tokenize_call_body, with_cache_salt,
+};
 use kvroute_core::router::hash_prompt;
 use libfuzzer_sys::fuzz_target;
 
@@ -16,6 +19,12 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(call) = tokenize_call_body(data) {
         assert!(serde_json::from_slice::<serde_json::Value>(&call).is_ok());
+    }
+    if let Ok(salted) = with_cache_salt(data, "kvroute-tenant-0") {
+        assert!(serde_json::from_slice::<serde_json::Value>(&salted).is_ok());
+        if let Ok(request) = parse_request(&salted) {
+            assert_eq!(request.cache_salt.as_deref(), Some("kvroute-tenant-0"));
+        }
     }
     let _ = parse_tokenize_response(data);
     let _ = Config::from_json(data);

@@ -389,7 +389,8 @@ impl<'de> Deserialize<'de> for WireHashes {
                 Ok(WireHashes(hashes))
             }
         }
-        d.deserialize_seq(V)
+        // `any`, not `seq`: a bin would otherwise pass for an array of its bytes.
+        d.deserialize_any(V)
     }
 }
 

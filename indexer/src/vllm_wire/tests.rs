@@ -249,13 +249,14 @@ fn a_bad_event_never_poisons_its_batch() {
             .u(1);
     };
     let mut w = W::default();
-    w.arr(3).f64(0.0).arr(7);
+    w.arr(3).f64(0.0).arr(8);
     good(&mut w);
     w.map(1).s("block_hashes").arr(0); // no type
     w.map(2).s("type").s("BlockStored").s("block_hashes").arr(0); // no tokens
     w.arr(5).s("BlockStored").arr(0).nil().arr(1).i(-1).u(16); // negative token
     w.u(3); // not an event
     w.arr(2).s("BlockRemoved").arr(1).nil(); // nil hash
+    w.arr(2).s("BlockRemoved").bin(&[1; 32]); // a digest where the list belongs
     good(&mut w);
     w.u(4);
     let d = decode_batch(&w.0).expect("the batch decodes");
@@ -266,7 +267,7 @@ fn a_bad_event_never_poisons_its_batch() {
     assert_eq!(d.batch.events, vec![removed.clone(), removed]);
     assert_eq!(d.batch.data_parallel_rank, Some(4));
     let kinds: Vec<&str> = d.skipped.iter().map(EventError::kind).collect();
-    assert_eq!(kinds.len(), 5, "{:?}", d.skipped);
+    assert_eq!(kinds.len(), 6, "{:?}", d.skipped);
     assert!(kinds.iter().all(|k| *k == "invalid" || *k == "malformed"));
     assert!(
         d.skipped[0].to_string().contains("type"),
