@@ -2,6 +2,9 @@
 # the fuzz targets of every decoder and parser (fuzz/) and end-to-end tests (tests/indexer).
 INDEXER_BIN := target/release/kvroute-indexer
 FUZZ_SECONDS ?= 60
+# FUZZ_RUNS=N runs each target N executions instead of FUZZ_SECONDS (the README's figures: 10M).
+FUZZ_RUNS ?=
+FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
 FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire
 GOLDEN_FRAMES := testdata/vllm-golden/frames
 
@@ -27,11 +30,11 @@ fuzz-build: ## build every fuzz target (installs cargo-fuzz if missing)
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build
 
-fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS, seeded with the golden captures
+fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS (or FUZZ_RUNS executions), seeded with the golden captures
 	mkdir -p $(addprefix fuzz/corpus/,$(FUZZ_TARGETS))
 	cp $(GOLDEN_FRAMES)/*.payload.msgpack fuzz/corpus/events_decode/
 	cp fuzz/seeds/feed_decode/* fuzz/corpus/feed_decode/
 	cp fuzz/seeds/request_parse/* fuzz/corpus/request_parse/
 	set -e; for t in $(FUZZ_TARGETS); do \
-	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048); \
+	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$t corpus/$$t -- $(FUZZ_LIMIT) -rss_limit_mb=2048); \
 	done
