@@ -279,7 +279,7 @@ impl Context for RequestFilter {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
-        _num_headers: usize,
+        num_headers: usize,
         body_size: usize,
         _num_trailers: usize,
     ) {
@@ -290,7 +290,10 @@ impl Context for RequestFilter {
             self.tokenizing = Some((token, request, started));
             return;
         }
-        let tokens = match (host::http_call_status(), host::http_call_body(body_size)) {
+        let tokens = match (
+            host::http_call_status(num_headers),
+            host::http_call_body(num_headers, body_size),
+        ) {
             (Some(200), Some(body)) => {
                 request::parse_tokenize_response(&body).map_err(|e| e.to_string())
             }

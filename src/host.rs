@@ -50,11 +50,19 @@ pub fn plugin_configuration() -> Option<Bytes> {
 }
 
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok()?
+    header_value(MapType::HttpRequestHeaders, name)
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok()?
+    header_value(MapType::HttpResponseHeaders, name)
+}
+
+/// A header's value, read as bytes: the SDK's string getter unwraps its UTF-8
+/// conversion, so one client byte above 0x7f (legal in HTTP) would panic the
+/// VM. Invalid sequences become U+FFFD instead.
+fn header_value(map: MapType, name: &str) -> Option<String> {
+    let bytes = hostcalls::get_map_value_bytes(map, name).ok()??;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 pub fn set_request_header(name: &str, value: Option<&str>) -> Result<(), Status> {
@@ -149,14 +157,24 @@ pub fn http_call_with_headers(
     )
 }
 
-pub fn http_call_status() -> Option<u16> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()??
+/// The status of a dispatched call's response. A call that failed without
+/// one (reset, timeout, a response over Envoy's async-client buffer limit)
+/// arrives with no headers and no response to read: the host then answers
+/// a read with BadArgument, on which the SDK panics, so it is not asked.
+pub fn http_call_status(num_headers: usize) -> Option<u16> {
+    if num_headers == 0 {
+        return None;
+    }
+    header_value(MapType::HttpCallResponseHeaders, ":status")?
         .parse()
         .ok()
 }
 
-pub fn http_call_body(size: usize) -> Option<Bytes> {
+/// The body of a dispatched call's response (see [`http_call_status`]).
+pub fn http_call_body(num_headers: usize, size: usize) -> Option<Bytes> {
+    if num_headers == 0 {
+        return None;
+    }
     hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok()?
 }
 

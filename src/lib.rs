@@ -65,12 +65,12 @@ impl Context for Root {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
-        _num_headers: usize,
+        num_headers: usize,
         body_size: usize,
         _num_trailers: usize,
     ) {
         if let Root::Singleton(s) = self {
-            s.on_http_call_response(token_id, body_size);
+            s.on_http_call_response(token_id, num_headers, body_size);
         }
     }
 }

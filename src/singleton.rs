@@ -166,10 +166,10 @@ impl Singleton {
         }
     }
 
-    pub fn on_http_call_response(&mut self, token_id: u32, body_size: usize) {
+    pub fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize) {
         if self.learned_call == Some(token_id) {
             self.learned_call = None;
-            match host::http_call_status() {
+            match host::http_call_status(num_headers) {
                 Some(200) => {
                     if self.learned_failing {
                         self.learned_failing = false;
@@ -202,10 +202,15 @@ impl Singleton {
         self.metrics
             .latency_ms
             .record(now_ms.saturating_sub(started_ms));
-        let status = host::http_call_status();
-        if status != Some(200) {
-            self.failed(&format!("feed answered {status:?}"));
-            return;
+        match host::http_call_status(num_headers) {
+            Some(200) => {}
+            Some(status) => return self.failed(&format!("feed answered {status}")),
+            None => {
+                return self.failed(
+                    "feed call ended without a response (reset, timeout, or an answer over \
+                     Envoy's 32 MiB async-client buffer)",
+                )
+            }
         }
         if body_size > MAX_FEED_BYTES {
             self.failed(&format!(
@@ -213,7 +218,7 @@ impl Singleton {
             ));
             return;
         }
-        let Some(body) = host::http_call_body(body_size) else {
+        let Some(body) = host::http_call_body(num_headers, body_size) else {
             self.failed("feed body unreadable");
             return;
         };

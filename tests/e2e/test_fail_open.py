@@ -2,6 +2,9 @@
 bodies far beyond max_body_bytes are served as Envoy alone serves them, a killed pod costs no
 request, refused requests teach the index nothing, and the pod that really served is reported."""
 
+import http.server
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +13,7 @@ import pytest
 import requests
 
 from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
-from envoyctl import EnvoyProcess, render_gateway
+from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from simcluster import SimCluster
 
 SERVED = "x-gateway-destination-endpoint-served"
@@ -185,3 +188,72 @@ def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy
     assert served_again, "routing never returned to the restarted pod"
     print(f"returned {served_again[0][0] - back_at:.1f} s after the restart")
     assert not [e for e in log if e[1] != 200]
+
+
+def raw_post(envoy, body: bytes, extra_header: bytes) -> bytes:
+    """A request written byte for byte: HTTP allows header bytes above 0x7f (obs-text)."""
+    with socket.create_connection(("127.0.0.1", envoy.listener_port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n"
+                     b"content-type: application/json\r\n" + extra_header + b"\r\n"
+                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_header_bytes_that_are_not_utf8_neither_fail_the_request_nor_stop_routing(envoy):
+    """The SDK's string header getter unwraps UTF-8: one such byte used to panic the worker's VM
+    (the request got a 503 and the worker stopped routing)."""
+    body = json.dumps({"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": unique_system()}]}).encode()
+    for _ in range(4):  # fresh connections: both workers see one
+        answer = raw_post(envoy, body, b"x-request-id: caf\xe9-\xff\xfe")
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert b"x-kvroute-decision: pod=" in answer, answer[:600]
+    # Both workers' VMs are alive: every request on fresh connections is still routed.
+    for i in range(4):
+        after = chat(envoy, unique_system(), f"still routed? {i}")
+        assert after.status_code == 200
+        assert decision(after)["pod"] == after.headers[POD]
+
+
+class HugeFeed(http.server.BaseHTTPRequestHandler):
+    """An 'indexer' whose feed answer is over Envoy's 32 MiB async-client limit."""
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        body = b"\0" * (40 << 20)
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_feed_answer_over_envoys_limit_fails_open_without_a_panic(pods, monkeypatch):
+    """Envoy resets a call whose response passes its buffer limit and hands the module a call
+    with no response at all; reading one used to panic the singleton."""
+    require_wasm()
+    monkeypatch.setenv("KVROUTE_INDEXER_TOKEN", "t" * 32)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HugeFeed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = render_gateway([p.addresses[0] for p in pods], template=GATEWAY_PRECISE,
+                                indexer=f"127.0.0.1:{server.server_address[1]}")
+        with EnvoyProcess(config) as proxy:
+            proxy.wait_for_peers()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and proxy.stats("kvroute.feed.errors").get(
+                    "wasmcustom.kvroute.feed.errors", 0) < 3:
+                time.sleep(0.2)
+            assert proxy.stats("kvroute.feed.errors")["wasmcustom.kvroute.feed.errors"] >= 3
+            r = chat(proxy, unique_system(), "routed while the feed fails?")
+            assert r.status_code == 200
+            proxy.stop()  # Envoy flushes its log file on exit
+            log = proxy.log_text()
+            assert "panicked" not in log
+            assert "feed call ended without a response" in log
+    finally:
+        server.shutdown()
