@@ -5,6 +5,7 @@
 use crate::host;
 use crate::metrics::FailOpen;
 use crate::worker::{RoutedRequest, SharedWorker};
+use kvroute_core::budget::client_key;
 use kvroute_core::hash::Domain;
 use kvroute_core::outcome::{judge, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
@@ -176,12 +177,26 @@ impl RequestFilter {
                 .saturating_sub(decision.matched_blocks),
         )
         .unwrap_or(u32::MAX);
+        let mut hashes = hashed.hashes;
+        // With tenant isolation the tenant's salt names the client: beyond
+        // the blocks the pod already holds, it teaches only its budget.
+        if let Some(salt) = request
+            .cache_salt
+            .as_deref()
+            .filter(|_| config.tenant_header.is_some())
+        {
+            let new = hashes.len().saturating_sub(decision.matched_blocks);
+            let allowed = w
+                .cluster
+                .client_allowance(&decision.pod, client_key(salt), new, now_s);
+            hashes.truncate(decision.matched_blocks + allowed);
+        }
         w.cluster
-            .record_routed(&decision.pod, prompt_blocks, &hashed.hashes, now_s);
+            .record_routed(&decision.pod, prompt_blocks, &hashes, now_s);
         w.tell_peers(PeerMessage::Routed {
             pod: decision.pod.clone(),
             prompt_blocks,
-            hashes: hashed.hashes.clone(),
+            hashes: hashes.clone(),
         });
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
@@ -202,7 +217,7 @@ impl RequestFilter {
         );
         self.unsettled = Some(RoutedRequest {
             pod: decision.pod.clone(),
-            hashes: hashed.hashes,
+            hashes,
             matched_blocks: decision.matched_blocks,
             // Token blocks are reported by the pods themselves (KV events): a
             // learned guess shared through the indexer could outlive the pod's

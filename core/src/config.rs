@@ -104,6 +104,9 @@ pub struct IndexSettings {
     /// Share of a pod's table one request may claim when its blocks are
     /// learned: a few huge prompts cannot flush what everyone else taught.
     pub max_learn_share: f64,
+    /// Share of a pod's table one client (named by `tenant_header`) may
+    /// teach per `ttl_seconds`.
+    pub max_client_share: f64,
 }
 
 impl Default for IndexSettings {
@@ -112,6 +115,7 @@ impl Default for IndexSettings {
             ttl_seconds: 600,
             snapshot_interval_ms: 2000,
             max_learn_share: 0.125,
+            max_client_share: 0.5,
         }
     }
 }
@@ -359,8 +363,13 @@ impl Config {
         if self.index.ttl_seconds == 0 {
             return Err(invalid("index.ttl_seconds", "must be > 0"));
         }
-        if !(self.index.max_learn_share > 0.0 && self.index.max_learn_share <= 1.0) {
-            return Err(invalid("index.max_learn_share", "must be > 0 and <= 1"));
+        for (name, share) in [
+            ("max_learn_share", self.index.max_learn_share),
+            ("max_client_share", self.index.max_client_share),
+        ] {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(invalid(format!("index.{name}"), "must be > 0 and <= 1"));
+            }
         }
         if self.index.snapshot_interval_ms < 100 {
             return Err(invalid("index.snapshot_interval_ms", "must be >= 100"));
@@ -589,6 +598,10 @@ mod tests {
         assert_eq!(
             err(r#"{"index":{"max_learn_share":0}}"#).field,
             "index.max_learn_share"
+        );
+        assert_eq!(
+            err(r#"{"index":{"max_client_share":1.5}}"#).field,
+            "index.max_client_share"
         );
         assert_eq!(err(r#"{"default_model":""}"#).field, "default_model");
         assert_eq!(

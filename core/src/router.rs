@@ -1,6 +1,7 @@
 //! The routing state of one VM and the decision for one request: pods with
 //! their block tables and load, longest-prefix lookup, scoring, learning.
 
+use crate::budget::ClientBudgets;
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
 use crate::hash::{
@@ -37,6 +38,8 @@ struct Pod {
     reported: ReportedLoad,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
+    /// What each recent client taught this pod's table.
+    client_budgets: ClientBudgets,
 }
 
 impl Pod {
@@ -48,6 +51,7 @@ impl Pod {
             inflight_blocks: 0,
             reported: ReportedLoad::default(),
             passed_over_until_s: 0,
+            client_budgets: ClientBudgets::default(),
         }
     }
 
@@ -71,6 +75,8 @@ impl Pod {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ClusterPolicy {
     pub max_learn_share: f64,
+    pub max_client_share: f64,
+    pub client_window_seconds: u32,
     pub failure_cooldown_seconds: u32,
 }
 
@@ -78,6 +84,8 @@ impl ClusterPolicy {
     pub fn of(config: &Config) -> ClusterPolicy {
         ClusterPolicy {
             max_learn_share: config.index.max_learn_share,
+            max_client_share: config.index.max_client_share,
+            client_window_seconds: config.index.ttl_seconds,
             failure_cooldown_seconds: config.failure_cooldown_seconds,
         }
     }
@@ -378,6 +386,25 @@ impl Cluster {
             let learned = pod.learnable(hashes, &policy);
             pod.table.touch_chain(learned, Tier::Learned, now_s);
         }
+    }
+
+    /// How many leading blocks of a `want`-block prompt `client` may teach
+    /// `address` now (its budget: `index.max_client_share` of the pod's
+    /// capacity per `index.ttl_seconds`); what it may teach is charged.
+    pub fn client_allowance(
+        &mut self,
+        address: &str,
+        client: u64,
+        want: usize,
+        now_s: u32,
+    ) -> usize {
+        let policy = self.policy;
+        let Some(pod) = self.pod_mut(address) else {
+            return want;
+        };
+        let limit = (f64::from(pod.spec.capacity_blocks) * policy.max_client_share).ceil() as u64;
+        pod.client_budgets
+            .charge(client, want, limit, now_s, policy.client_window_seconds)
     }
 
     /// `hashes` are cached on `address` (it served a request that another
@@ -736,6 +763,19 @@ mod tests {
         let again = cluster.decide(&c, &attack, 10, 1).unwrap();
         assert_eq!(again.pod, first.pod);
         assert_eq!(again.matched_blocks, d.matched_blocks);
+    }
+
+    #[test]
+    fn one_client_teaches_a_pod_at_most_its_budget_per_window() {
+        let c = config(r#"[{"address":"a:1","capacity_blocks":1000}]"#);
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&c, 0);
+        // 1000 × the default client share 0.5, per ttl_seconds (600).
+        assert_eq!(cluster.client_allowance("a:1", 7, 300, 10), 300);
+        assert_eq!(cluster.client_allowance("a:1", 7, 300, 20), 200);
+        assert_eq!(cluster.client_allowance("a:1", 7, 300, 30), 0);
+        assert_eq!(cluster.client_allowance("a:1", 8, 300, 30), 300);
+        assert_eq!(cluster.client_allowance("a:1", 7, 300, 610), 300);
     }
 
     #[test]

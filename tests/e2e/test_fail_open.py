@@ -257,3 +257,32 @@ def test_a_feed_answer_over_envoys_limit_fails_open_without_a_panic(pods, monkey
             assert "feed call ended without a response" in log
     finally:
         server.shutdown()
+
+
+def test_one_tenant_teaches_a_pod_only_its_budget(pods):
+    """With tenant isolation the tenant names the client: a tenant's prompts teach each pod at most
+    index.max_client_share of its table per ttl_seconds, whatever their size; other tenants keep
+    their own budget."""
+    require_wasm()
+    plugin = {"tenant_header": "x-tenant", "max_blocks": 4096,
+              "index": {"max_learn_share": 1.0, "max_client_share": 0.05},
+              # one pod, 800 blocks: a budget of 40 blocks per tenant
+              "endpoints": [{"address": pods[1].addresses[0], "capacity_blocks": 800}]}
+    with EnvoyProcess(render_gateway([pods[1].addresses[0]], plugin)) as proxy:
+        proxy.wait_for_peers()
+
+        def twice(tenant: str, system: str) -> tuple[int, int]:
+            first = chat(proxy, system, "q", headers={"x-tenant": tenant})
+            again = chat(proxy, system, "q", headers={"x-tenant": tenant})
+            assert first.status_code == again.status_code == 200
+            d = decision(again)
+            return d["matched"], d["total"]
+
+        matched, total = twice("tenant-a", unique_system(400))
+        assert total > 100 and matched == 40, (matched, total)
+        # The same tenant's next prompt finds its budget spent.
+        matched, total = twice("tenant-a", unique_system(400))
+        assert matched == 0, (matched, total)
+        # Another tenant has a budget of its own.
+        matched, total = twice("tenant-b", unique_system(40))
+        assert 0 < total <= 40 and matched == total, (matched, total)
