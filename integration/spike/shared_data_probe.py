@@ -9,6 +9,7 @@ integration/spike/shared_data_probe/ as both the singleton writer and the HTTP f
     .venv/bin/python integration/spike/shared_data_probe.py memory  --keys 0,100000,1000000 --value-bytes 16,128
     .venv/bin/python integration/spike/shared_data_probe.py get     --concurrency 2,8 --value-bytes 128,1024,4096
     .venv/bin/python integration/spike/shared_data_probe.py rewrite --bucket-bytes 1024,4096,16384
+    .venv/bin/python integration/spike/shared_data_probe.py callout --concurrency 2,8
 
 memory:  Envoy RSS once the singleton has written N keys of V bytes (VmRSS of the process).
 get:     reads of random keys from every worker at once (`--clients` keep-alive connections):
@@ -16,6 +17,10 @@ get:     reads of random keys from every worker at once (`--clients` keep-alive 
          machine counts), and Envoy's CPU per request with K reads minus with none, per read.
 rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
          the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
+callout: a request that posts its block hashes to a scorer over loopback (`dispatch_http_call`,
+         the scorer being a direct_response listener of the same Envoy, so this is the call-out
+         mechanism's floor, no scoring work) against one answered locally; client-side latency
+         from one sequential client, arms interleaved in blocks, and Envoy CPU per request.
 Every run checks it measured what it claims (keys filled, reads hit, bytes returned).
 """
 from __future__ import annotations
@@ -55,7 +60,8 @@ def wasm_config(name: str, settings: dict) -> dict:
 
 
 def render(writer: dict) -> str:
-    """An Envoy config: the probe as singleton writer and as the only HTTP filter."""
+    """An Envoy config: the probe as singleton writer and as the only HTTP filter, plus a
+    `scorer` listener (a fixed 64-byte answer) and its cluster for the call-out."""
     hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
                     ".HttpConnectionManager",
            "stat_prefix": "probe",
@@ -69,6 +75,12 @@ def render(writer: dict) -> str:
                               "failure_policy": "FAIL_CLOSED"}}},
                {"name": "envoy.filters.http.router", "typed_config": {
                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    scorer_port = free_port()
+    scorer_hcm = {"@type": hcm["@type"], "stat_prefix": "scorer",
+                  "route_config": {"name": "scorer", "virtual_hosts": [
+                      {"name": "scorer", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "direct_response": {
+                          "status": 200, "body": {"inline_string": "s" * 64}}}]}]},
+                  "http_filters": [hcm["http_filters"][1]]}
     cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}},
            "bootstrap_extensions": [{"name": "envoy.bootstrap.wasm", "typed_config": {
                "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
@@ -77,7 +89,15 @@ def render(writer: dict) -> str:
                "name": "probe",
                "address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}},
                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                               "typed_config": hcm}]}]}]}}
+                                               "typed_config": hcm}]}]},
+               {"name": "scorer",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": scorer_port}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": scorer_hcm}]}]}],
+               "clusters": [{"name": "scorer", "type": "STATIC", "connect_timeout": "1s",
+                             "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [
+                                 {"endpoint": {"address": {"socket_address": {
+                                     "address": "127.0.0.1", "port_value": scorer_port}}}}]}]}}]}}
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -232,6 +252,51 @@ def cmd_rewrite(args) -> list[dict]:
     return rows
 
 
+def cmd_callout(args) -> list[dict]:
+    rows = []
+    arms = {"local": {"x-probe-gets": "0"}, "callout": {"x-probe-callout": str(args.payload_bytes)}}
+    for concurrency in args.concurrency:
+        with started({}, concurrency) as envoy:
+            conn = http.client.HTTPConnection("127.0.0.1", envoy.listener_port, timeout=10)
+            latency = {arm: [] for arm in arms}
+            cpu = dict.fromkeys(arms, 0.0)
+
+            def send(headers: dict) -> float:
+                t = time.perf_counter()
+                conn.request("GET", "/", headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                spent = time.perf_counter() - t
+                if resp.status != 200 or resp.getheader("x-probe-callout-status", "200") != "200":
+                    raise RuntimeError(f"status {resp.status} / {resp.getheader('x-probe-callout-status')}:\n"
+                                       f"{envoy.log_tail()}")
+                return spent
+
+            for headers in arms.values():  # warm the VMs and the scorer connection
+                for _ in range(50):
+                    send(headers)
+            for _ in range(args.requests // args.block):
+                for arm, headers in arms.items():
+                    cpu0 = envoy.cpu_seconds()
+                    latency[arm].extend(send(headers) for _ in range(args.block))
+                    cpu[arm] += envoy.cpu_seconds() - cpu0
+            conn.close()
+            if envoy.stats("scorer").get("http.scorer.downstream_rq_2xx", 0) < args.requests:
+                raise RuntimeError("the scorer did not answer every call-out")
+            stat = {arm: sorted(v) for arm, v in latency.items()}
+            row = {"test": "callout", "concurrency": concurrency, "payload_bytes": args.payload_bytes,
+                   "requests_per_arm": len(stat["local"])}
+            for arm, v in stat.items():
+                row[f"{arm}_p50_us"] = round(statistics.median(v) * 1e6)
+                row[f"{arm}_p99_us"] = round(v[int(0.99 * (len(v) - 1))] * 1e6)
+                row[f"{arm}_envoy_cpu_us_per_request"] = round(cpu[arm] * 1e6 / len(v), 1)
+            row["added_p50_us"] = row["callout_p50_us"] - row["local_p50_us"]
+            row["added_p99_us"] = row["callout_p99_us"] - row["local_p99_us"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -259,8 +324,13 @@ def main() -> None:
     w.add_argument("--tick-ms", type=int, default=10)
     w.add_argument("--seconds", type=float, default=10.0)
     w.add_argument("--concurrency", type=int, default=2)
+    c = sub.add_parser("callout")
+    c.add_argument("--concurrency", type=ints, default=[2, 8])
+    c.add_argument("--payload-bytes", type=int, default=4096, help="512 block hashes of 8 bytes")
+    c.add_argument("--requests", type=int, default=2000, help="per arm")
+    c.add_argument("--block", type=int, default=100, help="requests per arm before switching")
     args = p.parse_args()
-    rows = {"memory": cmd_memory, "get": cmd_get, "rewrite": cmd_rewrite}[args.cmd](args)
+    rows = {"memory": cmd_memory, "get": cmd_get, "rewrite": cmd_rewrite, "callout": cmd_callout}[args.cmd](args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:

@@ -11,6 +11,9 @@
 //!   `x-probe-gets` reads of random keys among the first `x-probe-keys` and answers locally
 //!   with the time spent inside the reads (`x-probe-ns`), the hits and the bytes returned.
 //!   No upstream is involved, so Envoy's CPU per request is the probe's cost plus HTTP.
+//!   With `x-probe-callout: <bytes>` it instead posts that many bytes to the `scorer` cluster
+//!   (`dispatch_http_call`, 50 ms timeout) and answers once the reply is in: the round trip a
+//!   sidecar would pay to have its block hashes scored remotely (candidate C).
 //!
 //! The driver is integration/spike/shared_data_probe.py. Panics abort the VM: this is a
 //! measuring tool, and the driver treats a missing answer as a failed run.
@@ -132,7 +135,31 @@ impl RootContext for Probe {
 
 struct Reader;
 
-impl Context for Reader {}
+impl Context for Reader {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        body: usize,
+        _trailers: usize,
+    ) {
+        let status = hostcalls::get_map_value(
+            proxy_wasm::types::MapType::HttpCallResponseHeaders,
+            ":status",
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        let _ = hostcalls::send_http_response(
+            200,
+            vec![
+                ("x-probe-callout-status", status.as_str()),
+                ("x-probe-bytes", body.to_string().as_str()),
+            ],
+            None,
+        );
+    }
+}
 
 fn header_u64(name: &str) -> u64 {
     hostcalls::get_map_value(proxy_wasm::types::MapType::HttpRequestHeaders, name)
@@ -144,6 +171,25 @@ fn header_u64(name: &str) -> u64 {
 
 impl HttpContext for Reader {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let callout = header_u64("x-probe-callout");
+        if callout > 0 {
+            let payload = vec![0xa5_u8; callout as usize];
+            let sent = hostcalls::dispatch_http_call(
+                "scorer",
+                vec![
+                    (":method", "POST"),
+                    (":path", "/score"),
+                    (":authority", "scorer"),
+                ],
+                Some(&payload),
+                vec![],
+                Duration::from_millis(50),
+            );
+            if sent.is_err() {
+                let _ = hostcalls::send_http_response(503, vec![], None);
+            }
+            return Action::Pause;
+        }
         let gets = header_u64("x-probe-gets");
         let keys = header_u64("x-probe-keys").max(1);
         let mut state = header_u64("x-probe-seed") | 1;
