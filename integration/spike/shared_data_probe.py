@@ -17,10 +17,11 @@ get:     reads of random keys from every worker at once (`--clients` keep-alive 
          machine counts), and Envoy's CPU per request with K reads minus with none, per read.
 rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
          the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
-callout: a request that posts its block hashes to a scorer over loopback (`dispatch_http_call`,
-         the scorer being a direct_response listener of the same Envoy, so this is the call-out
+callout: a request that posts its block hashes to a scorer over loopback (`dispatch_http_call`;
+         the scorer is a second Envoy answering with a fixed body, so this is the call-out
          mechanism's floor, no scoring work) against one answered locally; client-side latency
-         from one sequential client, arms interleaved in blocks, and Envoy CPU per request.
+         from one sequential client, arms interleaved in blocks, and the probe Envoy's CPU per
+         request (the calling side only).
 Every run checks it measured what it claims (keys filled, reads hit, bytes returned).
 """
 from __future__ import annotations
@@ -59,45 +60,49 @@ def wasm_config(name: str, settings: dict) -> dict:
                               "value": json.dumps(settings)}}
 
 
-def render(writer: dict) -> str:
-    """An Envoy config: the probe as singleton writer and as the only HTTP filter, plus a
-    `scorer` listener (a fixed 64-byte answer) and its cluster for the call-out."""
-    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-                    ".HttpConnectionManager",
-           "stat_prefix": "probe",
-           "route_config": {"name": "probe", "virtual_hosts": [
-               {"name": "probe", "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
-           "http_filters": [
-               {"name": "probe", "typed_config": {
-                   "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                   "config": {**wasm_config("probe-reader", {"role": "reader"}),
-                              "failure_policy": "FAIL_CLOSED"}}},
-               {"name": "envoy.filters.http.router", "typed_config": {
-                   "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
-    scorer_port = free_port()
-    scorer_hcm = {"@type": hcm["@type"], "stat_prefix": "scorer",
-                  "route_config": {"name": "scorer", "virtual_hosts": [
-                      {"name": "scorer", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "direct_response": {
-                          "status": 200, "body": {"inline_string": "s" * 64}}}]}]},
-                  "http_filters": [hcm["http_filters"][1]]}
-    cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}},
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ROUTER = {"name": "envoy.filters.http.router", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+
+
+def listener(name: str, port: int, route: dict, filters: list) -> dict:
+    hcm = {"@type": HCM, "stat_prefix": name,
+           "route_config": {"name": name, "virtual_hosts": [
+               {"name": name, "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "direct_response": route}]}]},
+           "http_filters": [*filters, ROUTER]}
+    return {"name": name, "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": hcm}]}]}
+
+
+def admin() -> dict:
+    return {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}}
+
+
+def render(writer: dict, scorer_port: int = 0) -> str:
+    """An Envoy config: the probe as singleton writer and as the only HTTP filter; its `scorer`
+    cluster points at `scorer_port` (see render_scorer)."""
+    reader = {"name": "probe", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+        "config": {**wasm_config("probe-reader", {"role": "reader"}), "failure_policy": "FAIL_CLOSED"}}}
+    scorer = {"name": "scorer", "type": "STATIC", "connect_timeout": "1s",
+              "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [
+                  {"endpoint": {"address": {"socket_address": {
+                      "address": "127.0.0.1", "port_value": scorer_port or free_port()}}}}]}]}}
+    cfg = {"admin": admin(),
            "bootstrap_extensions": [{"name": "envoy.bootstrap.wasm", "typed_config": {
                "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
                "singleton": True, "config": wasm_config("probe-writer", {"role": "writer", **writer})}}],
-           "static_resources": {"listeners": [{
-               "name": "probe",
-               "address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}},
-               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                               "typed_config": hcm}]}]},
-               {"name": "scorer",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": scorer_port}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": scorer_hcm}]}]}],
-               "clusters": [{"name": "scorer", "type": "STATIC", "connect_timeout": "1s",
-                             "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [
-                                 {"endpoint": {"address": {"socket_address": {
-                                     "address": "127.0.0.1", "port_value": scorer_port}}}}]}]}}]}}
+           "static_resources": {"listeners": [listener("probe", free_port(), {"status": 404}, [reader])],
+                                "clusters": [scorer]}}
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def render_scorer(port: int) -> str:
+    """A separate Envoy that answers every POST with 64 bytes: the remote scorer's floor, in its
+    own process so the probe Envoy's CPU counts only the calling side."""
+    cfg = {"admin": admin(), "static_resources": {"listeners": [
+        listener("scorer", port, {"status": 200, "body": {"inline_string": "s" * 64}}, [])]}}
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -123,12 +128,12 @@ def wait_filled(envoy: EnvoyProcess, keys: int, timeout: float = 120.0) -> None:
 
 
 @contextlib.contextmanager
-def started(writer: dict, concurrency: int) -> Iterator[EnvoyProcess]:
+def started(writer: dict, concurrency: int, scorer_port: int = 0) -> Iterator[EnvoyProcess]:
     """A fresh Envoy whose singleton has filled its keys; stopped by its PID on exit."""
     if not PROBE_WASM.is_file():
         raise SystemExit(f"{PROBE_WASM} missing: run\n  {BUILD}")
     writer = {"fill_per_tick": 20000, "tick_ms": 10, **writer}
-    with EnvoyProcess(render(writer), concurrency=concurrency, log_level="warning") as envoy:
+    with EnvoyProcess(render(writer, scorer_port), concurrency=concurrency, log_level="warning") as envoy:
         wait_filled(envoy, writer.get("fill_keys", 0))
         yield envoy
 
@@ -255,8 +260,10 @@ def cmd_rewrite(args) -> list[dict]:
 def cmd_callout(args) -> list[dict]:
     rows = []
     arms = {"local": {"x-probe-gets": "0"}, "callout": {"x-probe-callout": str(args.payload_bytes)}}
+    scorer_port = free_port()
     for concurrency in args.concurrency:
-        with started({}, concurrency) as envoy:
+        with EnvoyProcess(render_scorer(scorer_port), concurrency=1, log_level="warning") as scorer, \
+                started({}, concurrency, scorer_port) as envoy:
             conn = http.client.HTTPConnection("127.0.0.1", envoy.listener_port, timeout=10)
             latency = {arm: [] for arm in arms}
             cpu = dict.fromkeys(arms, 0.0)
@@ -281,7 +288,7 @@ def cmd_callout(args) -> list[dict]:
                     latency[arm].extend(send(headers) for _ in range(args.block))
                     cpu[arm] += envoy.cpu_seconds() - cpu0
             conn.close()
-            if envoy.stats("scorer").get("http.scorer.downstream_rq_2xx", 0) < args.requests:
+            if scorer.stats("scorer").get("http.scorer.downstream_rq_2xx", 0) < args.requests:
                 raise RuntimeError("the scorer did not answer every call-out")
             stat = {arm: sorted(v) for arm, v in latency.items()}
             row = {"test": "callout", "concurrency": concurrency, "payload_bytes": args.payload_bytes,
