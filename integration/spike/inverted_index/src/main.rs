@@ -14,6 +14,11 @@
 //! 256 on 50 pods, the first 64 on 500 pods. Every lookup's answer is checked (pods matched,
 //! blocks per pod) before it is timed. Lookups of the inverted maps walk the chain once,
 //! bisecting between points where the pod set changes, so they visit only the pods that match.
+//!
+//! `--write-amplification` instead counts, for candidate A (the same map split into fixed
+//! shared-data buckets), how many buckets an event stream dirties per flush interval, with
+//! buckets keyed by block hash or by chain segment (blocks i..i+SEG of a chain in one bucket),
+//! and how many entries would not fit their bucket when segments are placed that way.
 
 // A measuring tool: a broken setup should stop it loudly.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
@@ -596,6 +601,63 @@ fn run_per_pod(fleet: &Fleet) {
     );
 }
 
+/// Candidate A's buckets: how many an event stream dirties per flush, and segment overflow.
+/// Events arrive as runs of 32 consecutive blocks of one chain (a request's new blocks, or a
+/// chain's evicted tail) at a random depth of a 512-block prompt; a flush rewrites every
+/// bucket that changed since the last one.
+fn write_amplification(pods: usize, ops_per_pod_s: usize) {
+    let entries = (pods as f64 * CAPACITY_BLOCKS as f64 * FILL) as usize;
+    let slots = entries * 10 / 8; // 80 % load, as in the fingerprint run
+    let ops_per_s = pods * ops_per_pod_s;
+    println!("write amplification: {pods} pods, {entries} (block, pod) entries held once each (no sharing), {ops_per_s} ops/s in runs of {CHAIN}");
+    for bucket_bytes in [4096usize, 16384] {
+        let buckets = slots * 8 / bucket_bytes;
+        for layout in [0usize, 16, 64] {
+            let name = if layout == 0 {
+                "by block".to_string()
+            } else {
+                format!("by {layout}-block segment")
+            };
+            // Entries that overflow their bucket when placed by hash (whole segments together).
+            let unit = layout.max(1);
+            let mut fill = vec![0usize; buckets];
+            let mut rng = 5u64;
+            for _ in 0..entries / unit {
+                fill[(splitmix(&mut rng) % buckets as u64) as usize] += unit;
+            }
+            let cap = bucket_bytes / 8;
+            let over: usize = fill.iter().map(|&f| f.saturating_sub(cap)).sum();
+            let overflow = over as f64 / entries as f64;
+            for flush_ms in [100usize, 1000] {
+                let ops = ops_per_s * flush_ms / 1000;
+                let mut dirty = hashbrown::HashSet::with_capacity(ops);
+                let mut rng = 11u64;
+                for _ in 0..ops / CHAIN {
+                    let chain = splitmix(&mut rng);
+                    let depth =
+                        (splitmix(&mut rng) % (PROMPT_BLOCKS / CHAIN) as u64) as usize * CHAIN;
+                    for i in depth..depth + CHAIN {
+                        let key = if layout == 0 {
+                            splitmix(&mut (chain ^ i as u64))
+                        } else {
+                            splitmix(&mut (chain ^ (i / layout) as u64))
+                        };
+                        dirty.insert(key % buckets as u64);
+                    }
+                }
+                let per_s = dirty.len() * 1000 / flush_ms;
+                println!(
+                    "  {bucket_bytes:>5} B buckets ({buckets:>6}), keyed {name:<20} flush {flush_ms:>4} ms: {:>6} bucket rewrites/s ({:.3} per op, {:.0} MB/s rewritten), {:.3} % of entries overflow their bucket",
+                    per_s,
+                    per_s as f64 / ops_per_s as f64,
+                    (per_s * bucket_bytes) as f64 / 1e6,
+                    overflow * 100.0
+                );
+            }
+        }
+    }
+}
+
 fn list(arg: Option<String>, default: &[usize]) -> Vec<usize> {
     arg.map_or_else(
         || default.to_vec(),
@@ -611,6 +673,10 @@ fn main() {
             "--pods" => pods = args.next(),
             "--replicas" => replicas = args.next(),
             "--structures" => structures = args.next(),
+            "--write-amplification" => {
+                write_amplification(1000, 400);
+                return;
+            }
             other => panic!("unknown flag {other}: --pods N,.. --replicas K,.. --structures per-pod,exact,fingerprint"),
         }
     }
