@@ -637,11 +637,8 @@ fn write_amplification(pods: usize, ops_per_pod_s: usize) {
                     let depth =
                         (splitmix(&mut rng) % (PROMPT_BLOCKS / CHAIN) as u64) as usize * CHAIN;
                     for i in depth..depth + CHAIN {
-                        let key = if layout == 0 {
-                            splitmix(&mut (chain ^ i as u64))
-                        } else {
-                            splitmix(&mut (chain ^ (i / layout) as u64))
-                        };
+                        // A bucket per block, or per segment of `unit` blocks.
+                        let key = splitmix(&mut (chain ^ (i / unit) as u64));
                         dirty.insert(key % buckets as u64);
                     }
                 }
