@@ -10,6 +10,7 @@ integration/spike/shared_data_probe/ as both the singleton writer and the HTTP f
     .venv/bin/python integration/spike/shared_data_probe.py get     --concurrency 2,8 --value-bytes 128,1024,4096
     .venv/bin/python integration/spike/shared_data_probe.py rewrite --bucket-bytes 1024,4096,16384
     .venv/bin/python integration/spike/shared_data_probe.py callout --concurrency 2,8
+    .venv/bin/python integration/spike/shared_data_probe.py decide  --concurrency 2,8
 
 memory:  Envoy RSS once the singleton has written N keys of V bytes (VmRSS of the process).
 get:     reads of random keys from every worker at once (`--clients` keep-alive connections):
@@ -17,6 +18,11 @@ get:     reads of random keys from every worker at once (`--clients` keep-alive 
          machine counts), and Envoy's CPU per request with K reads minus with none, per read.
 rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
          the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
+decide:  candidate A end to end: the singleton writes a whole fleet's block -> pod-set index
+         (--entries in 8-byte slots, buckets of --bucket-bytes at --load) and each request
+         decides one 512-block prompt cached at three depths by bisecting its chain, one bucket
+         read per probe; Envoy RSS with that index, the decision's in-VM time, and Envoy CPU per
+         request over a request that does nothing. Every answer is checked (pods, blocks each).
 callout: a request that posts its block hashes to a scorer over loopback (`dispatch_http_call`;
          the scorer is a second Envoy answering with a fixed body, so this is the call-out
          mechanism's floor, no scoring work) against one answered locally; client-side latency
@@ -30,6 +36,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import os
 import random
 import statistics
@@ -37,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import yaml
 
@@ -134,7 +141,7 @@ def started(writer: dict, concurrency: int, scorer_port: int = 0) -> Iterator[En
         raise SystemExit(f"{PROBE_WASM} missing: run\n  {BUILD}")
     writer = {"fill_per_tick": 20000, "tick_ms": 10, **writer}
     with EnvoyProcess(render(writer, scorer_port), concurrency=concurrency, log_level="warning") as envoy:
-        wait_filled(envoy, writer.get("fill_keys", 0))
+        wait_filled(envoy, writer.get("fleet_buckets") or writer.get("fill_keys", 0))
         yield envoy
 
 
@@ -158,40 +165,31 @@ def cmd_memory(args) -> list[dict]:
     return rows
 
 
-def load(envoy: EnvoyProcess, gets: int, keys: int, clients: int, requests_per_client: int) -> dict:
-    """`clients` keep-alive connections each send `requests_per_client` probes; returns the
-    in-VM time per read and Envoy's CPU per request over the whole batch."""
-    per_read_ns: list[float] = []
+def drive(envoy: EnvoyProcess, headers: Callable[[random.Random], dict],
+          answer: Callable[[http.client.HTTPResponse], None], clients: int, requests_per_client: int) -> dict:
+    """`clients` keep-alive connections each send `requests_per_client` requests with
+    `headers(rng)`; `answer` checks and records every response (it runs under a lock). Returns
+    the request rate and Envoy's CPU per request over the whole batch."""
     failures: list[str] = []
     lock = threading.Lock()
-    counts = {"hits": 0, "bytes": 0, "requests": 0}
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
         conn = http.client.HTTPConnection("127.0.0.1", envoy.listener_port, timeout=30)
-        mine, hits, nbytes = [], 0, 0
         try:
             for _ in range(requests_per_client):
-                conn.request("GET", "/", headers={"x-probe-gets": str(gets), "x-probe-keys": str(keys),
-                                                  "x-probe-seed": str(rng.getrandbits(63))})
+                conn.request("GET", "/", headers=headers(rng))
                 resp = conn.getresponse()
                 resp.read()
                 if resp.status != 200:
                     raise RuntimeError(f"status {resp.status}")
-                hits += int(resp.getheader("x-probe-hits"))
-                nbytes += int(resp.getheader("x-probe-bytes"))
-                if gets:
-                    mine.append(int(resp.getheader("x-probe-ns")) / gets)
+                with lock:
+                    answer(resp)
         except Exception as e:  # noqa: BLE001 - reported below, the run fails
             with lock:
                 failures.append(repr(e))
         finally:
             conn.close()
-        with lock:
-            per_read_ns.extend(mine)
-            counts["hits"] += hits
-            counts["bytes"] += nbytes
-            counts["requests"] += requests_per_client
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     cpu0, t0 = envoy.cpu_seconds(), time.monotonic()
@@ -202,15 +200,37 @@ def load(envoy: EnvoyProcess, gets: int, keys: int, clients: int, requests_per_c
     cpu, wall = envoy.cpu_seconds() - cpu0, time.monotonic() - t0
     if failures:
         raise RuntimeError(f"{len(failures)} clients failed: {failures[:3]}")
-    out = {"gets": gets, "requests": counts["requests"], "rps": round(counts["requests"] / wall),
-           "envoy_cpu_us_per_request": round(cpu * 1e6 / counts["requests"], 1)}
+    requests = clients * requests_per_client
+    return {"requests": requests, "rps": round(requests / wall),
+            "envoy_cpu_us_per_request": round(cpu * 1e6 / requests, 1)}
+
+
+def p50_p99(values: list[float]) -> tuple[int, int]:
+    values = sorted(values)
+    return round(statistics.median(values)), round(values[int(0.99 * (len(values) - 1))])
+
+
+def load(envoy: EnvoyProcess, gets: int, keys: int, clients: int, requests_per_client: int) -> dict:
+    """Requests doing `gets` reads of random keys among `keys`: in-VM time per read and Envoy's
+    CPU per request."""
+    per_read_ns: list[float] = []
+    counts = {"hits": 0, "bytes": 0}
+
+    def answer(resp: http.client.HTTPResponse) -> None:
+        counts["hits"] += int(resp.getheader("x-probe-hits"))
+        counts["bytes"] += int(resp.getheader("x-probe-bytes"))
+        if gets:
+            per_read_ns.append(int(resp.getheader("x-probe-ns")) / gets)
+
+    out = {"gets": gets, **drive(envoy, lambda rng: {"x-probe-gets": str(gets), "x-probe-keys": str(keys),
+                                                       "x-probe-seed": str(rng.getrandbits(63))},
+                                 answer, clients, requests_per_client)}
     if gets:
-        if counts["hits"] != gets * counts["requests"]:
-            raise RuntimeError(f"{counts['hits']} hits of {gets * counts['requests']} reads: keys missing")
-        per_read_ns.sort()
-        out.update(bytes_per_read=counts["bytes"] // counts["hits"],
-                   in_vm_ns_per_read_p50=round(statistics.median(per_read_ns)),
-                   in_vm_ns_per_read_p99=round(per_read_ns[int(0.99 * (len(per_read_ns) - 1))]))
+        if counts["hits"] != gets * out["requests"]:
+            raise RuntimeError(f"{counts['hits']} hits of {gets * out['requests']} reads: keys missing")
+        p50, p99 = p50_p99(per_read_ns)
+        out.update(bytes_per_read=counts["bytes"] // counts["hits"], in_vm_ns_per_read_p50=p50,
+                   in_vm_ns_per_read_p99=p99)
     return out
 
 
@@ -304,6 +324,45 @@ def cmd_callout(args) -> list[dict]:
     return rows
 
 
+def cmd_decide(args) -> list[dict]:
+    rows = []
+    buckets = math.ceil(args.entries * 8 / args.load / args.bucket_bytes)
+    layout = f"{buckets},{args.bucket_bytes}"
+    for concurrency in args.concurrency:
+        writer = {"fleet_buckets": buckets, "bucket_bytes": args.bucket_bytes, "fill": args.load,
+                  "fill_per_tick": 2000}
+        with started(writer, concurrency) as envoy:
+            time.sleep(args.settle)
+            rss = rss_mb(envoy.pid)
+            seen = {"ns": [], "probes": set(), "pods": set()}
+
+            def answer(resp: http.client.HTTPResponse) -> None:
+                if resp.getheader("x-probe-valid") != "1":
+                    raise RuntimeError(f"wrong decision: {resp.getheader('x-probe-pods')} pods matched")
+                seen["ns"].append(int(resp.getheader("x-probe-ns")))
+                seen["probes"].add(int(resp.getheader("x-probe-probes")))
+                seen["pods"].add(int(resp.getheader("x-probe-pods")))
+
+            drive(envoy, lambda rng: {"x-probe-decide": layout}, answer, args.clients, 20)  # warm up
+            for clients in sorted({1, args.clients}):
+                n = args.requests * args.clients // clients
+                base = drive(envoy, lambda rng: {"x-probe-gets": "0"}, lambda resp: None, clients, n)
+                seen["ns"].clear()
+                r = drive(envoy, lambda rng: {"x-probe-decide": layout}, answer, clients, n)
+                p50, p99 = p50_p99(seen["ns"])
+                row = {"test": "decide", "concurrency": concurrency, "clients": clients,
+                       "entries": args.entries, "buckets": buckets, "bucket_bytes": args.bucket_bytes,
+                       "rss_mb": round(rss, 1), "probes": sorted(seen["probes"]),
+                       "pods_matched": sorted(seen["pods"]), "in_vm_decision_us_p50": round(p50 / 1e3, 1),
+                       "in_vm_decision_us_p99": round(p99 / 1e3, 1), **r,
+                       "baseline_cpu_us_per_request": base["envoy_cpu_us_per_request"],
+                       "added_cpu_us_per_request": round(r["envoy_cpu_us_per_request"]
+                                                         - base["envoy_cpu_us_per_request"], 1)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -336,8 +395,17 @@ def main() -> None:
     c.add_argument("--payload-bytes", type=int, default=4096, help="512 block hashes of 8 bytes")
     c.add_argument("--requests", type=int, default=2000, help="per arm")
     c.add_argument("--block", type=int, default=100, help="requests per arm before switching")
+    d = sub.add_parser("decide")
+    d.add_argument("--entries", type=int, default=13_445_600, help="(block, pod) entries: 1,000 pods x 19,208 x 70 %%")
+    d.add_argument("--bucket-bytes", type=int, default=4096)
+    d.add_argument("--load", type=float, default=0.8, help="share of each bucket's slots in use")
+    d.add_argument("--concurrency", type=ints, default=[2, 8])
+    d.add_argument("--clients", type=int, default=16)
+    d.add_argument("--requests", type=int, default=100, help="per client")
+    d.add_argument("--settle", type=float, default=2.0, help="seconds between the fill and the RSS read")
     args = p.parse_args()
-    rows = {"memory": cmd_memory, "get": cmd_get, "rewrite": cmd_rewrite, "callout": cmd_callout}[args.cmd](args)
+    rows = {"memory": cmd_memory, "get": cmd_get, "rewrite": cmd_rewrite, "callout": cmd_callout,
+            "decide": cmd_decide}[args.cmd](args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:

@@ -15,6 +15,10 @@
 //!   (`dispatch_http_call`, 50 ms timeout) and answers once the reply is in: the round trip a
 //!   sidecar would pay to have its block hashes scored remotely (candidate C).
 //!
+//! With `fleet_buckets` set, the writer instead fills a whole fleet's block → pod-set index
+//! (see fleet.rs) and a request with `x-probe-decide: <buckets>,<bucket bytes>` runs candidate
+//! A's decision against it: bisect the prompt's chain with one bucket read per probe.
+//!
 //! The driver is integration/spike/shared_data_probe.py. Panics abort the VM: this is a
 //! measuring tool, and the driver treats a missing answer as a failed run.
 
@@ -23,6 +27,8 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
 use serde::Deserialize;
 use std::time::{Duration, UNIX_EPOCH};
+
+mod fleet;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -40,6 +46,9 @@ struct Settings {
     rewrite_bytes: usize,
     rewrites_per_tick: u64,
     tick_ms: u64,
+    fleet_buckets: u64,
+    bucket_bytes: usize,
+    fill: f64,
 }
 
 #[derive(Default)]
@@ -50,6 +59,7 @@ struct Probe {
     rewrites_counter: u32,
     next_rewrite: u64,
     round: u8,
+    fleet: Option<fleet::FleetWriter>,
 }
 
 fn nanos() -> u64 {
@@ -91,6 +101,10 @@ impl RootContext for Probe {
 
     fn on_tick(&mut self) {
         let s = self.settings.clone();
+        if s.fleet_buckets > 0 {
+            self.fill_fleet();
+            return;
+        }
         if self.filled < s.fill_keys {
             let value = vec![0x5a_u8; s.value_bytes];
             let end = (self.filled + s.fill_per_tick.max(1)).min(s.fill_keys);
@@ -133,7 +147,55 @@ impl RootContext for Probe {
     }
 }
 
+impl Probe {
+    fn fill_fleet(&mut self) {
+        let s = &self.settings;
+        if self.filled >= s.fleet_buckets {
+            return;
+        }
+        let writer = self.fleet.get_or_insert_with(|| {
+            let w = fleet::FleetWriter::new(
+                fleet::Layout::new(s.fleet_buckets, s.bucket_bytes),
+                s.fill,
+            );
+            for (key, value) in w.sets() {
+                let _ = hostcalls::set_shared_data(&key, Some(&value), None);
+            }
+            w
+        });
+        let end = (self.filled + s.fill_per_tick.max(1)).min(s.fleet_buckets);
+        for b in self.filled..end {
+            let bucket = writer.bucket(b);
+            let _ = hostcalls::set_shared_data(&fleet::bucket_key(b), Some(&bucket), None);
+        }
+        self.filled = end;
+        let _ = hostcalls::record_metric(self.filled_gauge, self.filled);
+    }
+}
+
 struct Reader;
+
+fn decide(layout: &str) -> Vec<(&'static str, String)> {
+    let mut parts = layout
+        .split(',')
+        .map(|x| x.trim().parse::<u64>().unwrap_or(0));
+    let layout = fleet::Layout::new(
+        parts.next().unwrap_or(1),
+        parts.next().unwrap_or(8) as usize,
+    );
+    let chain = fleet::hot_chain();
+    let mut read = |key: &str| hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v);
+    let start = nanos();
+    let (answer, probes) = fleet::match_lengths(&layout, &chain, &mut read);
+    let spent = nanos().saturating_sub(start);
+    let valid = answer == fleet::expected();
+    vec![
+        ("x-probe-ns", spent.to_string()),
+        ("x-probe-probes", probes.to_string()),
+        ("x-probe-pods", answer.len().to_string()),
+        ("x-probe-valid", u8::from(valid).to_string()),
+    ]
+}
 
 impl Context for Reader {
     fn on_http_call_response(
@@ -171,6 +233,18 @@ fn header_u64(name: &str) -> u64 {
 
 impl HttpContext for Reader {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if let Ok(Some(layout)) = hostcalls::get_map_value(
+            proxy_wasm::types::MapType::HttpRequestHeaders,
+            "x-probe-decide",
+        ) {
+            let headers = decide(&layout);
+            let _ = hostcalls::send_http_response(
+                200,
+                headers.iter().map(|(k, v)| (*k, v.as_str())).collect(),
+                None,
+            );
+            return Action::Pause;
+        }
         let callout = header_u64("x-probe-callout");
         if callout > 0 {
             let payload = vec![0xa5_u8; callout as usize];
