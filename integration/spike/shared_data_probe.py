@@ -18,11 +18,13 @@ get:     reads of random keys from every worker at once (`--clients` keep-alive 
          machine counts), and Envoy's CPU per request with K reads minus with none, per read.
 rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
          the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
-decide:  candidate A end to end: the singleton writes a whole fleet's block -> pod-set index
-         (--entries in 8-byte slots, buckets of --bucket-bytes at --load) and each request
-         decides one 512-block prompt cached at three depths by bisecting its chain, one bucket
-         read per probe; Envoy RSS with that index, the decision's in-VM time, and Envoy CPU per
-         request over a request that does nothing. Every answer is checked (pods, blocks each).
+decide:  candidates A and B end to end. A ("shared"): the singleton writes a whole fleet's
+         block -> pod-set index (--entries in 8-byte slots, buckets of --bucket-bytes at --load)
+         into shared data and each request decides one 512-block prompt cached at three depths
+         by bisecting its chain, one bucket read per probe. B ("local"): every VM builds the same
+         buckets in its own memory and decides from there. Envoy RSS with that index, the
+         decision's in-VM time, and Envoy CPU per request over a request that does nothing.
+         Every answer is checked (pods, blocks each).
 callout: a request that posts its block hashes to a scorer over loopback (`dispatch_http_call`;
          the scorer is a second Envoy answering with a fixed body, so this is the call-out
          mechanism's floor, no scoring work) against one answered locally; client-side latency
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
 import json
 import math
 import os
@@ -86,12 +89,14 @@ def admin() -> dict:
     return {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}}
 
 
-def render(writer: dict, scorer_port: int = 0) -> str:
-    """An Envoy config: the probe as singleton writer and as the only HTTP filter; its `scorer`
-    cluster points at `scorer_port` (see render_scorer)."""
+def render(writer: dict, scorer_port: int = 0, reader: dict | None = None) -> str:
+    """An Envoy config: the probe as singleton writer and as the only HTTP filter (`reader`
+    settings added to its configuration); its `scorer` cluster points at `scorer_port` (see
+    render_scorer)."""
     reader = {"name": "probe", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-        "config": {**wasm_config("probe-reader", {"role": "reader"}), "failure_policy": "FAIL_CLOSED"}}}
+        "config": {**wasm_config("probe-reader", {"role": "reader", **(reader or {})}),
+                   "failure_policy": "FAIL_CLOSED"}}}
     scorer = {"name": "scorer", "type": "STATIC", "connect_timeout": "1s",
               "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [
                   {"endpoint": {"address": {"socket_address": {
@@ -135,12 +140,14 @@ def wait_filled(envoy: EnvoyProcess, keys: int, timeout: float = 120.0) -> None:
 
 
 @contextlib.contextmanager
-def started(writer: dict, concurrency: int, scorer_port: int = 0) -> Iterator[EnvoyProcess]:
+def started(writer: dict, concurrency: int, scorer_port: int = 0,
+            reader: dict | None = None) -> Iterator[EnvoyProcess]:
     """A fresh Envoy whose singleton has filled its keys; stopped by its PID on exit."""
     if not PROBE_WASM.is_file():
         raise SystemExit(f"{PROBE_WASM} missing: run\n  {BUILD}")
     writer = {"fill_per_tick": 20000, "tick_ms": 10, **writer}
-    with EnvoyProcess(render(writer, scorer_port), concurrency=concurrency, log_level="warning") as envoy:
+    with EnvoyProcess(render(writer, scorer_port, reader), concurrency=concurrency, log_level="warning",
+                      startup_timeout=120) as envoy:
         wait_filled(envoy, writer.get("fleet_buckets") or writer.get("fill_keys", 0))
         yield envoy
 
@@ -328,10 +335,14 @@ def cmd_decide(args) -> list[dict]:
     rows = []
     buckets = math.ceil(args.entries * 8 / args.load / args.bucket_bytes)
     layout = f"{buckets},{args.bucket_bytes}"
-    for concurrency in args.concurrency:
-        writer = {"fleet_buckets": buckets, "bucket_bytes": args.bucket_bytes, "fill": args.load,
-                  "fill_per_tick": 2000}
-        with started(writer, concurrency) as envoy:
+    fleet = {"bucket_bytes": args.bucket_bytes, "fill": args.load}
+    for candidate, concurrency in itertools.product(args.candidates, args.concurrency):
+        if candidate == "shared":  # A: the singleton writes the index into shared data
+            writer, reader, ask = {"fleet_buckets": buckets, "fill_per_tick": 2000, **fleet}, None, \
+                {"x-probe-decide": layout}
+        else:  # B: every VM builds its own copy when configured
+            writer, reader, ask = {}, {"local_fleet_buckets": buckets, **fleet}, {"x-probe-decide-local": "1"}
+        with started(writer, concurrency, reader=reader) as envoy:
             time.sleep(args.settle)
             rss = rss_mb(envoy.pid)
             seen = {"ns": [], "probes": set(), "pods": set()}
@@ -343,14 +354,14 @@ def cmd_decide(args) -> list[dict]:
                 seen["probes"].add(int(resp.getheader("x-probe-probes")))
                 seen["pods"].add(int(resp.getheader("x-probe-pods")))
 
-            drive(envoy, lambda rng: {"x-probe-decide": layout}, answer, args.clients, 20)  # warm up
+            drive(envoy, lambda rng: ask, answer, args.clients, 20)  # warm up
             for clients in sorted({1, args.clients}):
                 n = args.requests * args.clients // clients
                 base = drive(envoy, lambda rng: {"x-probe-gets": "0"}, lambda resp: None, clients, n)
                 seen["ns"].clear()
-                r = drive(envoy, lambda rng: {"x-probe-decide": layout}, answer, clients, n)
+                r = drive(envoy, lambda rng: ask, answer, clients, n)
                 p50, p99 = p50_p99(seen["ns"])
-                row = {"test": "decide", "concurrency": concurrency, "clients": clients,
+                row = {"test": "decide", "candidate": candidate, "concurrency": concurrency, "clients": clients,
                        "entries": args.entries, "buckets": buckets, "bucket_bytes": args.bucket_bytes,
                        "rss_mb": round(rss, 1), "probes": sorted(seen["probes"]),
                        "pods_matched": sorted(seen["pods"]), "in_vm_decision_us_p50": round(p50 / 1e3, 1),
@@ -400,6 +411,8 @@ def main() -> None:
     d.add_argument("--bucket-bytes", type=int, default=4096)
     d.add_argument("--load", type=float, default=0.8, help="share of each bucket's slots in use")
     d.add_argument("--concurrency", type=ints, default=[2, 8])
+    d.add_argument("--candidates", type=lambda t: t.split(","), default=["shared", "local"],
+                   help="shared: A, one index in shared data; local: B, a copy in every VM")
     d.add_argument("--clients", type=int, default=16)
     d.add_argument("--requests", type=int, default=100, help="per client")
     d.add_argument("--settle", type=float, default=2.0, help="seconds between the fill and the RSS read")

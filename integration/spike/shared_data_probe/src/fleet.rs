@@ -8,6 +8,7 @@
 //! it on pod 3, the first 256 blocks on pods 10..60, the first 64 on pods 100..600. The reader
 //! checks its answer against that before reporting a decision as valid.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 pub const HOT_BLOCKS: usize = 512;
@@ -189,18 +190,35 @@ impl FleetWriter {
     }
 }
 
+/// What `match_lengths` reads: a bucket or an interned pod set.
+#[derive(Clone, Copy)]
+pub enum Key {
+    Bucket(u64),
+    Set(u32),
+}
+
+impl Key {
+    pub fn shared_data_name(self) -> String {
+        match self {
+            Key::Bucket(b) => bucket_key(b),
+            Key::Set(id) => set_key(id),
+        }
+    }
+}
+
 /// Every pod's longest cached prefix of `chain` (pods with none left out), reading buckets
-/// and sets through `read`; returns the answer and the bucket reads spent. Pod sets shrink along
-/// a chain, so bisecting between two probes whose sets differ finds every point where pods drop.
-pub fn match_lengths(
+/// and sets through `read` (shared data for candidate A, the VM's own memory for B); returns
+/// the answer and the bucket reads spent. Pod sets shrink along a chain, so bisecting between
+/// two probes whose sets differ finds every point where pods drop out.
+pub fn match_lengths<'a>(
     layout: &Layout,
     chain: &[u64],
-    read: &mut dyn FnMut(&str) -> Option<Vec<u8>>,
+    read: &mut dyn FnMut(Key) -> Option<Cow<'a, [u8]>>,
 ) -> (Vec<(u16, usize)>, usize) {
     let mut probes = 0;
-    let mut probe = |i: usize, read: &mut dyn FnMut(&str) -> Option<Vec<u8>>| {
+    let mut probe = |i: usize, read: &mut dyn FnMut(Key) -> Option<Cow<'a, [u8]>>| {
         probes += 1;
-        let bucket = read(&bucket_key(layout.bucket_of(chain[i])))?;
+        let bucket = read(Key::Bucket(layout.bucket_of(chain[i])))?;
         layout.find(&bucket, chain[i])
     };
     let mut out = Vec::new();
@@ -236,7 +254,7 @@ pub fn match_lengths(
     for (i, set) in drops {
         if set & INTERNED == 0 {
             out.push((set as u16, i + 1));
-        } else if let Some(pods) = read(&set_key(set & !INTERNED)) {
+        } else if let Some(pods) = read(Key::Set(set & !INTERNED)) {
             out.extend(
                 pods.chunks_exact(2)
                     .map(|p| (u16::from_le_bytes([p[0], p[1]]), i + 1)),
@@ -246,4 +264,30 @@ pub fn match_lengths(
     out.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
     out.dedup_by_key(|e| e.0);
     (out, probes)
+}
+
+/// Candidate B: the same buckets and sets held in this VM's own memory.
+pub struct LocalFleet {
+    pub layout: Layout,
+    buckets: Vec<Vec<u8>>,
+    sets: Vec<Vec<u8>>,
+}
+
+impl LocalFleet {
+    pub fn build(layout: Layout, fill: f64) -> LocalFleet {
+        let mut writer = FleetWriter::new(layout, fill);
+        LocalFleet {
+            layout,
+            sets: writer.sets().into_iter().map(|(_, v)| v).collect(),
+            buckets: (0..layout.buckets).map(|b| writer.bucket(b)).collect(),
+        }
+    }
+
+    pub fn read(&self, key: Key) -> Option<Cow<'_, [u8]>> {
+        let found = match key {
+            Key::Bucket(b) => self.buckets.get(b as usize),
+            Key::Set(id) => self.sets.get(id as usize),
+        };
+        found.map(|v| Cow::Borrowed(v.as_slice()))
+    }
 }

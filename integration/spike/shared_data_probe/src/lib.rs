@@ -26,6 +26,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
 use serde::Deserialize;
+use std::borrow::Cow;
+use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
 mod fleet;
@@ -49,6 +51,8 @@ struct Settings {
     fleet_buckets: u64,
     bucket_bytes: usize,
     fill: f64,
+    /// Reader: hold the fleet in this VM's memory (candidate B) instead of reading shared data.
+    local_fleet_buckets: u64,
 }
 
 #[derive(Default)]
@@ -60,6 +64,7 @@ struct Probe {
     next_rewrite: u64,
     round: u8,
     fleet: Option<fleet::FleetWriter>,
+    local_fleet: Option<Rc<fleet::LocalFleet>>,
 }
 
 fn nanos() -> u64 {
@@ -95,6 +100,11 @@ impl RootContext for Probe {
             self.rewrites_counter =
                 hostcalls::define_metric(MetricType::Counter, "probe.rewrites").unwrap_or(0);
             let _ = hostcalls::set_tick_period(Duration::from_millis(self.settings.tick_ms.max(1)));
+        }
+        let s = &self.settings;
+        if s.role == "reader" && s.local_fleet_buckets > 0 {
+            let layout = fleet::Layout::new(s.local_fleet_buckets, s.bucket_bytes);
+            self.local_fleet = Some(Rc::new(fleet::LocalFleet::build(layout, s.fill)));
         }
         true
     }
@@ -139,7 +149,9 @@ impl RootContext for Probe {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Reader))
+        Some(Box::new(Reader {
+            local_fleet: self.local_fleet.clone(),
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -173,9 +185,12 @@ impl Probe {
     }
 }
 
-struct Reader;
+struct Reader {
+    local_fleet: Option<Rc<fleet::LocalFleet>>,
+}
 
-fn decide(layout: &str) -> Vec<(&'static str, String)> {
+/// Candidate A: the layout from the request (`<buckets>,<bucket bytes>`), buckets from shared data.
+fn decide_shared(layout: &str) -> Vec<(&'static str, String)> {
     let mut parts = layout
         .split(',')
         .map(|x| x.trim().parse::<u64>().unwrap_or(0));
@@ -183,10 +198,22 @@ fn decide(layout: &str) -> Vec<(&'static str, String)> {
         parts.next().unwrap_or(1),
         parts.next().unwrap_or(8) as usize,
     );
+    let mut read = |key: fleet::Key| {
+        hostcalls::get_shared_data(&key.shared_data_name())
+            .ok()
+            .and_then(|(v, _)| v)
+            .map(Cow::Owned)
+    };
+    decide(&layout, &mut read)
+}
+
+fn decide<'a>(
+    layout: &fleet::Layout,
+    read: &mut dyn FnMut(fleet::Key) -> Option<Cow<'a, [u8]>>,
+) -> Vec<(&'static str, String)> {
     let chain = fleet::hot_chain();
-    let mut read = |key: &str| hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v);
     let start = nanos();
-    let (answer, probes) = fleet::match_lengths(&layout, &chain, &mut read);
+    let (answer, probes) = fleet::match_lengths(layout, &chain, read);
     let spent = nanos().saturating_sub(start);
     let valid = answer == fleet::expected();
     vec![
@@ -233,11 +260,22 @@ fn header_u64(name: &str) -> u64 {
 
 impl HttpContext for Reader {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        if let Ok(Some(layout)) = hostcalls::get_map_value(
-            proxy_wasm::types::MapType::HttpRequestHeaders,
-            "x-probe-decide",
-        ) {
-            let headers = decide(&layout);
+        let decided = if header_u64("x-probe-decide-local") > 0 {
+            // Candidate B: this VM's own copy (the request fails the driver's check if absent).
+            self.local_fleet.as_ref().map(|local| {
+                let mut read = |key: fleet::Key| local.read(key);
+                decide(&local.layout, &mut read)
+            })
+        } else {
+            hostcalls::get_map_value(
+                proxy_wasm::types::MapType::HttpRequestHeaders,
+                "x-probe-decide",
+            )
+            .ok()
+            .flatten()
+            .map(|layout| decide_shared(&layout))
+        };
+        if let Some(headers) = decided {
             let _ = hostcalls::send_http_response(
                 200,
                 headers.iter().map(|(k, v)| (*k, v.as_str())).collect(),
