@@ -17,7 +17,8 @@ get:     reads of random keys from every worker at once (`--clients` keep-alive 
          the time inside the reads measured in the VM (wall clock, so preemption on a busy
          machine counts), and Envoy's CPU per request with K reads minus with none, per read.
 rewrite: the singleton rewrites R buckets of S bytes per tick (one set each, the writer keeps
-         the master copy); main-thread CPU per rewrite from /proc/<pid>/task/<pid>/stat.
+         the master copy; with --read-back a get first); main-thread CPU per rewrite from
+         /proc/<pid>/task/<pid>/stat.
 decide:  candidates A and B end to end. A ("shared"): the singleton writes a whole fleet's
          block -> pod-set index (--entries in 8-byte slots, buckets of --bucket-bytes at --load)
          into shared data and each request decides one 512-block prompt cached at three depths
@@ -265,7 +266,7 @@ def cmd_rewrite(args) -> list[dict]:
     for bucket_bytes in args.bucket_bytes:
         writer = {"fill_keys": args.buckets, "value_bytes": bucket_bytes, "rewrite_buckets": args.buckets,
                   "rewrite_bytes": bucket_bytes, "rewrites_per_tick": args.rewrites_per_tick,
-                  "tick_ms": args.tick_ms}
+                  "rewrite_read_back": args.read_back, "tick_ms": args.tick_ms}
         with started(writer, args.concurrency) as envoy:
             counter = "wasmcustom.probe.rewrites"
             time.sleep(1.0)
@@ -274,7 +275,8 @@ def cmd_rewrite(args) -> list[dict]:
             n1, cpu1 = envoy.stats(counter).get(counter, 0), main_thread_cpu(envoy.pid)
             if n1 <= n0:
                 raise RuntimeError(f"no rewrites counted:\n{envoy.log_tail()}")
-            row = {"test": "rewrite", "concurrency": args.concurrency, "buckets": args.buckets,
+            row = {"test": "rewrite", "read_back": args.read_back, "concurrency": args.concurrency,
+                   "buckets": args.buckets,
                    "bucket_bytes": bucket_bytes, "rewrites_per_s": round((n1 - n0) / args.seconds),
                    "main_thread_cpu_share": round((cpu1 - cpu0) / args.seconds, 3),
                    "main_thread_us_per_rewrite": round((cpu1 - cpu0) * 1e6 / (n1 - n0), 2),
@@ -401,6 +403,7 @@ def main() -> None:
     w.add_argument("--tick-ms", type=int, default=10)
     w.add_argument("--seconds", type=float, default=10.0)
     w.add_argument("--concurrency", type=int, default=2)
+    w.add_argument("--read-back", action="store_true", help="get each bucket before setting it")
     c = sub.add_parser("callout")
     c.add_argument("--concurrency", type=ints, default=[2, 8])
     c.add_argument("--payload-bytes", type=int, default=4096, help="512 block hashes of 8 bytes")

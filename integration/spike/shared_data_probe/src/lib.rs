@@ -47,6 +47,7 @@ struct Settings {
     rewrite_buckets: u64,
     rewrite_bytes: usize,
     rewrites_per_tick: u64,
+    rewrite_read_back: bool,
     tick_ms: u64,
     fleet_buckets: u64,
     bucket_bytes: usize,
@@ -135,15 +136,24 @@ impl RootContext for Probe {
         if s.rewrites_per_tick == 0 || s.rewrite_buckets == 0 {
             return;
         }
-        // The single writer keeps the master copy of each bucket in its own VM: a rewrite
-        // is "re-encode the bucket, set it", no read back.
+        // Either the writer keeps its own copy of each bucket (a rewrite is "patch, set") or it
+        // reads the bucket back from shared data first (`rewrite_read_back`: "get, patch, set").
         self.round = self.round.wrapping_add(1);
         let mut bucket = vec![self.round; s.rewrite_bytes];
         for _ in 0..s.rewrites_per_tick {
             let i = self.next_rewrite % s.rewrite_buckets;
             self.next_rewrite += 1;
-            bucket[(i as usize) % s.rewrite_bytes.max(1)] ^= 1;
-            let _ = hostcalls::set_shared_data(&slot_key(i), Some(&bucket), None);
+            let key = slot_key(i);
+            if s.rewrite_read_back {
+                if let Ok((Some(current), _)) = hostcalls::get_shared_data(&key) {
+                    bucket = current;
+                }
+            }
+            let at = (i as usize) % bucket.len().max(1);
+            if let Some(byte) = bucket.get_mut(at) {
+                *byte ^= 1;
+            }
+            let _ = hostcalls::set_shared_data(&key, Some(&bucket), None);
         }
         let _ = hostcalls::increment_metric(self.rewrites_counter, s.rewrites_per_tick as i64);
     }
