@@ -24,6 +24,8 @@ $P memory --keys 0,100000 --value-bytes 4096 >> "$O/memory.log" 2>&1
 $P get --concurrency 2,8 --value-bytes 128,1024,4096 --gets 20,200 > "$O/get.log" 2>&1
 $P rewrite --bucket-bytes 1024,4096,16384 > "$O/rewrite.log" 2>&1
 $P rewrite --bucket-bytes 4096,16384 --buckets 8192 --rewrites-per-tick 2000 >> "$O/rewrite.log" 2>&1
+$P rewrite --read-back --bucket-bytes 4096,16384 >> "$O/rewrite.log" 2>&1
+$P get --concurrency 2,8 --value-bytes 16384 --keys 20000 --gets 200 >> "$O/get.log" 2>&1
 $P callout --concurrency 2,8 > "$O/callout.log" 2>&1
 $P decide --concurrency 2,8 --requests 500 > "$O/decide-1000-pods.log" 2>&1
 $P decide --entries 67228000 --concurrency 2 --requests 100 > "$O/decide-5000-pods.log" 2>&1
