@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -309,6 +310,19 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
             "cpu_us_per_request": round(cpu / max(1, counts["ok"]) * 1e6, 1)}
 
 
+_FAILURE = re.compile(r"memory allocation|panicked|unexpected status|buffer size limit|exited with|"
+                      r"\]\[critical\]\[main\]")
+
+
+def failure_lines(log_text: str) -> list[str]:
+    """The lines of an Envoy log that say why kvroute failed: allocation failures, panics (and
+    the line after: the message), async-client limits, the exit."""
+    lines = log_text.splitlines()
+    picked = [i for i, line in enumerate(lines) if _FAILURE.search(line)]
+    keep = sorted({j for i in picked for j in (i, i + 1) if j < len(lines)})
+    return list(dict.fromkeys(lines[j][:300] for j in keep))[:12]
+
+
 @contextlib.contextmanager
 def envoy_running(config: str, concurrency: int, timeout: float, result: dict):
     """Yields the started Envoy, or None when it did not start: the failure (exit, log lines)
@@ -318,8 +332,7 @@ def envoy_running(config: str, concurrency: int, timeout: float, result: dict):
     try:
         envoy.start()
     except RuntimeError as e:
-        lines = [ln for ln in str(e).splitlines() if "critical" in ln or "error" in ln or "exited" in ln]
-        result.update(started=False, failure="\n".join(lines[-6:])[-1500:])
+        result.update(started=False, failure=failure_lines(str(e) + "\n" + envoy.log_text()))
         envoy.__exit__(None, None, None)
         yield None
         return
@@ -437,7 +450,8 @@ def fill(indexer: IndexerProcess, source: KvEventSource, pods: int) -> dict[str,
     held = wait_for(lambda: (n := indexed()) >= expected and n, 600, interval=1.0) or indexed()
     return {"blocks_per_pod": per_pod, "sequences_per_pod": full_sequences, "expected_entries": expected,
             "indexed_entries": held, "send_s": round(sent, 1), "indexed_s": round(time.monotonic() - t0, 1),
-            "indexer_rss_mb": round(indexer.rss_bytes() / 2**20, 1)}
+            "indexer_rss_mb": round(indexer.rss_bytes() / 2**20, 1),
+            "indexer_rss_bytes_per_entry": round(indexer.rss_bytes() / max(1, held), 1)}
 
 
 def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: int, seconds: float) -> dict:
@@ -482,16 +496,19 @@ def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: 
     stop.set()
     thread.join()
     elapsed_with_tail = time.monotonic() - t0
-    block_events_per_s = sent_blocks / elapsed
-    delta_bps = polled["bytes"] / elapsed_with_tail
-    bytes_per_event = polled["bytes"] / max(1, sent_blocks)
+    # Every poll carries the pod list (the idle poll's size); the rest grows with the events.
+    polls_per_s = polled["polls"] / elapsed_with_tail
+    event_bytes = polled["bytes"] - polled["polls"] * len(idle)
+    bytes_per_event = event_bytes / max(1, sent_blocks)
     target = 2 * 200 * pods  # 200 stored + 200 removed blocks/s per pod
     return {"snapshot_bytes": len(snapshot), "snapshot_s": round(snapshot_s, 2), "idle_poll_bytes": len(idle),
-            "churn_target_blocks_per_pod_s": rate, "churn_seconds": round(elapsed, 1),
-            "block_events_sent": sent_blocks, "block_events_per_s": round(block_events_per_s),
-            "polls": polled["polls"], "delta_snapshots": polled["snapshots"],
-            "delta_bytes_per_s": round(delta_bps), "bytes_per_block_event": round(bytes_per_event, 2),
-            "delta_bytes_per_s_at_200_per_pod": round(bytes_per_event * target)}
+            "churn_blocks_per_pod_s": rate, "churn_seconds": round(elapsed, 1),
+            "block_events_sent": sent_blocks, "block_events_per_s": round(sent_blocks / elapsed),
+            "polls": polled["polls"], "polls_per_s": round(polls_per_s, 2), "delta_snapshots": polled["snapshots"],
+            "delta_bytes_per_s": round(polled["bytes"] / elapsed_with_tail),
+            "bytes_per_block_event": round(bytes_per_event, 2),
+            "delta_bytes_per_s_at_200_per_pod": round(len(idle) * polls_per_s + bytes_per_event * target),
+            "extrapolated": rate < 200}
 
 
 def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, sequences: int, args) -> dict:
@@ -531,10 +548,11 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
             result["decision"] = decision_latency(
                 envoy, [(token_request(sequence_tokens(p, s)), pods[p]) for p, s in chosen])
         else:
-            result["log"] = envoy.log_tail(8)[-1500:]
+            result["failure"] = failure_lines(envoy.log_text())
         # the workers publish the gauge on their timer
         result["index_blocks"] = wait_for(
             lambda: envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks"), 10)
+        result["index_bytes"] = envoy.stats("kvroute.index.bytes").get("wasmcustom.kvroute.index.bytes")
     return result
 
 
@@ -593,9 +611,19 @@ def fmt(v: Any, unit: str = "") -> str:
     return "—" if v is None else f"{v}{unit}"
 
 
+def cause(failure: list[str]) -> str:
+    """The most telling failure line, shortened for a table cell."""
+    for pattern in ("memory allocation", "buffer size limit", "unexpected status", "panicked", "exited with"):
+        for line in failure:
+            if pattern in line:
+                return line.split("] ")[-1].replace("|", "/")[:110]
+    return (failure[-1:] or ["?"])[0].split("] ")[-1].replace("|", "/")[:110]
+
+
 def render(results: dict) -> str:
-    rows = ["| mode | pods | c | Envoy RSS MB | start / route s | decision_us p50 / p99 (fully matched) |"
-            " added CPU µs/req 30 KB / 128 KB |", "|---|---|---|---|---|---|---|"]
+    rows = ["| mode | pods | c | Envoy RSS MB | filter index MB per VM | start s / routes on full index s |"
+            " decision_us p50 / p99 (fully matched / probes) | Envoy CPU µs/req 30 KB / 128 KB: added (without kvroute) |",
+            "|---|---:|---:|---:|---:|---|---|---|"]
     for n, by_mode in results["fleets"].items():
         for mode in ("approximate", "precise"):
             for c in results["concurrency"]:
@@ -603,30 +631,40 @@ def render(results: dict) -> str:
                 if r is None:
                     continue
                 if not r.get("started", False):
-                    rows.append(f"| {mode} | {n} | {c} | Envoy failed: {r.get('failure', '').splitlines()[-1:]} |"
-                                " | | |")
+                    rows.append(f"| {mode} | {n} | {c} | Envoy exits at start: `{cause(r.get('failure', []))}` "
+                                "| | | | |")
                     continue
                 d = r.get("decision", {})
-                dec = (f"{fmt(d.get('p50_us'))} / {fmt(d.get('p99_us'))} ({d.get('fully_matched')}/{d.get('probes')})"
-                       if d else "not routed on the index")
-                cpu = r.get("cpu", {})
-                cpu_s = " / ".join(fmt(cpu.get(k, {}).get("added_cpu_us_per_request")) for k in ("30KB", "128KB"))
+                if d:
+                    dec = f"{fmt(d.get('p50_us'))} / {fmt(d.get('p99_us'))} ({d.get('fully_matched')}/{d.get('probes')})"
+                else:
+                    feed = r.get("feed", {})
+                    dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
+                           f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
+                cpu, base = r.get("cpu", {}), r.get("envoy_without_kvroute", {}).get("cpu", {})
+                cpu_s = " / ".join(f"+{cpu[k].get('added_cpu_us_per_request')} ({base.get(k, {}).get('cpu_us_per_request')})"
+                                   for k in ("30KB", "128KB") if k in cpu) or "—"
                 rss = r.get("rss_after_start_mb", r.get("rss_mb"))
+                index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
                 when = (f"{r.get('startup_s')}" if mode == "approximate" else
                         f"{r.get('startup_s')} / {fmt(r.get('time_to_route_s'))}")
-                rows.append(f"| {mode} | {n} | {c} | {rss} | {when} | {dec} | {cpu_s if cpu else '—'} |")
-    feed = ["| pods | indexed entries | indexer RSS MB | snapshot bytes | idle poll bytes |"
-            " churn blocks/s sent | delta B/s measured | B per block event | delta B/s at 200+200/s/pod |",
-            "|---|---|---|---|---|---|---|---|---|"]
+                rows.append(f"| {mode} | {n} | {c} | {rss} | {index_mb} | {when} | {dec} | {cpu_s} |")
+    feed = ["| pods | indexed / expected entries | indexer RSS MB (B/entry) | snapshot bytes | idle poll bytes |"
+            " churn blocks/s sent (per pod) | delta B/s measured | B per block event | delta B/s per poller at 200+200 blocks/s/pod |",
+            "|---:|---|---|---:|---:|---|---:|---:|---|"]
     for n, by_mode in results["fleets"].items():
         p = by_mode.get("precise")
         if not p or "feed" not in p:
             continue
         f, fl = p["feed"], p["fill"]
-        feed.append(f"| {n} | {fl['indexed_entries']}/{fl['expected_entries']} | {fl['indexer_rss_mb']} |"
-                    f" {f['snapshot_bytes']} | {f['idle_poll_bytes']} | {f['block_events_per_s']} |"
-                    f" {f['delta_bytes_per_s']} | {f['bytes_per_block_event']} | {f['delta_bytes_per_s_at_200_per_pod']} |")
-    return "\n".join(rows) + "\n\nPrecise-mode feed:\n\n" + "\n".join(feed) + "\n"
+        extrapolated = " (extrapolated)" if f["extrapolated"] else " (measured rate)"
+        feed.append(f"| {n} | {fl['indexed_entries']} / {fl['expected_entries']} |"
+                    f" {fl['indexer_rss_mb']} ({fl['indexer_rss_bytes_per_entry']}) | {f['snapshot_bytes']} |"
+                    f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
+                    f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']} |"
+                    f" {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
+    return "\n".join(rows) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
+        "\n".join(feed) + "\n"
 
 
 def main() -> None:
@@ -651,7 +689,7 @@ def main() -> None:
     big = [int(n) for n in (args.approximate_only_pods if args.approximate_only_pods is not None
                             else ("" if args.quick else "5000")).split(",") if n]
     args.probes = args.probes or (100 if args.quick else 200)
-    args.cpu_requests = args.cpu_requests or (300 if args.quick else 800)
+    args.cpu_requests = args.cpu_requests or (500 if args.quick else 2000)
     args.churn_seconds = args.churn_seconds or (5 if args.quick else 10)
     stamp = dt.datetime.now(dt.timezone.utc)
     out = Path(args.results_dir or REPO / "build" / "bench-scale" / stamp.strftime("%Y%m%dT%H%M%SZ"))
@@ -659,6 +697,7 @@ def main() -> None:
     results: dict[str, Any] = {"commit": git_commit(), "started": stamp.isoformat(timespec="seconds"),
                                "argv": sys.argv[1:], "machine": machine(), "capacity_blocks": CAPACITY_BLOCKS,
                                "fill": FILL, "sequence_blocks": SEQUENCE_BLOCKS, "concurrency": args.concurrency,
+                               "route_timeout_s": args.route_timeout, "cpu_requests": args.cpu_requests,
                                "fleets": {}}
     t0 = time.monotonic()
     for n in sizes + big:
