@@ -79,8 +79,16 @@ _COMPLETION = json.dumps({"id": "stub", "object": "chat.completion", "model": MO
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
 
 
+def _tokenized(body: bytes) -> bytes:
+    """A vLLM-shaped /tokenize answer: one token per 4 bytes of the call's body (the chat's
+    messages), taken from those bytes, so different prompts give different token ids."""
+    tokens = body[::4]
+    return b'{"count":%d,"max_model_len":40960,"tokens":[%s]}' % (len(tokens), ",".join(map(str, tokens)).encode())
+
+
 async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTP/1.1 keep-alive: every request (body read by content-length) gets the completion."""
+    """HTTP/1.1 keep-alive: `POST /tokenize` gets token ids, any other request the completion
+    (bodies read by content-length)."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -89,12 +97,12 @@ async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 name, _, value = line.partition(b":")
                 if name.strip().lower() == b"content-length":
                     length = int(value)
-            if length:
-                await reader.readexactly(length)
+            body = await reader.readexactly(length) if length else b""
+            answer = _tokenized(body) if head.split(b" ", 2)[1] == b"/tokenize" else _COMPLETION
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(_COMPLETION), _COMPLETION))
+                         % (len(answer), answer))
             await writer.drain()
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError, IndexError):
         pass
     finally:
         writer.close()
@@ -310,6 +318,12 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
             "cpu_us_per_request": round(cpu / max(1, counts["ok"]) * 1e6, 1)}
 
 
+def added_cpu(cpu: dict, without_kvroute: dict) -> None:
+    """Adds to a CPU reading the same Envoy's reading without kvroute and the difference."""
+    cpu["without_kvroute_cpu_us_per_request"] = without_kvroute["cpu_us_per_request"]
+    cpu["added_cpu_us_per_request"] = round(cpu["cpu_us_per_request"] - without_kvroute["cpu_us_per_request"], 1)
+
+
 _FAILURE = re.compile(r"memory allocation|panicked|unexpected status|buffer size limit|exited with|"
                       r"\]\[critical\]\[main\]")
 
@@ -319,7 +333,7 @@ def failure_lines(log_text: str) -> list[str]:
     the line after: the message), async-client limits, the exit."""
     lines = log_text.splitlines()
     picked = [i for i, line in enumerate(lines) if _FAILURE.search(line)]
-    keep = sorted({j for i in picked for j in (i, i + 1) if j < len(lines)})
+    keep = sorted({j for i in picked for j in (i, i + 1, i + 2) if j < len(lines)})
     return list(dict.fromkeys(lines[j][:300] for j in keep))[:12]
 
 
@@ -375,7 +389,7 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
     result["envoy_without_kvroute"] = base
     for size, cpu in result["cpu"].items():
         if "cpu" in base:
-            cpu["added_cpu_us_per_request"] = round(cpu["cpu_us_per_request"] - base["cpu"][size]["cpu_us_per_request"], 1)
+            added_cpu(cpu, base["cpu"][size])
     return result
 
 
@@ -511,10 +525,14 @@ def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: 
             "extrapolated": rate < 200}
 
 
-def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, sequences: int, args) -> dict:
+def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, sequences: int,
+                  baseline: dict, args) -> dict:
+    """`baseline`: CPU per request of the Envoy without kvroute (same pods and concurrency)."""
     pods = fleet.addresses
-    config = render_gateway(pods, {"default_capacity_blocks": CAPACITY_BLOCKS}, template=GATEWAY_PRECISE,
-                            indexer=indexer.address)
+    # The tokenizer call-out's 50 ms timeout is widened: the stub pods tokenize in Python on a
+    # busy 2-core machine, and a timed-out call-out would measure the byte fallback instead.
+    plugin = {"default_capacity_blocks": CAPACITY_BLOCKS, "tokenizer": {"timeout_ms": 1000}}
+    config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
     rng = random.Random(concurrency)
     # distinct probes (a probe teaches its own decision locally, so never repeat one)
     order = [(rng.randrange(len(pods)), rng.randrange(sequences)) for _ in range(args.probes + 2000)]
@@ -553,10 +571,22 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         result["index_blocks"] = wait_for(
             lambda: envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks"), 10)
         result["index_bytes"] = envoy.stats("kvroute.index.bytes").get("wasmcustom.kvroute.index.bytes")
+        # chat bodies without token ids: each request also makes the tokenizer call-out
+        result["cpu"] = {}
+        for kb in (30, 128):
+            before = envoy.stats("kvroute.tokenizer.")
+            cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections)
+            after = envoy.stats("kvroute.tokenizer.")
+            for outcome in ("ok", "failed"):
+                key = f"wasmcustom.kvroute.tokenizer.{outcome}"
+                cpu[f"tokenizer_{outcome}"] = after.get(key, 0) - before.get(key, 0)
+            if f"{kb}KB" in baseline:
+                added_cpu(cpu, baseline[f"{kb}KB"])
+            result["cpu"][f"{kb}KB"] = cpu
     return result
 
 
-def precise(fleet: StubFleet, args) -> dict[str, Any]:
+def precise(fleet: StubFleet, baselines: dict[int, dict], args) -> dict[str, Any]:
     pods = fleet.addresses
     flags = [f"--max-pods={max(1024, len(pods))}", "--pod-timeout-seconds=0", "--scrape-interval-ms=0",
              "--queue-capacity=1000000"]
@@ -573,7 +603,8 @@ def precise(fleet: StubFleet, args) -> dict[str, Any]:
             result["fill_after_churn"] = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
             for c in args.concurrency:
                 log(f"precise N={len(pods)} c{c}: Envoy")
-                result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"], args)
+                result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"],
+                                                baselines.get(c, {}), args)
                 log(f"precise N={len(pods)} c{c}: {summary(result[f'c{c}'])}")
             result["indexer_rss_mb"] = round(indexer.rss_bytes() / 2**20, 1)
             result["indexer_metrics"] = {k: indexer.metric(k) for k in (
@@ -596,6 +627,37 @@ def summary(r: dict) -> str:
                            "fully_matched": f"{d.get('fully_matched')}/{d.get('probes')}"} if d else {})})
 
 
+def verify(results: dict) -> dict[str, Any]:
+    """Every reported number must come from real work: decisions fully matched on the pod
+    holding the prefix (headers, `kvroute.blocks.matched` and histogram samples agree), the
+    indexer holding every entry sent, load requests all answered. Returns the checks made and
+    the ones that failed (a failed check makes the run exit non-zero)."""
+    checks: list[tuple[str, bool]] = []
+    for n, by_mode in results["fleets"].items():
+        for mode, runs in by_mode.items():
+            for c, r in runs.items():
+                if not c.startswith("c") or not isinstance(r, dict):
+                    continue
+                where = f"{mode} N={n} {c}"
+                d = r.get("decision")
+                if d:
+                    checks.append((f"{where}: every probe fully matched on its pod", d["fully_matched"] == d["probes"]))
+                    checks.append((f"{where}: one decision_us sample per probe", d["samples"] == d["probes"]))
+                    checks.append((f"{where}: kvroute.blocks.matched grew by the headers' matched blocks",
+                                   d["blocks_matched_counter"] == d["blocks_matched_header"] > 0))
+                for size, cpu in r.get("cpu", {}).items():
+                    checks.append((f"{where}: {size} load all answered 200", cpu["failed"] == 0 and cpu["ok"] > 0))
+                    if "tokenizer_ok" in cpu:
+                        checks.append((f"{where}: {size} requests all tokenized by the call-out",
+                                       cpu["tokenizer_failed"] == 0 and cpu["tokenizer_ok"] >= cpu["ok"]))
+            if mode == "precise" and "fill" in runs:
+                fill = runs["fill"]
+                checks.append((f"precise N={n}: indexer holds every entry sent",
+                               fill["indexed_entries"] == fill["expected_entries"]))
+    failed = [name for name, ok in checks if not ok]
+    return {"made": len(checks), "failed": failed}
+
+
 def machine() -> dict[str, Any]:
     mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]
     return {"cpus": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1), "kernel": platform.release(),
@@ -611,12 +673,21 @@ def fmt(v: Any, unit: str = "") -> str:
     return "—" if v is None else f"{v}{unit}"
 
 
+_WASM_LOG = "wasm log kvroute kvroute: "
+
+
 def cause(failure: list[str]) -> str:
-    """The most telling failure line, shortened for a table cell."""
+    """The most telling failure line, shortened for a table cell. The VM writes a panic message
+    in pieces, one log line each: they are joined back."""
     for pattern in ("memory allocation", "buffer size limit", "unexpected status", "panicked", "exited with"):
-        for line in failure:
+        for i, line in enumerate(failure):
             if pattern in line:
-                return line.split("] ")[-1].replace("|", "/")[:110]
+                text = line.split(_WASM_LOG)[-1] if _WASM_LOG in line else line.split("] ")[-1]
+                for more in failure[i + 1:i + 3]:
+                    if _WASM_LOG not in line or _WASM_LOG not in more:
+                        break
+                    text += more.split(_WASM_LOG)[-1]
+                return text.replace("|", "/")[:110]
     return (failure[-1:] or ["?"])[0].split("] ")[-1].replace("|", "/")[:110]
 
 
@@ -641,8 +712,9 @@ def render(results: dict) -> str:
                     feed = r.get("feed", {})
                     dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
                            f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
-                cpu, base = r.get("cpu", {}), r.get("envoy_without_kvroute", {}).get("cpu", {})
-                cpu_s = " / ".join(f"+{cpu[k].get('added_cpu_us_per_request')} ({base.get(k, {}).get('cpu_us_per_request')})"
+                cpu = r.get("cpu", {})
+                cpu_s = " / ".join(f"+{cpu[k].get('added_cpu_us_per_request')} "
+                                   f"({cpu[k].get('without_kvroute_cpu_us_per_request')})"
                                    for k in ("30KB", "128KB") if k in cpu) or "—"
                 rss = r.get("rss_after_start_mb", r.get("rss_mb"))
                 index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
@@ -709,14 +781,22 @@ def main() -> None:
                 runs["approximate"][f"c{c}"] = approximate(fleet, c, args)
                 log(f"approximate N={n} c{c}: {summary(runs['approximate'][f'c{c}'])}")
             if n not in big:
-                runs["precise"] = precise(fleet, args)
+                baselines = {c: runs["approximate"][f"c{c}"].get("envoy_without_kvroute", {}).get("cpu", {})
+                             for c in args.concurrency}
+                runs["precise"] = precise(fleet, baselines, args)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     results["seconds"] = round(time.monotonic() - t0)
+    results["checks"] = verify(results)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = render(results)
     (out / "table.md").write_text(table)
     print(table)
+    checks = results["checks"]
+    log(f"{checks['made'] - len(checks['failed'])}/{checks['made']} checks passed"
+        + "".join(f"\n  FAILED: {name}" for name in checks["failed"]))
     log(f"results in {out} ({results['seconds']} s)")
+    if checks["failed"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -63,3 +63,33 @@ def test_stub_fleet_answers_every_pod_with_keep_alive():
             finally:
                 client.close()
     assert fleet.proc.poll() is not None
+
+
+def test_failure_cause_joins_the_vm_message_pieces():
+    log = "\n".join([
+        "[t][1][info][main] starting",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute: memory allocation of ",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute: 192088",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute:  bytes failed",
+        "[t][1][critical][main] [server.cc:449] error `Unable to create Wasm plugin kvroute`",
+    ])
+    lines = scale.failure_lines(log)
+    assert "starting" not in "".join(lines)
+    assert scale.cause(lines) == "memory allocation of 192088 bytes failed"
+    assert scale.cause(["[t][1][warning][http] [a.cc:430] the buffer size limit for async client response body "
+                        "has been exceeded, draining data"]).startswith("the buffer size limit")
+
+
+def test_verify_flags_a_decision_that_did_not_match_and_a_short_fill():
+    decision = {"probes": 2, "fully_matched": 2, "samples": 2, "blocks_matched_header": 1024,
+                "blocks_matched_counter": 1024}
+    results = {"fleets": {"8": {
+        "approximate": {"c2": {"decision": dict(decision), "cpu": {"30KB": {"ok": 5, "failed": 0}}}},
+        "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10}, "c2": {"decision": dict(decision)}}}}}
+    assert scale.verify(results) == {"made": 8, "failed": []}
+    results["fleets"]["8"]["approximate"]["c2"]["decision"].update(fully_matched=1, blocks_matched_counter=0)
+    results["fleets"]["8"]["precise"]["fill"]["indexed_entries"] = 9
+    assert scale.verify(results)["failed"] == [
+        "approximate N=8 c2: every probe fully matched on its pod",
+        "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
+        "precise N=8: indexer holds every entry sent"]
