@@ -42,5 +42,5 @@ bench-selftest: bench-venv ## the harness's own checks (parsers, seeded arrivals
 
 SCALE_ARGS ?=
 .PHONY: bench-scale
-bench-scale: venv build native ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes at 8-5,000 stub pods (~20 min; SCALE_ARGS=--quick: a few)
+bench-scale: venv build native ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)
 	$(PY) integration/bench/scale.py $(SCALE_ARGS)

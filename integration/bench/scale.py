@@ -1,31 +1,35 @@
 #!/usr/bin/env python3
 """Fleet-scale yardstick (issue 10): what kvroute costs at 8, 100, 1,000 (and 5,000) pods.
 
-    .venv/bin/python integration/bench/scale.py [--quick] [--results-dir DIR]
+    .venv/bin/python integration/bench/scale.py [--quick] [--results-dir DIR]     (make bench-scale)
 
 The fleet is synthetic: N stub pods, one small asyncio process (`stub-pods`, started here and
-stopped by its PID) listening on N ports of 127.0.0.1 and answering every request with a tiny
-200 chat completion, so routed requests really complete (kvroute keeps what it learned only
-for pods that answered). Every pod states `capacity_blocks` 19,208 (one Qwen3-32B pod).
+stopped by its PID) listening on N ports of 127.0.0.1, answering every request with a tiny 200
+chat completion (routed requests really complete: kvroute keeps what it learned only for pods
+that answered) and `POST /tokenize` with token ids. Every pod states `capacity_blocks` 19,208
+(one Qwen3-32B pod).
 
 Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
   Envoy RSS once started (the filter's tables are sized from capacity at configure time) and
   startup time; `kvroute.decision_us` p50/p99 of decisions whose 8k-token prompt is really
   cached (each probe sent once to teach, then again: only the second pass is counted, from
-  the difference of Envoy's histogram buckets, and every counted decision must report the
-  full match on the taught pod); added Envoy CPU per request for 30 KB and 128 KB chat bodies
-  (Envoy CPU-seconds per request with kvroute minus the same Envoy without it, same load).
-Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N:
+  the difference of Envoy's histogram buckets); added Envoy CPU per request for 30 KB and
+  128 KB chat bodies (Envoy CPU-seconds per request with kvroute minus the same Envoy without
+  it, same load; 5,000 pods: c2 only).
+Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1,000:
   the indexer filled to 70 % of capacity by synthetic vLLM KV events over ZMQ (BlockStored
-  batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them), the
-  fill checked against the indexer's own per-pod block counts; feed snapshot size, idle poll
-  size, delta bytes per second under a stated event rate; then per `--concurrency`: time for a
-  new Envoy to route an 8k-token prompt on the full index (first fully matched decision on the
-  pod holding it, or the failure as the result), its RSS, `kvroute.index.blocks`, and
-  `kvroute.decision_us` p50/p99 of fully matched decisions.
-Everything binds 127.0.0.1 and stops by itself; failures (Envoy exiting, a feed that never
-loads) are recorded as results, not raised. Results: results.json and README.md in
---results-dir (default build/bench-scale/<UTC time>).
+  batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
+  snapshot size, idle poll size, delta bytes per second while every pod stores and removes
+  200 blocks/s (fewer when that exceeds --max-churn-blocks-s, then extrapolated); then per
+  `--concurrency`: time for a new Envoy to route an 8k-token prompt on the full index (first
+  fully matched decision on the pod holding it, or the failure as the result), its RSS,
+  `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
+  CPU per chat request including the tokenizer call-out.
+Every reading is checked (verify()): decisions fully matched on the right pod, histogram
+samples = probes, `kvroute.blocks.matched` growth = the headers' matched blocks, the indexer
+holding every entry sent, load all answered; a failed check exits non-zero. Everything binds
+127.0.0.1 and stops by itself; failures (Envoy exiting, a feed that never loads) are recorded as
+results. Results: results.json, table.md in --results-dir (default build/bench-scale/<UTC time>).
 """
 from __future__ import annotations
 
