@@ -39,3 +39,8 @@ bench-report: bench-venv ## re-render report.md and plot.png of a run: RUN=build
 .PHONY: bench-selftest
 bench-selftest: bench-venv ## the harness's own checks (parsers, seeded arrivals, configs, report): seconds
 	$(BENCH_PY) integration/bench/selftest.py
+
+SCALE_ARGS ?=
+.PHONY: bench-scale
+bench-scale: venv build native ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)
+	$(PY) integration/bench/scale.py $(SCALE_ARGS)

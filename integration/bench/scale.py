@@ -1,0 +1,810 @@
+#!/usr/bin/env python3
+"""Fleet-scale yardstick (issue 10): what kvroute costs at 8, 100, 1,000 (and 5,000) pods.
+
+    .venv/bin/python integration/bench/scale.py [--quick] [--results-dir DIR]     (make bench-scale)
+
+The fleet is synthetic: N stub pods, one small asyncio process (`stub-pods`, started here and
+stopped by its PID) listening on N ports of 127.0.0.1, answering every request with a tiny 200
+chat completion (routed requests really complete: kvroute keeps what it learned only for pods
+that answered) and `POST /tokenize` with token ids. Every pod states `capacity_blocks` 19,208
+(one Qwen3-32B pod).
+
+Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
+  Envoy RSS once started (the filter's tables are sized from capacity at configure time) and
+  startup time; `kvroute.decision_us` p50/p99 of decisions whose 8k-token prompt is really
+  cached (each probe sent once to teach, then again: only the second pass is counted, from
+  the difference of Envoy's histogram buckets); added Envoy CPU per request for 30 KB and
+  128 KB chat bodies (Envoy CPU-seconds per request with kvroute minus the same Envoy without
+  it, same load; 5,000 pods: c2 only).
+Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1,000:
+  the indexer filled to 70 % of capacity by synthetic vLLM KV events over ZMQ (BlockStored
+  batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
+  snapshot size, idle poll size, delta bytes per second while every pod stores and removes
+  200 blocks/s (fewer when that exceeds --max-churn-blocks-s, then extrapolated); then per
+  `--concurrency`: time for a new Envoy to route an 8k-token prompt on the full index (first
+  fully matched decision on the pod holding it, or the failure as the result), its RSS,
+  `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
+  CPU per chat request including the tokenizer call-out.
+Every reading is checked (verify()): decisions fully matched on the right pod, histogram
+samples = probes, `kvroute.blocks.matched` growth = the headers' matched blocks, the indexer
+holding every entry sent, load all answered; a failed check exits non-zero. Everything binds
+127.0.0.1 and stops by itself; failures (Envoy exiting, a feed that never loads) are recorded as
+results. Results: results.json, table.md in --results-dir (default build/bench-scale/<UTC time>).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import http.client
+import json
+import os
+import platform
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "integration"))
+sys.path.insert(0, str(REPO / "tests" / "indexer"))
+
+from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway  # noqa: E402
+from indexerctl import MODEL, IndexerProcess  # noqa: E402
+from proctools import stop_pid, wait_ready  # noqa: E402
+
+CAPACITY_BLOCKS = 19_208  # one Qwen3-32B pod
+FILL = 0.70
+BLOCK_SIZE = 16
+SEQUENCE_BLOCKS = 512  # an 8k-token prompt
+DECISION_HEADER = "x-kvroute-decision"
+
+
+def log(msg: str) -> None:
+    print(f"[scale {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ stub pods
+
+
+_COMPLETION = json.dumps({"id": "stub", "object": "chat.completion", "model": MODEL, "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+
+def _tokenized(body: bytes) -> bytes:
+    """A vLLM-shaped /tokenize answer: one token per 4 bytes of the call's body (the chat's
+    messages), taken from those bytes, so different prompts give different token ids."""
+    tokens = body[::4]
+    return b'{"count":%d,"max_model_len":40960,"tokens":[%s]}' % (len(tokens), ",".join(map(str, tokens)).encode())
+
+
+async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """HTTP/1.1 keep-alive: `POST /tokenize` gets token ids, any other request the completion
+    (bodies read by content-length)."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            body = await reader.readexactly(length) if length else b""
+            answer = _tokenized(body) if head.split(b" ", 2)[1] == b"/tokenize" else _COMPLETION
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(answer), answer))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError, IndexError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _stub_pods(count: int, ports_file: Path) -> None:
+    servers = [await asyncio.start_server(_serve_http, "127.0.0.1", 0, limit=1 << 20) for _ in range(count)]
+    ports = [s.sockets[0].getsockname()[1] for s in servers]
+    tmp = ports_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.rename(ports_file)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+
+
+class StubFleet:
+    """N stub pods in one child process; `addresses` are their 127.0.0.1:PORT."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._dir = tempfile.mkdtemp(prefix="kvroute-scale-")
+        self.ports_file = Path(self._dir) / "ports.json"
+        self.proc: subprocess.Popen | None = None
+        self.addresses: list[str] = []
+
+    def __enter__(self) -> "StubFleet":
+        self.proc = subprocess.Popen([sys.executable, __file__, "stub-pods", str(self.count), str(self.ports_file)],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_ready(self.proc, self.ports_file.exists, 60, "stub pods", lambda: "")
+        self.addresses = [f"127.0.0.1:{p}" for p in json.loads(self.ports_file.read_text())]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_pid(self.proc)
+        self.ports_file.unlink(missing_ok=True)
+        os.rmdir(self._dir)
+
+
+# ------------------------------------------------------------------ prompts and requests
+
+
+# Token ids stay below 128: one msgpack byte each, short JSON. A sequence's first block names
+# its pod and number; the rest is shared text, yet its block hashes differ per sequence
+# because every block hash chains from the previous one.
+_SHARED_TAIL = [(i * 7) % 120 + 1 for i in range((SEQUENCE_BLOCKS - 1) * BLOCK_SIZE)]
+
+
+def sequence_tokens(pod: int, seq: int, blocks: int = SEQUENCE_BLOCKS) -> list[int]:
+    head = [pod % 128, (pod // 128) % 128, pod // 16384, seq % 128, (seq // 128) % 128, seq // 16384]
+    head += [127] * (BLOCK_SIZE - len(head))
+    return head + _SHARED_TAIL[:(blocks - 1) * BLOCK_SIZE]
+
+
+def token_request(tokens: list[int]) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "probe"}],
+                       "prompt_token_ids": tokens, "max_tokens": 1}).encode()
+
+
+def chat_bodies(size: int, variants: int = 16) -> list[bytes]:
+    """OpenAI chat bodies of about `size` bytes: a per-variant system prompt and a question."""
+    out = []
+    for v in range(variants):
+        filler = f"variant {v}: " + " ".join(f"w{(v * 131 + i) % 9973}" for i in range(size // 6))
+        body = {"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "system", "content": filler[:max(0, size - 200)]},
+            {"role": "user", "content": f"question {v}"}]}
+        out.append(json.dumps(body).encode())
+    return out
+
+
+class Client:
+    """One keep-alive connection to Envoy's listener."""
+
+    def __init__(self, port: int):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def post(self, body: bytes) -> tuple[int, str]:
+        self.conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        resp = self.conn.getresponse()
+        resp.read()
+        return resp.status, resp.getheader(DECISION_HEADER, "")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def parse_decision(header: str) -> dict[str, Any]:
+    """`pod=A; matched=M/T blocks; ...` -> {"pod": A, "matched": M, "total": T, "unit": "blocks"}."""
+    fields = dict(part.strip().split("=", 1) for part in header.split(";") if "=" in part)
+    matched = fields.get("matched", "0/0 none").split()
+    m, _, t = matched[0].partition("/")
+    return {"pod": fields.get("pod", ""), "matched": int(m or 0), "total": int(t or 0),
+            "unit": matched[1] if len(matched) > 1 else ""}
+
+
+def run_load(port: int, bodies: list[bytes], requests: int, connections: int) -> dict[str, int]:
+    """Sends `requests` bodies round-robin over `connections` keep-alive connections."""
+    def worker(slot: int) -> dict[str, int]:
+        client = Client(port)
+        counts = {"ok": 0, "failed": 0}
+        try:
+            for i in range(slot, requests, connections):
+                status, _ = client.post(bodies[i % len(bodies)])
+                counts["ok" if status == 200 else "failed"] += 1
+        finally:
+            client.close()
+        return counts
+
+    with ThreadPoolExecutor(connections) as pool:
+        results = list(pool.map(worker, range(connections)))
+    return {k: sum(r[k] for r in results) for k in ("ok", "failed")}
+
+
+# ------------------------------------------------------------------ Envoy readings
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def histogram_buckets(envoy: EnvoyProcess, name: str) -> list[tuple[float, float, int]]:
+    """Cumulative (lower_bound, width, count) buckets of a histogram from the admin endpoint."""
+    url = f"{envoy.admin_url}/stats?format=json&histogram_buckets=detailed&filter={name}$"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        data = json.load(r)
+    for entry in data.get("stats", []):
+        for detail in entry.get("histograms", {}).get("details", []) if isinstance(entry.get("histograms"), dict) \
+                else []:
+            if detail.get("name", "").endswith(name):
+                return [(b["lower_bound"], b["width"], b["count"]) for b in detail.get("totals", [])]
+    return []
+
+
+def bucket_diff(after: list, before: list) -> list[tuple[float, float, int]]:
+    prior = {(lb, w): c for lb, w, c in before}
+    return [(lb, w, c - prior.get((lb, w), 0)) for lb, w, c in after if c - prior.get((lb, w), 0) > 0]
+
+
+def bucket_quantile(buckets: list[tuple[float, float, int]], q: float) -> float | None:
+    """Quantile of bucketed samples (upper edge of the bucket holding it: conservative)."""
+    total = sum(c for _, _, c in buckets)
+    if not total:
+        return None
+    seen = 0
+    for lb, w, c in sorted(buckets):
+        seen += c
+        if seen >= q * total:
+            return round(lb + w, 1)
+    return None
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval)
+    return last
+
+
+def settled_buckets(envoy: EnvoyProcess, name: str) -> list[tuple[float, float, int]]:
+    """The histogram once it holds every decision counted so far: counters are live, but the
+    workers' histograms reach the admin endpoint only at Envoy's stats flush."""
+    def read() -> list | None:
+        counters = envoy.stats("kvroute.decision.")
+        decisions = sum(counters.get(f"wasmcustom.kvroute.decision.{k}", 0) for k in ("prefix", "load"))
+        buckets = histogram_buckets(envoy, name)
+        return buckets if sum(c for _, _, c in buckets) >= decisions else None
+    return wait_for(read, 30) or histogram_buckets(envoy, name)
+
+
+def decision_latency(envoy: EnvoyProcess, probes: list[tuple[bytes, str | None]]) -> dict[str, Any]:
+    """Sends probes whose prefix is cached on the named pod (None: on the pod the previous,
+    teaching pass chose) and reads `kvroute.decision_us` for exactly these decisions."""
+    name = "kvroute.decision_us"
+    before = settled_buckets(envoy, name)
+    matched_before = envoy.stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
+    client = Client(envoy.listener_port)
+    full, blocks = 0, 0
+    try:
+        for body, pod in probes:
+            status, header = client.post(body)
+            d = parse_decision(header)
+            blocks += d["matched"]
+            if status == 200 and d["total"] and d["matched"] == d["total"] and (pod is None or d["pod"] == pod):
+                full += 1
+    finally:
+        client.close()
+    after = settled_buckets(envoy, name)
+    samples = bucket_diff(after, before)
+    matched_after = envoy.stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
+    return {"probes": len(probes), "fully_matched": full, "blocks_matched_header": blocks,
+            "blocks_matched_counter": matched_after - matched_before,
+            "samples": sum(c for _, _, c in samples),
+            "p50_us": bucket_quantile(samples, 0.50), "p99_us": bucket_quantile(samples, 0.99)}
+
+
+def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int) -> dict:
+    run_load(envoy.listener_port, bodies, len(bodies), 1)  # warm: every variant once
+    cpu0 = envoy.cpu_seconds()
+    t0 = time.monotonic()
+    counts = run_load(envoy.listener_port, bodies, requests, connections)
+    elapsed = time.monotonic() - t0
+    cpu = envoy.cpu_seconds() - cpu0
+    return {"requests": requests, **counts, "seconds": round(elapsed, 2),
+            "cpu_us_per_request": round(cpu / max(1, counts["ok"]) * 1e6, 1)}
+
+
+def added_cpu(cpu: dict, without_kvroute: dict) -> None:
+    """Adds to a CPU reading the same Envoy's reading without kvroute and the difference."""
+    cpu["without_kvroute_cpu_us_per_request"] = without_kvroute["cpu_us_per_request"]
+    cpu["added_cpu_us_per_request"] = round(cpu["cpu_us_per_request"] - without_kvroute["cpu_us_per_request"], 1)
+
+
+_FAILURE = re.compile(r"memory allocation|panicked|unexpected status|buffer size limit|exited with|"
+                      r"\]\[critical\]\[main\]")
+
+
+def failure_lines(log_text: str) -> list[str]:
+    """The lines of an Envoy log that say why kvroute failed: allocation failures, panics (and
+    the line after: the message), async-client limits, the exit."""
+    lines = log_text.splitlines()
+    picked = [i for i, line in enumerate(lines) if _FAILURE.search(line)]
+    keep = sorted({j for i in picked for j in (i, i + 1, i + 2) if j < len(lines)})
+    return list(dict.fromkeys(lines[j][:300] for j in keep))[:12]
+
+
+@contextlib.contextmanager
+def envoy_running(config: str, concurrency: int, timeout: float, result: dict):
+    """Yields the started Envoy, or None when it did not start: the failure (exit, log lines)
+    goes into `result` as the measurement. Stops it by its PID on the way out."""
+    envoy = EnvoyProcess(config, concurrency=concurrency, startup_timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        envoy.start()
+    except RuntimeError as e:
+        result.update(started=False, failure=failure_lines(str(e) + "\n" + envoy.log_text()))
+        envoy.__exit__(None, None, None)
+        yield None
+        return
+    result.update(started=True, startup_s=round(time.monotonic() - t0, 2))
+    try:
+        yield envoy
+    finally:
+        envoy.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------ approximate mode
+
+
+def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
+    pods = fleet.addresses
+    plugin = {"endpoints": [{"address": a, "capacity_blocks": CAPACITY_BLOCKS} for a in pods]}
+    result: dict[str, Any] = {}
+    with envoy_running(render_gateway(pods, plugin), concurrency, args.startup_timeout, result) as envoy:
+        if envoy is None:
+            return result
+        envoy.wait_for_peers(timeout=60)
+        result["rss_after_start_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        # Teach, then probe: each sequence is learned on the pod of its first decision.
+        taught = [token_request(sequence_tokens(i, 0)) for i in range(args.probes)]
+        teach = run_load(envoy.listener_port, taught, len(taught), 1)
+        result["teach"] = teach
+        result["decision"] = decision_latency(envoy, [(body, None) for body in taught])
+        gauges = envoy.stats("kvroute.index")
+        result["index_blocks"] = gauges.get("wasmcustom.kvroute.index.blocks")
+        result["index_bytes"] = gauges.get("wasmcustom.kvroute.index.bytes")
+        result["rss_after_probes_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["cpu"] = {f"{kb}KB": envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests,
+                                                          args.connections) for kb in (30, 128)}
+    base: dict[str, Any] = {}
+    with envoy_running(render_gateway(pods, kvroute=False), concurrency, args.startup_timeout, base) as plain:
+        if plain is not None:
+            base["cpu"] = {f"{kb}KB": envoy_cpu_per_request(plain, chat_bodies(kb * 1024), args.cpu_requests,
+                                                            args.connections) for kb in (30, 128)}
+            base["rss_mb"] = round(rss_bytes(plain.pid) / 2**20, 1)
+    result["envoy_without_kvroute"] = base
+    for size, cpu in result["cpu"].items():
+        if "cpu" in base:
+            added_cpu(cpu, base["cpu"][size])
+    return result
+
+
+# ------------------------------------------------------------------ precise mode
+
+
+class KvEventSource:
+    """Synthetic vLLM KV events for every pod, on one PUB socket connected to the indexer."""
+
+    def __init__(self, indexer: IndexerProcess, pods: list[str]):
+        import zmq
+        from indexer_harness import Publisher, wait_subscribed
+
+        self.ctx = zmq.Context()
+        self.pub = Publisher(self.ctx, indexer.zmq_endpoint)
+        wait_subscribed(indexer, self.pub)
+        self.pods = pods
+        self.seq = [0] * len(pods)
+        self.next_hash = [((p + 1) << 32) for p in range(len(pods))]
+
+    def _send(self, pod: int, *events: dict) -> None:
+        from indexer_harness import batch, topic
+
+        self.seq[pod] += 1
+        self.pub.send(topic(self.pods[pod]), self.seq[pod], batch(*events))
+
+    def store(self, pod: int, tokens: list[int]) -> list[int]:
+        """One BlockStored of a whole sequence; returns its vLLM block hashes."""
+        from indexer_harness import stored
+
+        n = len(tokens) // BLOCK_SIZE
+        hashes = list(range(self.next_hash[pod], self.next_hash[pod] + n))
+        self.next_hash[pod] += n
+        self._send(pod, stored(hashes, None, tokens, BLOCK_SIZE))
+        return hashes
+
+    def store_and_remove(self, pod: int, tokens: list[int], remove: list[int]) -> list[int]:
+        from indexer_harness import removed, stored
+
+        n = len(tokens) // BLOCK_SIZE
+        hashes = list(range(self.next_hash[pod], self.next_hash[pod] + n))
+        self.next_hash[pod] += n
+        events = [stored(hashes, None, tokens, BLOCK_SIZE)] + ([removed(remove)] if remove else [])
+        self._send(pod, *events)
+        return hashes
+
+    def close(self) -> None:
+        self.pub.close()
+        self.ctx.term()
+
+
+def feed_get(indexer: IndexerProcess, epoch: int, cursor: int) -> tuple[bytes, int, int]:
+    body = indexer.get(f"/v1/feed?epoch={epoch}&cursor={cursor}")
+    new_epoch, new_cursor = struct.unpack_from("<QQ", body, 8)
+    return body, new_epoch, new_cursor
+
+
+def fill(indexer: IndexerProcess, source: KvEventSource, pods: int) -> dict[str, Any]:
+    per_pod = int(CAPACITY_BLOCKS * FILL)
+    full_sequences, rest = divmod(per_pod, SEQUENCE_BLOCKS)
+    t0 = time.monotonic()
+    for seq in range(full_sequences + (1 if rest else 0)):
+        blocks = SEQUENCE_BLOCKS if seq < full_sequences else rest
+        for pod in range(pods):
+            source.store(pod, sequence_tokens(pod, seq, blocks))
+    sent = time.monotonic() - t0
+    expected = per_pod * pods
+
+    def indexed() -> int:
+        return sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
+
+    held = wait_for(lambda: (n := indexed()) >= expected and n, 600, interval=1.0) or indexed()
+    return {"blocks_per_pod": per_pod, "sequences_per_pod": full_sequences, "expected_entries": expected,
+            "indexed_entries": held, "send_s": round(sent, 1), "indexed_s": round(time.monotonic() - t0, 1),
+            "indexer_rss_mb": round(indexer.rss_bytes() / 2**20, 1),
+            "indexer_rss_bytes_per_entry": round(indexer.rss_bytes() / max(1, held), 1)}
+
+
+def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: int, seconds: float) -> dict:
+    """Snapshot and idle poll sizes, then delta bytes/s while every pod stores and removes
+    `rate` blocks/s (in 20-block messages), polled every 100 ms as the singleton does."""
+    t0 = time.monotonic()
+    snapshot, epoch, cursor = feed_get(indexer, 0, 0)
+    snapshot_s = time.monotonic() - t0
+    idle, epoch, cursor = feed_get(indexer, epoch, cursor)
+    polled = {"bytes": 0, "polls": 0, "epoch": epoch, "cursor": cursor, "snapshots": 0}
+    stop = threading.Event()
+
+    def poller() -> None:
+        while not stop.is_set():
+            body, e, c = feed_get(indexer, polled["epoch"], polled["cursor"])
+            polled["bytes"] += len(body)
+            polled["polls"] += 1
+            polled["snapshots"] += body[6] & 1
+            polled["epoch"], polled["cursor"] = e, c
+            stop.wait(0.1)
+
+    thread = threading.Thread(target=poller, daemon=True)
+    chunk = 20
+    churn: list[list[int]] = [[] for _ in range(pods)]
+    messages = rate * pods // chunk  # per second
+    interval = 1.0 / messages if messages else 1.0
+    sent_blocks = 0
+    thread.start()
+    t0 = time.monotonic()
+    i = 0
+    while time.monotonic() - t0 < seconds:
+        pod = i % pods
+        tokens = sequence_tokens(pod, 10_000 + i // pods, chunk)
+        churn[pod] = source.store_and_remove(pod, tokens, churn[pod])
+        sent_blocks += 2 * chunk
+        i += 1
+        lag = t0 + i * interval - time.monotonic()
+        if lag > 0:
+            time.sleep(lag)
+    elapsed = time.monotonic() - t0
+    time.sleep(0.5)  # the last poll picks up the tail
+    stop.set()
+    thread.join()
+    elapsed_with_tail = time.monotonic() - t0
+    # Every poll carries the pod list (the idle poll's size); the rest grows with the events.
+    polls_per_s = polled["polls"] / elapsed_with_tail
+    event_bytes = polled["bytes"] - polled["polls"] * len(idle)
+    bytes_per_event = event_bytes / max(1, sent_blocks)
+    target = 2 * 200 * pods  # 200 stored + 200 removed blocks/s per pod
+    return {"snapshot_bytes": len(snapshot), "snapshot_s": round(snapshot_s, 2), "idle_poll_bytes": len(idle),
+            "churn_blocks_per_pod_s": rate, "churn_seconds": round(elapsed, 1),
+            "block_events_sent": sent_blocks, "block_events_per_s": round(sent_blocks / elapsed),
+            "polls": polled["polls"], "polls_per_s": round(polls_per_s, 2), "delta_snapshots": polled["snapshots"],
+            "delta_bytes_per_s": round(polled["bytes"] / elapsed_with_tail),
+            "bytes_per_block_event": round(bytes_per_event, 2),
+            "delta_bytes_per_s_at_200_per_pod": round(len(idle) * polls_per_s + bytes_per_event * target),
+            "extrapolated": rate < 200}
+
+
+def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, sequences: int,
+                  baseline: dict, args) -> dict:
+    """`baseline`: CPU per request of the Envoy without kvroute (same pods and concurrency)."""
+    pods = fleet.addresses
+    # The tokenizer call-out's 50 ms timeout is widened: the stub pods tokenize in Python on a
+    # busy 2-core machine, and a timed-out call-out would measure the byte fallback instead.
+    plugin = {"default_capacity_blocks": CAPACITY_BLOCKS, "tokenizer": {"timeout_ms": 1000}}
+    config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
+    rng = random.Random(concurrency)
+    # distinct probes (a probe teaches its own decision locally, so never repeat one)
+    order = [(rng.randrange(len(pods)), rng.randrange(sequences)) for _ in range(args.probes + 2000)]
+    probes = iter(order)
+    t0 = time.monotonic()
+    result: dict[str, Any] = {}
+    with envoy_running(config, concurrency, args.startup_timeout, result) as envoy:
+        if envoy is None:
+            return result
+        client = Client(envoy.listener_port)
+        tries = 0
+
+        def routed() -> bool:
+            nonlocal tries
+            pod, seq = next(probes)
+            tries += 1
+            status, header = client.post(token_request(sequence_tokens(pod, seq)))
+            d = parse_decision(header)
+            return status == 200 and d["pod"] == pods[pod] and d["matched"] == d["total"] == SEQUENCE_BLOCKS
+
+        ok = wait_for(routed, args.route_timeout, interval=0.05)
+        client.close()
+        result["routes_on_full_index"] = bool(ok)
+        result["time_to_route_s"] = round(time.monotonic() - t0, 2) if ok else None
+        result["route_tries"] = tries
+        feed = envoy.stats("kvroute.feed")
+        result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
+        result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        if ok:
+            chosen = [next(probes) for _ in range(args.probes)]
+            result["decision"] = decision_latency(
+                envoy, [(token_request(sequence_tokens(p, s)), pods[p]) for p, s in chosen])
+        else:
+            result["failure"] = failure_lines(envoy.log_text())
+        # the workers publish the gauge on their timer
+        result["index_blocks"] = wait_for(
+            lambda: envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks"), 10)
+        result["index_bytes"] = envoy.stats("kvroute.index.bytes").get("wasmcustom.kvroute.index.bytes")
+        # chat bodies without token ids: each request also makes the tokenizer call-out
+        result["cpu"] = {}
+        for kb in (30, 128):
+            before = envoy.stats("kvroute.tokenizer.")
+            cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections)
+            after = envoy.stats("kvroute.tokenizer.")
+            for outcome in ("ok", "failed"):
+                key = f"wasmcustom.kvroute.tokenizer.{outcome}"
+                cpu[f"tokenizer_{outcome}"] = after.get(key, 0) - before.get(key, 0)
+            if f"{kb}KB" in baseline:
+                added_cpu(cpu, baseline[f"{kb}KB"])
+            result["cpu"][f"{kb}KB"] = cpu
+    return result
+
+
+def precise(fleet: StubFleet, baselines: dict[int, dict], args) -> dict[str, Any]:
+    pods = fleet.addresses
+    flags = [f"--max-pods={max(1024, len(pods))}", "--pod-timeout-seconds=0", "--scrape-interval-ms=0",
+             "--queue-capacity=1000000"]
+    result: dict[str, Any] = {}
+    with IndexerProcess(pods, *flags) as indexer:
+        source = KvEventSource(indexer, pods)
+        try:
+            log(f"precise N={len(pods)}: filling the indexer to {FILL:.0%}")
+            result["fill"] = fill(indexer, source, len(pods))
+            log(f"precise N={len(pods)}: {result['fill']}")
+            rate = 200 if len(pods) * 200 <= args.max_churn_blocks_s else args.max_churn_blocks_s // len(pods)
+            result["feed"] = feed_bytes(indexer, source, len(pods), rate, args.churn_seconds)
+            log(f"precise N={len(pods)}: feed {result['feed']}")
+            result["fill_after_churn"] = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
+            for c in args.concurrency:
+                log(f"precise N={len(pods)} c{c}: Envoy")
+                result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"],
+                                                baselines.get(c, {}), args)
+                log(f"precise N={len(pods)} c{c}: {summary(result[f'c{c}'])}")
+            result["indexer_rss_mb"] = round(indexer.rss_bytes() / 2**20, 1)
+            result["indexer_metrics"] = {k: indexer.metric(k) for k in (
+                "kvroute_indexer_feed_requests_total", "kvroute_indexer_messages_rejected_total",
+                "kvroute_indexer_seq_gaps_total", "kvroute_indexer_queue_dropped_total")}
+        finally:
+            source.close()
+    return result
+
+
+# ------------------------------------------------------------------ report
+
+
+def summary(r: dict) -> str:
+    keep = ("started", "startup_s", "rss_after_start_mb", "rss_mb", "routes_on_full_index", "time_to_route_s",
+            "index_blocks", "failure")
+    d = r.get("decision", {})
+    return json.dumps({**{k: r[k] for k in keep if k in r},
+                       **({"decision_p50_us": d.get("p50_us"), "decision_p99_us": d.get("p99_us"),
+                           "fully_matched": f"{d.get('fully_matched')}/{d.get('probes')}"} if d else {})})
+
+
+def verify(results: dict) -> dict[str, Any]:
+    """Every reported number must come from real work: decisions fully matched on the pod
+    holding the prefix (headers, `kvroute.blocks.matched` and histogram samples agree), the
+    indexer holding every entry sent, load requests all answered. Returns the checks made and
+    the ones that failed (a failed check makes the run exit non-zero)."""
+    checks: list[tuple[str, bool]] = []
+    for n, by_mode in results["fleets"].items():
+        for mode, runs in by_mode.items():
+            for c, r in runs.items():
+                if not c.startswith("c") or not isinstance(r, dict):
+                    continue
+                where = f"{mode} N={n} {c}"
+                d = r.get("decision")
+                if d:
+                    checks.append((f"{where}: every probe fully matched on its pod", d["fully_matched"] == d["probes"]))
+                    checks.append((f"{where}: one decision_us sample per probe", d["samples"] == d["probes"]))
+                    checks.append((f"{where}: kvroute.blocks.matched grew by the headers' matched blocks",
+                                   d["blocks_matched_counter"] == d["blocks_matched_header"] > 0))
+                for size, cpu in r.get("cpu", {}).items():
+                    checks.append((f"{where}: {size} load all answered 200", cpu["failed"] == 0 and cpu["ok"] > 0))
+                    if "tokenizer_ok" in cpu:
+                        checks.append((f"{where}: {size} requests all tokenized by the call-out",
+                                       cpu["tokenizer_failed"] == 0 and cpu["tokenizer_ok"] >= cpu["ok"]))
+            if mode == "precise" and "fill" in runs:
+                fill = runs["fill"]
+                checks.append((f"precise N={n}: indexer holds every entry sent",
+                               fill["indexed_entries"] == fill["expected_entries"]))
+    failed = [name for name, ok in checks if not ok]
+    return {"made": len(checks), "failed": failed}
+
+
+def machine() -> dict[str, Any]:
+    mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]
+    return {"cpus": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def fmt(v: Any, unit: str = "") -> str:
+    return "—" if v is None else f"{v}{unit}"
+
+
+_WASM_LOG = "wasm log kvroute kvroute: "
+
+
+def cause(failure: list[str]) -> str:
+    """The most telling failure line, shortened for a table cell. The VM writes a panic message
+    in pieces, one log line each: they are joined back."""
+    for pattern in ("memory allocation", "buffer size limit", "unexpected status", "panicked", "exited with"):
+        for i, line in enumerate(failure):
+            if pattern in line:
+                text = line.split(_WASM_LOG)[-1] if _WASM_LOG in line else line.split("] ")[-1]
+                for more in failure[i + 1:i + 3]:
+                    if _WASM_LOG not in line or _WASM_LOG not in more:
+                        break
+                    text += more.split(_WASM_LOG)[-1]
+                return text.replace("|", "/")[:110]
+    return (failure[-1:] or ["?"])[0].split("] ")[-1].replace("|", "/")[:110]
+
+
+def render(results: dict) -> str:
+    rows = ["| mode | pods | c | Envoy RSS MB | filter index MB per VM | start s / routes on full index s |"
+            " decision_us p50 / p99 (fully matched / probes) | Envoy CPU µs/req 30 KB / 128 KB: added (without kvroute) |",
+            "|---|---:|---:|---:|---:|---|---|---|"]
+    for n, by_mode in results["fleets"].items():
+        for mode in ("approximate", "precise"):
+            for c in results["concurrency"]:
+                r = by_mode.get(mode, {}).get(f"c{c}")
+                if r is None:
+                    continue
+                if not r.get("started", False):
+                    rows.append(f"| {mode} | {n} | {c} | Envoy exits at start: `{cause(r.get('failure', []))}` "
+                                "| | | | |")
+                    continue
+                d = r.get("decision", {})
+                if d:
+                    dec = f"{fmt(d.get('p50_us'))} / {fmt(d.get('p99_us'))} ({d.get('fully_matched')}/{d.get('probes')})"
+                else:
+                    feed = r.get("feed", {})
+                    dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
+                           f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
+                cpu = r.get("cpu", {})
+                cpu_s = " / ".join(f"+{cpu[k].get('added_cpu_us_per_request')} "
+                                   f"({cpu[k].get('without_kvroute_cpu_us_per_request')})"
+                                   for k in ("30KB", "128KB") if k in cpu) or "—"
+                rss = r.get("rss_after_start_mb", r.get("rss_mb"))
+                index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
+                when = (f"{r.get('startup_s')}" if mode == "approximate" else
+                        f"{r.get('startup_s')} / {fmt(r.get('time_to_route_s'))}")
+                rows.append(f"| {mode} | {n} | {c} | {rss} | {index_mb} | {when} | {dec} | {cpu_s} |")
+    feed = ["| pods | indexed / expected entries | indexer RSS MB (B/entry) | snapshot bytes | idle poll bytes |"
+            " churn blocks/s sent (per pod) | delta B/s measured | B per block event | delta B/s per poller at 200+200 blocks/s/pod |",
+            "|---:|---|---|---:|---:|---|---:|---:|---|"]
+    for n, by_mode in results["fleets"].items():
+        p = by_mode.get("precise")
+        if not p or "feed" not in p:
+            continue
+        f, fl = p["feed"], p["fill"]
+        extrapolated = " (extrapolated)" if f["extrapolated"] else " (measured rate)"
+        feed.append(f"| {n} | {fl['indexed_entries']} / {fl['expected_entries']} |"
+                    f" {fl['indexer_rss_mb']} ({fl['indexer_rss_bytes_per_entry']}) | {f['snapshot_bytes']} |"
+                    f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
+                    f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']} |"
+                    f" {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
+    return "\n".join(rows) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
+        "\n".join(feed) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 and 100 pods, fewer requests: a few minutes")
+    ap.add_argument("--pods", default=None, help="comma list of fleet sizes (default 8,100,1000; quick 8,100)")
+    ap.add_argument("--approximate-only-pods", default=None,
+                    help="fleet sizes run in approximate mode at --concurrency 2 only (default 5000; quick none)")
+    ap.add_argument("--concurrency", default="2,8")
+    ap.add_argument("--probes", type=int, default=None, help="fully cached decisions measured per Envoy")
+    ap.add_argument("--cpu-requests", type=int, default=None)
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--churn-seconds", type=float, default=None)
+    ap.add_argument("--max-churn-blocks-s", type=int, default=20_000,
+                    help="cap on generated stored blocks/s over the fleet (above: a lower per-pod rate, extrapolated)")
+    ap.add_argument("--startup-timeout", type=float, default=180)
+    ap.add_argument("--route-timeout", type=float, default=60)
+    ap.add_argument("--results-dir", default=None)
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    sizes = [int(n) for n in (args.pods or ("8,100" if args.quick else "8,100,1000")).split(",")]
+    big = [int(n) for n in (args.approximate_only_pods if args.approximate_only_pods is not None
+                            else ("" if args.quick else "5000")).split(",") if n]
+    args.probes = args.probes or (100 if args.quick else 200)
+    args.cpu_requests = args.cpu_requests or (500 if args.quick else 2000)
+    args.churn_seconds = args.churn_seconds or (5 if args.quick else 10)
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(args.results_dir or REPO / "build" / "bench-scale" / stamp.strftime("%Y%m%dT%H%M%SZ"))
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"commit": git_commit(), "started": stamp.isoformat(timespec="seconds"),
+                               "argv": sys.argv[1:], "machine": machine(), "capacity_blocks": CAPACITY_BLOCKS,
+                               "fill": FILL, "sequence_blocks": SEQUENCE_BLOCKS, "concurrency": args.concurrency,
+                               "route_timeout_s": args.route_timeout, "cpu_requests": args.cpu_requests,
+                               "fleets": {}}
+    t0 = time.monotonic()
+    for n in sizes + big:
+        runs: dict[str, Any] = {"approximate": {}}
+        results["fleets"][str(n)] = runs
+        with StubFleet(n) as fleet:
+            for c in ([2] if n in big else args.concurrency):
+                log(f"approximate N={n} c{c}")
+                runs["approximate"][f"c{c}"] = approximate(fleet, c, args)
+                log(f"approximate N={n} c{c}: {summary(runs['approximate'][f'c{c}'])}")
+            if n not in big:
+                baselines = {c: runs["approximate"][f"c{c}"].get("envoy_without_kvroute", {}).get("cpu", {})
+                             for c in args.concurrency}
+                runs["precise"] = precise(fleet, baselines, args)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["seconds"] = round(time.monotonic() - t0)
+    results["checks"] = verify(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    table = render(results)
+    (out / "table.md").write_text(table)
+    print(table)
+    checks = results["checks"]
+    log(f"{checks['made'] - len(checks['failed'])}/{checks['made']} checks passed"
+        + "".join(f"\n  FAILED: {name}" for name in checks["failed"]))
+    log(f"results in {out} ({results['seconds']} s)")
+    if checks["failed"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "stub-pods":
+        asyncio.run(_stub_pods(int(sys.argv[2]), Path(sys.argv[3])))
+    else:
+        main()

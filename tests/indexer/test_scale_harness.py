@@ -1,0 +1,95 @@
+"""Self-check of `make bench-scale`'s own logic (integration/bench/scale.py), in seconds: the
+synthetic sequences the indexer is filled with, the decision-header parser, the histogram
+arithmetic, and one stub-pod fleet answering over real sockets. The benchmark itself is not
+run here (it takes minutes)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "integration" / "bench"))
+
+import scale  # noqa: E402
+
+
+def test_sequences_are_8k_tokens_distinct_per_pod_and_sequence_and_one_msgpack_byte_per_token():
+    heads = set()
+    for pod in (0, 1, 127, 128, 999, 4999):
+        for seq in (0, 1, 25, 200):
+            tokens = scale.sequence_tokens(pod, seq)
+            assert len(tokens) == scale.SEQUENCE_BLOCKS * scale.BLOCK_SIZE == 8192
+            assert all(0 <= t < 128 for t in tokens)
+            heads.add(tuple(tokens[:scale.BLOCK_SIZE]))
+    assert len(heads) == 6 * 4, "every (pod, sequence) must start a chain of its own"
+    assert len(scale.sequence_tokens(3, 4, blocks=7)) == 7 * scale.BLOCK_SIZE
+
+
+def test_decision_header_parse():
+    header = ("pod=127.0.0.1:8003; matched=512/512 blocks; cost=4.0 (prefill=4.0 decode=0.0 queue=0.0 kv=0.0); "
+              "inflight=0 req/0 blocks; candidates=1000")
+    assert scale.parse_decision(header) == {"pod": "127.0.0.1:8003", "matched": 512, "total": 512,
+                                            "unit": "blocks"}
+    assert scale.parse_decision("")["matched"] == 0
+
+
+def test_histogram_difference_and_quantiles():
+    before = [(10.0, 1.0, 5), (100.0, 10.0, 1)]
+    after = [(10.0, 1.0, 5), (100.0, 10.0, 51), (2000.0, 100.0, 1)]
+    samples = scale.bucket_diff(after, before)
+    assert samples == [(100.0, 10.0, 50), (2000.0, 100.0, 1)]
+    assert scale.bucket_quantile(samples, 0.5) == 110.0
+    assert scale.bucket_quantile(samples, 0.98) == 110.0
+    assert scale.bucket_quantile(samples, 0.99) == 2100.0, "the 51st of 51 samples"
+    assert scale.bucket_quantile([], 0.5) is None
+
+
+def test_chat_bodies_have_the_asked_size_and_differ():
+    bodies = scale.chat_bodies(30 * 1024)
+    assert len(set(bodies)) == 16
+    assert all(29 * 1024 < len(b) < 31 * 1024 for b in bodies), [len(b) for b in bodies]
+    assert json.loads(bodies[0])["messages"][0]["role"] == "system"
+
+
+def test_stub_fleet_answers_every_pod_with_keep_alive():
+    with scale.StubFleet(3) as fleet:
+        assert len(set(fleet.addresses)) == 3
+        for address in fleet.addresses:
+            client = scale.Client(int(address.rsplit(":", 1)[1]))
+            try:
+                for body in (b"{}", scale.token_request(scale.sequence_tokens(0, 0))):
+                    assert client.post(body) == (200, "")
+            finally:
+                client.close()
+    assert fleet.proc.poll() is not None
+
+
+def test_failure_cause_joins_the_vm_message_pieces():
+    log = "\n".join([
+        "[t][1][info][main] starting",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute: memory allocation of ",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute: 192088",
+        "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute:  bytes failed",
+        "[t][1][critical][main] [server.cc:449] error `Unable to create Wasm plugin kvroute`",
+    ])
+    lines = scale.failure_lines(log)
+    assert "starting" not in "".join(lines)
+    assert scale.cause(lines) == "memory allocation of 192088 bytes failed"
+    assert scale.cause(["[t][1][warning][http] [a.cc:430] the buffer size limit for async client response body "
+                        "has been exceeded, draining data"]).startswith("the buffer size limit")
+
+
+def test_verify_flags_a_decision_that_did_not_match_and_a_short_fill():
+    decision = {"probes": 2, "fully_matched": 2, "samples": 2, "blocks_matched_header": 1024,
+                "blocks_matched_counter": 1024}
+    results = {"fleets": {"8": {
+        "approximate": {"c2": {"decision": dict(decision), "cpu": {"30KB": {"ok": 5, "failed": 0}}}},
+        "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10}, "c2": {"decision": dict(decision)}}}}}
+    assert scale.verify(results) == {"made": 8, "failed": []}
+    results["fleets"]["8"]["approximate"]["c2"]["decision"].update(fully_matched=1, blocks_matched_counter=0)
+    results["fleets"]["8"]["precise"]["fill"]["indexed_entries"] = 9
+    assert scale.verify(results)["failed"] == [
+        "approximate N=8 c2: every probe fully matched on its pod",
+        "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
+        "precise N=8: indexer holds every entry sent"]
