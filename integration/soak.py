@@ -92,6 +92,19 @@ class Traffic:
             self.routed += routed
 
 
+def fill(envoy, model: str, target_blocks: int) -> None:
+    """Fresh prompts until the learned index holds `target_blocks` (every pod's table nearly full)."""
+    def one(_):
+        body = {"model": model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": f"[fill {uuid.uuid4().hex}] " + "words " * 200}]}
+        requests.post(envoy.url + "/v1/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        while envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks", 0) < target_blocks:
+            list(pool.map(one, range(200)))
+    print(f"index filled: {envoy.stats('kvroute.index.blocks')}", flush=True)
+
+
 # What each kind must get: anything else is an error kvroute must not cause.
 EXPECTED = {"shared_prefix": "200", "fresh": "200", "unknown_model": "404", "oversize": "200", "malformed": "400"}
 
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=40, help="shared system prompts")
     ap.add_argument("--sample-seconds", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
+    ap.add_argument("--fill-index", action="store_true",
+                    help="first fill the learned index with fresh prompts, so the sampled run starts at steady state")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -115,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         with EnvoyProcess(config, concurrency=args.concurrency) as envoy:
             envoy.wait_for_peers()
             traffic = Traffic(envoy.url, sims.model, args.groups, seed=1)
+            if args.fill_index:
+                fill(envoy, sims.model, target_blocks=int(0.95 * sum(sims.capacities)))
             started = time.monotonic()
             end = started + args.minutes * 60
             next_sample = started
