@@ -256,14 +256,8 @@ impl Singleton {
     /// Routing does not depend on it: this proxy keeps its own decisions.
     fn learned_failed(&mut self, why: &str) {
         self.metrics.learned_refused.inc();
-        let level = if self.learned_failing {
-            LogLevel::Debug
-        } else {
-            LogLevel::Warn
-        };
-        self.learned_failing = true;
         host::log(
-            level,
+            first_failure_level(&mut self.learned_failing),
             &format!("kvroute singleton: learned report {why}; other proxies do not see this one's decisions"),
         );
     }
@@ -271,15 +265,19 @@ impl Singleton {
     /// Counts a failure; logs when the feed goes from healthy to failing.
     fn failed(&mut self, why: &str) {
         self.metrics.errors.inc();
-        let level = if self.failing {
-            LogLevel::Debug
-        } else {
-            LogLevel::Warn
-        };
-        self.failing = true;
         host::log(
-            level,
+            first_failure_level(&mut self.failing),
             &format!("kvroute singleton: {why}; filters keep routing on what they have"),
         );
+    }
+}
+
+/// Warn when a healthy path starts failing, then only debug until it recovers.
+fn first_failure_level(failing: &mut bool) -> LogLevel {
+    let first = !std::mem::replace(failing, true);
+    if first {
+        LogLevel::Warn
+    } else {
+        LogLevel::Debug
     }
 }

@@ -964,6 +964,16 @@ mod tests {
     }
 
     impl Ledger {
+        /// No stores of a block already stored, no removals of unknown blocks, no
+        /// full-attention stores with an unknown parent.
+        fn assert_no_artefacts(&self) {
+            assert_eq!(
+                (self.dup_stores, self.unknown_removals, self.unknown_parents),
+                (0, 0, 0),
+                "{self:?}"
+            );
+        }
+
         fn apply(&mut self, evs: &[KvEvent]) {
             for ev in evs {
                 match ev {
@@ -1052,15 +1062,7 @@ mod tests {
         let (ledger, mut rxs) = pressured_run(&mut e, 1);
         assert!(e.counters.preemptions > 0, "workload must preempt");
         assert!(ledger.stored_blocks > 1000, "{ledger:?}");
-        assert_eq!(
-            (
-                ledger.dup_stores,
-                ledger.unknown_removals,
-                ledger.unknown_parents
-            ),
-            (0, 0, 0),
-            "{ledger:?}"
-        );
+        ledger.assert_no_artefacts();
         assert!(rxs.iter_mut().all(|rx| drain(rx).1.is_some()));
         // What the index believes is exactly what the pool holds.
         assert_eq!(ledger.live.len(), e.pool.num_cached());
@@ -1271,15 +1273,7 @@ mod tests {
         c.sliding_windows = vec![32, 64];
         let mut e = Engine::new(c, (10..26).collect());
         let (ledger, _rxs) = pressured_run(&mut e, 2);
-        assert_eq!(
-            (
-                ledger.dup_stores,
-                ledger.unknown_removals,
-                ledger.unknown_parents
-            ),
-            (0, 0, 0),
-            "{ledger:?}"
-        );
+        ledger.assert_no_artefacts();
         // Both groups store every block; the window group holds far fewer at the end.
         let held = |g: u32| ledger.live.keys().filter(|(x, _)| *x == g).count();
         assert_eq!(held(0), e.pool.num_cached());
