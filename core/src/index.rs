@@ -8,6 +8,7 @@
 //! set stays prefix-closed the way vLLM's is. Full tables evict their oldest
 //! sixteenth in one sweep, which keeps the per-insert cost constant.
 
+use crate::hash::index_key;
 use std::collections::VecDeque;
 
 pub use crate::feed::Tier;
@@ -421,11 +422,12 @@ impl PodTable {
 }
 
 /// Hash 0 marks an empty slot; fold it onto 1 (one in 2^64 collides).
+/// The slot key of a block hash: its index key (see [`index_key`]), with
+/// the empty marker moved aside.
 fn key_of(hash: u64) -> u64 {
-    if hash == EMPTY {
-        1
-    } else {
-        hash
+    match index_key(hash) {
+        EMPTY => 1,
+        key => key,
     }
 }
 
@@ -502,6 +504,19 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn only_the_index_key_bits_of_a_hash_are_compared() {
+        let mut t = PodTable::new(100);
+        let full = chain(3, 4);
+        // What a feed carrying index keys delivers for the same chain.
+        let keys: Vec<u64> = full.iter().map(|&h| index_key(h)).collect();
+        assert_ne!(full, keys);
+        t.touch_chain(&keys, Tier::Gpu, 1);
+        assert_eq!(t.prefix_match(&full, &TRUST_ALL).blocks, 4);
+        t.remove(&full[2..]);
+        assert_eq!(t.prefix_match(&keys, &TRUST_ALL).blocks, 2);
     }
 
     #[test]
