@@ -1,0 +1,46 @@
+//! Hashing for keys that are already hashes, and the map type built on it.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+
+/// Hasher for keys that are already hashes: one multiply-xorshift.
+#[derive(Default, Clone, Copy)]
+pub struct MixHasher(pub(super) u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        let y = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        y ^ (y >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
+}
+
+/// Builds [`MixHasher`]s.
+#[derive(Default, Clone, Copy)]
+pub struct BuildMix;
+
+impl BuildHasher for BuildMix {
+    type Hasher = MixHasher;
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(0)
+    }
+}
+
+pub(super) type Map<V> = HashMap<u64, V, BuildMix>;
+
+/// Bytes a hashbrown map holds for `capacity` entries of `entry` bytes.
+pub(super) fn map_bytes<V>(m: &Map<V>) -> usize {
+    let buckets = if m.capacity() == 0 {
+        0
+    } else {
+        (m.capacity() * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<(u64, V)>() + 1)
+}

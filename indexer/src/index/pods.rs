@@ -1,0 +1,258 @@
+//! Pods: how they become known and go, their load, their liveness, and
+//! their debug view.
+
+use std::collections::BTreeMap;
+
+use kvroute_core::feed::Tier;
+
+use super::blocks::TierCounts;
+use super::feed_log::Sink;
+use super::hashing::{map_bytes, Map};
+use super::sequence::Source;
+use super::sources::Group;
+use super::{Index, PodDebug, SourceDebug};
+
+/// How a pod became known.
+pub mod origin {
+    /// `--pod`.
+    pub const STATIC: u8 = 1;
+    /// DNS of the headless Service.
+    pub const DNS: u8 = 2;
+    /// First seen in an event (only with `--accept-unknown-publishers`).
+    pub const EVENTS: u8 = 4;
+    /// `--connect ENDPOINT=ADDRESS`.
+    pub const CONNECT: u8 = 8;
+}
+
+/// Load of a pod, from its `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    pub capacity_blocks: u32,
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f32,
+}
+
+pub(super) struct Pod {
+    pub(super) address: String,
+    pub(super) models: Vec<String>,
+    pub(super) origins: u8,
+    pub(super) replay_endpoint: Option<String>,
+    pub(super) load: Load,
+    pub(super) last_seen_ms: u64,
+    pub(super) sources: BTreeMap<i64, Source>,
+    /// kvroute hash → tier counts, what the feed serves.
+    pub(super) blocks: Map<TierCounts>,
+    /// Learned kvroute hash → expiry (ms).
+    pub(super) learned: Map<u64>,
+    pub(super) source_blocks: usize,
+}
+
+impl Pod {
+    pub(super) fn new(address: String, origins: u8, now_ms: u64) -> Pod {
+        Pod {
+            address,
+            models: Vec::new(),
+            origins,
+            replay_endpoint: None,
+            load: Load::default(),
+            last_seen_ms: now_ms,
+            sources: BTreeMap::new(),
+            blocks: Map::default(),
+            learned: Map::default(),
+            source_blocks: 0,
+        }
+    }
+
+    pub(super) fn memory_bytes(&self) -> usize {
+        map_bytes(&self.blocks)
+            + map_bytes(&self.learned)
+            + self
+                .sources
+                .values()
+                .flat_map(|s| s.groups.values())
+                .map(Group::memory_bytes)
+                .sum::<usize>()
+    }
+}
+
+impl Index {
+    /// Adds (or refreshes) a pod known from configuration or DNS.
+    pub fn add_pod(&mut self, address: &str, model: Option<&str>, origin: u8, now_ms: u64) {
+        let key = match self.by_address.get(address) {
+            Some(&k) => k,
+            None => {
+                if self.pods.len() >= self.cfg.max_pods {
+                    self.metrics.rejected("max_pods");
+                    return;
+                }
+                let k = self.next_pod_key;
+                self.next_pod_key += 1;
+                self.pods.insert(k, Pod::new(address.to_owned(), 0, now_ms));
+                self.by_address.insert(address.to_owned(), k);
+                k
+            }
+        };
+        if let Some(pod) = self.pods.get_mut(&key) {
+            pod.origins |= origin;
+            if let Some(m) = model.filter(|m| !m.is_empty()) {
+                if !pod.models.iter().any(|x| x == m) {
+                    pod.models.push(m.to_owned());
+                }
+            }
+        }
+        self.update_gauges();
+    }
+
+    /// Sets an explicit replay endpoint of a pod (rank 0; rank r uses port + r).
+    pub fn set_replay_endpoint(&mut self, address: &str, endpoint: &str) {
+        if let Some(pod) = self
+            .by_address
+            .get(address)
+            .and_then(|k| self.pods.get_mut(k))
+        {
+            pod.replay_endpoint = Some(endpoint.to_owned());
+        }
+    }
+
+    /// Withdraws an origin (e.g. the pod left DNS); a pod left with no origin
+    /// is dropped with its entries.
+    pub fn remove_origin(&mut self, address: &str, origin: u8) {
+        let Some(&key) = self.by_address.get(address) else {
+            return;
+        };
+        let gone = match self.pods.get_mut(&key) {
+            Some(pod) => {
+                pod.origins &= !origin;
+                pod.origins == 0
+            }
+            None => false,
+        };
+        if gone {
+            self.drop_pod(key);
+        }
+    }
+
+    /// Addresses of the pods, with their origins.
+    pub fn pod_addresses(&self) -> Vec<(String, u8)> {
+        self.pods
+            .values()
+            .map(|p| (p.address.clone(), p.origins))
+            .collect()
+    }
+
+    fn drop_pod(&mut self, key: u64) {
+        let mut sink = Sink::default();
+        if let Some(pod) = self.pods.remove(&key) {
+            self.by_address.remove(&pod.address);
+            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
+            sink.cleared(key);
+        }
+        self.commit(sink);
+    }
+
+    /// Records a pod's load (a successful scrape also counts as a sign of life).
+    pub fn set_load(&mut self, address: &str, load: Load, now_ms: u64) {
+        if let Some(pod) = self
+            .by_address
+            .get(address)
+            .and_then(|k| self.pods.get_mut(k))
+        {
+            pod.load = load;
+            pod.last_seen_ms = now_ms;
+        }
+    }
+    /// Expires learned entries and drops silent pods.
+    pub fn expire(&mut self, now_ms: u64) {
+        let mut sink = Sink::default();
+        self.evict_learned(&mut sink, now_ms, 0);
+        self.commit(sink);
+        if self.cfg.pod_timeout_ms > 0 {
+            let silent: Vec<(u64, u8)> = self
+                .pods
+                .iter()
+                .filter(|(_, p)| now_ms.saturating_sub(p.last_seen_ms) > self.cfg.pod_timeout_ms)
+                .filter(|(_, p)| {
+                    p.origins == origin::EVENTS || !p.blocks.is_empty() || !p.sources.is_empty()
+                })
+                .map(|(k, p)| (*k, p.origins))
+                .collect();
+            for (key, origins) in silent {
+                self.metrics.pods_expired.inc();
+                if origins == origin::EVENTS {
+                    self.drop_pod(key);
+                } else {
+                    self.reset_pod(key);
+                }
+            }
+        }
+        self.update_gauges();
+    }
+
+    /// Drops a pod's entries and sequence state but keeps it listed.
+    fn reset_pod(&mut self, key: u64) {
+        let mut sink = Sink::default();
+        if let Some(pod) = self.pods.get_mut(&key) {
+            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
+            pod.learned = Map::default();
+            pod.blocks = Map::default();
+            pod.sources.clear();
+            pod.source_blocks = 0;
+            sink.cleared(key);
+        }
+        self.commit(sink);
+    }
+    /// Pods for `GET /v1/debug/pods`.
+    pub fn debug_pods(&self, now_ms: u64) -> Vec<PodDebug> {
+        self.pods
+            .values()
+            .map(|p| {
+                let mut by_tier = BTreeMap::new();
+                for c in p.blocks.values() {
+                    let name = match c.best() {
+                        Some(Tier::Gpu) => "gpu",
+                        Some(Tier::Cpu) => "cpu",
+                        Some(Tier::Disk) => "disk",
+                        Some(Tier::Learned) => "learned",
+                        None => continue,
+                    };
+                    *by_tier.entry(name).or_insert(0) += 1;
+                }
+                let mut origins = Vec::new();
+                for (bit, name) in [
+                    (origin::STATIC, "static"),
+                    (origin::DNS, "dns"),
+                    (origin::EVENTS, "events"),
+                    (origin::CONNECT, "connect"),
+                ] {
+                    if p.origins & bit != 0 {
+                        origins.push(name);
+                    }
+                }
+                PodDebug {
+                    address: p.address.clone(),
+                    models: p.models.clone(),
+                    origins,
+                    blocks: p.blocks.len(),
+                    blocks_by_tier: by_tier,
+                    learned: p.learned.len(),
+                    sources: p
+                        .sources
+                        .iter()
+                        .map(|(r, s)| SourceDebug {
+                            rank: *r,
+                            next_seq: s.next_seq,
+                            blocks: s.groups.values().map(|g| g.blocks.len()).sum(),
+                            replay_pending: s.replay.is_some(),
+                        })
+                        .collect(),
+                    capacity_blocks: p.load.capacity_blocks,
+                    waiting: p.load.waiting,
+                    running: p.load.running,
+                    kv_usage: p.load.kv_usage,
+                    silent_ms: now_ms.saturating_sub(p.last_seen_ms),
+                }
+            })
+            .collect()
+    }
+}

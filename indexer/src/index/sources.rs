@@ -1,0 +1,366 @@
+//! A publisher's blocks: BlockStored (re-hashed with kvroute's chained
+//! hash), placeholders, BlockRemoved and AllBlocksCleared, applied to its
+//! KV-cache groups and, through them, to the pod's block map.
+
+use std::collections::hash_map::Entry;
+
+use kvroute_core::feed::Tier;
+use kvroute_core::hash::{
+    extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
+};
+
+use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+
+use super::blocks::{adjust_block, tier_bit, TierCounts};
+use super::feed_log::Sink;
+use super::hashing::{map_bytes, Map};
+use super::Index;
+
+/// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
+/// means the pod can skip that prefill. Sliding-window and mamba groups keep
+/// only a window or a state: not routed on. No kind (vLLM before hybrid
+/// groups, or a plain model): full attention.
+pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
+    matches!(
+        kind,
+        None | Some("full_attention" | "mla_attention" | "sink_full_attention")
+    )
+}
+
+/// A vLLM block held by one publisher (pod, rank).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SourceEntry {
+    /// kvroute hash of the block (of its last kvroute-sized part when it
+    /// spans several: the parent of the next block).
+    pub(super) kv: u64,
+    /// Bit per tier (GPU, CPU, disk).
+    pub(super) tiers: u8,
+}
+
+/// The blocks of one KV-cache group of a publisher. Hybrid models store
+/// each block once per group under the same vLLM hash, and each group evicts
+/// on its own.
+#[derive(Default)]
+pub(super) struct Group {
+    /// vLLM hash → entry.
+    pub(super) blocks: Map<SourceEntry>,
+    /// vLLM hash → kvroute hashes of the parts before the entry's `kv`, for
+    /// blocks of a multiple of the configured block size (kept apart so the
+    /// common entry stays small).
+    pub(super) heads: Map<Box<[u64]>>,
+}
+
+impl Group {
+    pub(super) fn memory_bytes(&self) -> usize {
+        map_bytes(&self.blocks)
+            + map_bytes(&self.heads)
+            + self.heads.values().map(|h| h.len() * 8).sum::<usize>()
+    }
+}
+
+/// Drops every tier count a block holds.
+pub(super) fn drop_block(
+    blocks: &mut Map<TierCounts>,
+    sink: &mut Sink,
+    pod: u64,
+    entry: SourceEntry,
+    head: Option<&[u64]>,
+) {
+    for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
+        if entry.tiers & tier_bit(t) != 0 {
+            adjust_block(blocks, sink, pod, entry.kv, head, t, false);
+        }
+    }
+}
+
+/// A block's extra keys without the LoRA adapter, which vLLM lists first and
+/// kvroute already has in the chain's root.
+pub(super) fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [ExtraKey] {
+    let is_lora = match (keys.first(), &e.lora_name, e.lora_id) {
+        (Some(ExtraKey::Str(k)), Some(name), _) => k == name,
+        (Some(ExtraKey::Int(k)), None, Some(id)) => *k == i128::from(id),
+        _ => false,
+    };
+    if is_lora {
+        &keys[1..]
+    } else {
+        keys
+    }
+}
+
+impl Index {
+    pub(super) fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
+        for ev in &batch.events {
+            match ev {
+                KvEvent::BlockStored(e) => {
+                    self.metrics.event("BlockStored");
+                    if e.is_placeholder() {
+                        self.placeholder(key, rank, e, sink);
+                    } else {
+                        self.stored(key, rank, e, sink);
+                    }
+                }
+                KvEvent::BlockRemoved(e) => {
+                    self.metrics.event("BlockRemoved");
+                    self.removed(key, rank, e, sink);
+                }
+                KvEvent::AllBlocksCleared => {
+                    self.metrics.event("AllBlocksCleared");
+                    self.clear_source_into(key, rank, sink);
+                }
+                KvEvent::Unknown { .. } => self.metrics.event("Unknown"),
+            }
+        }
+    }
+
+    /// kvroute blocks per vLLM block of `block_size` tokens, `None` when
+    /// that size cannot be re-hashed into the filters' blocks.
+    fn span(&self, block_size: u32) -> Option<usize> {
+        match self.cfg.block_size {
+            _ if block_size == 0 => None,
+            0 => Some(1),
+            b if block_size % b == 0 => Some((block_size / b) as usize),
+            _ => None,
+        }
+    }
+
+    fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        let group_idx = e.group_idx.unwrap_or(0);
+        let span = self.span(e.block_size);
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let source = pod.sources.entry(rank).or_default();
+        let unrouted_at = source.unrouted_groups.iter().position(|g| *g == group_idx);
+        if !routed_spec_kind(e.kv_cache_spec_kind.as_deref()) {
+            if unrouted_at.is_none() {
+                source.unrouted_groups.push(group_idx);
+            }
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        }
+        // A group's kind changes only when the pod restarts with another model.
+        if let Some(i) = unrouted_at {
+            source.unrouted_groups.swap_remove(i);
+        }
+        let Some(span) = span else {
+            self.metrics.stored_block_size_mismatch.inc();
+            return;
+        };
+        let model = match pod.models.first().or(self.cfg.default_model.as_ref()) {
+            Some(m) => m,
+            None => {
+                self.metrics.rejected("no_model");
+                return;
+            }
+        };
+        let n = e.block_hashes.len();
+        let bs = e.block_size as usize;
+        let Some(need) = n.checked_mul(bs).filter(|&need| need <= e.token_ids.len()) else {
+            self.metrics.stored_token_mismatch.inc();
+            return;
+        };
+        let group = pod
+            .sources
+            .entry(rank)
+            .or_default()
+            .groups
+            .entry(group_idx)
+            .or_default();
+        let parent_kv = match e.parent_block_hash {
+            None => match (&e.lora_name, e.lora_id) {
+                (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
+                // Older vLLM names no adapter, only its id: scope the chain by the id
+                // so that it can never pass for the base model's blocks.
+                (None, Some(id)) => {
+                    root_hash(Domain::Tokens, model, Some(&format!("#lora-id:{id}")))
+                }
+                (None, None) => root_hash(Domain::Tokens, model, None),
+            },
+            Some(p) => match group.blocks.get(&p) {
+                Some(entry) => entry.kv,
+                None => {
+                    self.metrics.stored_unknown_parent.inc();
+                    return;
+                }
+            },
+        };
+        // Extra keys belong to the first kvroute block of each vLLM block.
+        let mut extra = Vec::new();
+        if let Some(keys) = &e.extra_keys {
+            extra.resize(n * span, None);
+            for (i, block_keys) in keys.iter().take(n).enumerate() {
+                if let Some(block_keys) = block_keys {
+                    extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
+                }
+            }
+        }
+        let kvs =
+            keyed_token_block_hashes(parent_kv, &e.token_ids[..need], bs / span, n * span, &extra);
+        let tier = Medium::tier(e.medium.as_ref());
+        let bit = tier_bit(tier);
+        let mut applied = 0u64;
+        for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
+            let Some((&kv, head)) = parts.split_last() else {
+                continue;
+            };
+            let head = (!head.is_empty()).then_some(head);
+            match group.blocks.entry(vh) {
+                Entry::Occupied(mut o) => {
+                    let entry = o.get_mut();
+                    if entry.kv != kv {
+                        // Same vLLM hash, other content (e.g. other LoRA scope): replace.
+                        let old = group.heads.remove(&vh);
+                        drop_block(&mut pod.blocks, sink, key, *entry, old.as_deref());
+                        *entry = SourceEntry { kv, tiers: 0 };
+                        if let Some(head) = head {
+                            group.heads.insert(vh, head.into());
+                        }
+                    }
+                    if entry.tiers & bit == 0 {
+                        entry.tiers |= bit;
+                        adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
+                    }
+                }
+                Entry::Vacant(v) => {
+                    if pod.source_blocks >= self.cfg.max_blocks_per_pod {
+                        self.metrics.blocks_refused_capacity.inc();
+                        break;
+                    }
+                    v.insert(SourceEntry { kv, tiers: bit });
+                    if let Some(head) = head {
+                        group.heads.insert(vh, head.into());
+                    }
+                    pod.source_blocks += 1;
+                    adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
+                }
+            }
+            applied += 1;
+        }
+        self.metrics.blocks_stored.inc_by(applied);
+    }
+
+    /// A CPU-offload placeholder names blocks by hash only: they now also
+    /// reside in its medium. Blocks this publisher never stored with tokens
+    /// cannot be re-hashed, so they are counted and skipped.
+    fn placeholder(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let group = pod
+            .sources
+            .get_mut(&rank)
+            .and_then(|s| s.groups.get_mut(&e.group_idx.unwrap_or(0)));
+        let Some(group) = group else {
+            self.metrics
+                .placeholder_blocks("unknown", e.block_hashes.len() as u64);
+            return;
+        };
+        let tier = Medium::tier(e.medium.as_ref());
+        let bit = tier_bit(tier);
+        let (mut applied, mut unknown) = (0, 0);
+        for vh in &e.block_hashes {
+            let Some(entry) = group.blocks.get_mut(vh) else {
+                unknown += 1;
+                continue;
+            };
+            if entry.tiers & bit == 0 {
+                entry.tiers |= bit;
+                let head = group.heads.get(vh).map(|h| &h[..]);
+                adjust_block(&mut pod.blocks, sink, key, entry.kv, head, tier, true);
+            }
+            applied += 1;
+        }
+        self.metrics.placeholder_blocks("applied", applied);
+        self.metrics.placeholder_blocks("unknown", unknown);
+    }
+
+    fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let group_idx = e.group_idx.unwrap_or(0);
+        let source = pod.sources.entry(rank).or_default();
+        if source.unrouted_groups.contains(&group_idx) {
+            self.metrics
+                .blocks_not_routed
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        }
+        let Some(group) = source.groups.get_mut(&group_idx) else {
+            self.metrics
+                .removed_unknown
+                .inc_by(e.block_hashes.len() as u64);
+            return;
+        };
+        let tier = Medium::tier(e.medium.as_ref());
+        let bit = tier_bit(tier);
+        let mut removed = 0u64;
+        for vh in &e.block_hashes {
+            let Entry::Occupied(mut o) = group.blocks.entry(*vh) else {
+                self.metrics.removed_unknown.inc();
+                continue;
+            };
+            let entry = o.get_mut();
+            if entry.tiers & bit == 0 {
+                self.metrics.removed_unknown.inc();
+                continue;
+            }
+            entry.tiers &= !bit;
+            let kv = entry.kv;
+            let gone = entry.tiers == 0;
+            if gone {
+                o.remove();
+                pod.source_blocks = pod.source_blocks.saturating_sub(1);
+            }
+            let head = if gone {
+                group.heads.remove(vh)
+            } else {
+                group.heads.get(vh).cloned()
+            };
+            adjust_block(&mut pod.blocks, sink, key, kv, head.as_deref(), tier, false);
+            removed += 1;
+        }
+        self.metrics.blocks_removed.inc_by(removed);
+    }
+
+    pub(super) fn clear_source(&mut self, key: u64, rank: i64) {
+        let mut sink = Sink::default();
+        self.clear_source_into(key, rank, &mut sink);
+        self.commit(sink);
+    }
+
+    /// Drops a publisher's blocks; when it was the pod's only holder of
+    /// entries, the pod's learned entries go too (its cache is gone) and one
+    /// `Cleared` op replaces the per-hash removals.
+    fn clear_source_into(&mut self, key: u64, rank: i64, sink: &mut Sink) {
+        let Some(pod) = self.pods.get_mut(&key) else {
+            return;
+        };
+        let others = pod
+            .sources
+            .iter()
+            .any(|(r, s)| *r != rank && s.groups.values().any(|g| !g.blocks.is_empty()));
+        let Some(source) = pod.sources.get_mut(&rank) else {
+            return;
+        };
+        if !others {
+            pod.source_blocks = 0;
+            source.groups.clear();
+            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
+            pod.learned.clear();
+            pod.blocks.clear();
+            sink.cleared(key);
+            return;
+        }
+        for (_, mut group) in std::mem::take(&mut source.groups) {
+            for (vh, entry) in group.blocks.drain() {
+                pod.source_blocks = pod.source_blocks.saturating_sub(1);
+                let head = group.heads.remove(&vh);
+                drop_block(&mut pod.blocks, sink, key, entry, head.as_deref());
+            }
+        }
+    }
+}
