@@ -448,6 +448,7 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
     t1 = measured[-1]["t_end"] if measured else None
     out: Dict[str, Any] = {"samples": len(rows)}
     out["measured"] = podmetrics.summarize_samples(rows, t0, t1)
+    out["per_pod_measured"] = podmetrics.per_pod(rows, t0, t1)
     out["all"] = podmetrics.summarize_samples(rows)
     q = podmetrics.counter_delta(before, after, "vllm:prefix_cache_queries_total")
     h = podmetrics.counter_delta(before, after, "vllm:prefix_cache_hits_total")
