@@ -7,7 +7,8 @@
 
 Every keyword option becomes the binary's `--flag value` (underscores to dashes; lists repeat the
 values; None is left out), e.g. num_gpu_blocks=2000 (or a list, one capacity per pod), max_num_seqs=64, tokenizer=PATH,
-served_model_name=["a", "b"]. `kv_events_replay=True` picks free replay ports
+served_model_name=["a", "b"]. A mixed fleet: speed=[1, 1, 0.5, 0.5] with num_gpu_blocks=[3072, 3072, 2304, 2304]
+(one relative speed and one capacity per pod; `.speeds`, `.capacities`). `kv_events_replay=True` picks free replay ports
 (`.replay_ports`); env={...} adds environment variables (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0": 32-byte
 hashes, as vLLM). Ports are chosen free at run time; the process runs in its own session and is
 stopped by its PID. The binary is $KVROUTE_SIM_BIN, else target/release/vllm-sim, built with
@@ -144,6 +145,14 @@ class SimCluster:
         if isinstance(v, (list, tuple)):
             return [int(x) for x in v] if len(v) == self.pods else [int(v[0])] * self.pods
         return [int(v)] * self.pods
+
+    @property
+    def speeds(self) -> list[float]:
+        """Relative speed of each pod (speed: one value for all, or a list with one per pod; default 1)."""
+        v = self.opts.get("speed", 1.0)
+        if isinstance(v, (list, tuple)):
+            return [float(x) for x in v] if len(v) == self.pods else [float(v[0])] * self.pods
+        return [float(v)] * self.pods
 
     @property
     def model(self) -> str:

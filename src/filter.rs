@@ -5,7 +5,9 @@
 use crate::host;
 use crate::metrics::FailOpen;
 use crate::worker::{RoutedRequest, SharedWorker};
+use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
+use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::Domain;
 use kvroute_core::outcome::{judge, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
@@ -21,8 +23,11 @@ pub struct RequestFilter {
     /// The request is on a routed path (its response reports the served pod).
     on_routed_path: bool,
     request_id: String,
-    /// The pod and prompt blocks counted as in flight, released at the end.
-    in_flight: Option<(String, u32)>,
+    /// The pod, its pending prefill blocks and the uncached blocks routed
+    /// there, counted as in flight and released at the end.
+    in_flight: Option<(String, u32, u32)>,
+    /// The request's priority class (critical when priority is off).
+    admission: Admission,
     /// The decision, until its response settles it.
     unsettled: Option<RoutedRequest>,
     explanation: Option<String>,
@@ -40,6 +45,7 @@ impl RequestFilter {
             on_routed_path: false,
             request_id: String::new(),
             in_flight: None,
+            admission: Admission::Critical,
             unsettled: None,
             explanation: None,
             fallback: None,
@@ -103,8 +109,7 @@ impl RequestFilter {
                 return true;
             }
         }
-        self.route(&request);
-        false
+        self.route(&request)
     }
 
     /// Sends a chat body to the configured `/tokenize`, when there is one.
@@ -135,10 +140,12 @@ impl RequestFilter {
         }
     }
 
-    fn route(&mut self, request: &PromptRequest) {
+    /// Routes the request; true when it was shed instead (answered 429 by
+    /// the proxy: the stream must not resume).
+    fn route(&mut self, request: &PromptRequest) -> bool {
         let started = micros();
         let Ok(mut w) = self.worker.try_borrow_mut() else {
-            return;
+            return false;
         };
         let config = w.config.clone();
         let hashed = hash_prompt(&config, request);
@@ -153,9 +160,15 @@ impl RequestFilter {
                     &self.request_id,
                     &format!("model {}", request.model),
                 );
-                return;
+                return false;
             }
         };
+        if decision.saturation.is_some() {
+            w.metrics.saturated.inc();
+        }
+        if sheds(self.admission, decision.saturation) {
+            return self.shed(&w, &config, &decision.explain());
+        }
         if let Err(status) =
             host::set_request_header(&config.destination_header, Some(&decision.destination()))
         {
@@ -165,7 +178,7 @@ impl RequestFilter {
                 &self.request_id,
                 &format!("{status:?}"),
             );
-            return;
+            return false;
         }
         // The pod's load is the prefill work routed to it and still in flight:
         // blocks it must compute. Cached blocks are shared with the requests
@@ -224,8 +237,46 @@ impl RequestFilter {
             // own removal of the block. Byte chunks have no other source.
             report: hashed.domain == Domain::Bytes,
         });
-        self.in_flight = Some((decision.pod, prompt_blocks));
+        self.in_flight = Some((decision.pod, prompt_blocks, prompt_blocks));
         self.explanation = Some(explanation);
+        false
+    }
+
+    /// Answers a sheddable request 429 with `Retry-After`: every candidate
+    /// pod is saturated. If the proxy refuses the local reply, the request
+    /// fails open to Envoy's LB (never lost).
+    fn shed(&self, w: &crate::worker::Worker, config: &Config, why: &str) -> bool {
+        let retry_after = config
+            .priority
+            .as_ref()
+            .map_or(1, |p| p.retry_after_seconds)
+            .to_string();
+        let explanation = format!("shed=sheddable; {why}");
+        let mut headers = vec![("retry-after", retry_after.as_str())];
+        if !config.decision_header.is_empty() {
+            headers.push((config.decision_header.as_str(), explanation.as_str()));
+        }
+        let body = b"every pod is saturated: retry later\n";
+        match host::send_local_reply(429, &headers, body) {
+            Ok(()) => {
+                w.metrics.shed.inc();
+                host::log(
+                    LogLevel::Debug,
+                    &format!("kvroute: request {} shed: {explanation}", self.request_id),
+                );
+                true
+            }
+            Err(status) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvroute: request {}: local 429 refused ({status:?}); left to the fallback LB",
+                        self.request_id
+                    ),
+                );
+                false
+            }
+        }
     }
 
     /// Judges the response against the decision and acts on the verdict.
@@ -243,7 +294,7 @@ impl RequestFilter {
     /// The first response bytes mean the pod finished this prompt's prefill:
     /// its blocks stop counting as that pod's pending work.
     fn prefill_done(&mut self) {
-        let Some((pod, prompt_blocks)) = self.in_flight.as_mut() else {
+        let Some((pod, prompt_blocks, _)) = self.in_flight.as_mut() else {
             return;
         };
         if *prompt_blocks == 0 {
@@ -260,10 +311,18 @@ impl RequestFilter {
     }
 
     fn release(&mut self) {
-        if let Some((pod, prompt_blocks)) = self.in_flight.take() {
+        if let Some((pod, prompt_blocks, routed_blocks)) = self.in_flight.take() {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cluster.record_finished(&pod, prompt_blocks);
-                w.tell_peers(PeerMessage::Finished { pod, prompt_blocks });
+                w.cluster.record_released(&pod, routed_blocks);
+                w.tell_peers(PeerMessage::Finished {
+                    pod: pod.clone(),
+                    prompt_blocks,
+                });
+                w.tell_peers(PeerMessage::Released {
+                    pod,
+                    prompt_blocks: routed_blocks,
+                });
             }
         }
     }
@@ -341,8 +400,9 @@ impl Context for RequestFilter {
                 request
             }
         };
-        self.route(&request);
-        host::resume_request();
+        if !self.route(&request) {
+            host::resume_request();
+        }
     }
 }
 
@@ -367,6 +427,10 @@ impl HttpContext for RequestFilter {
         }
         self.on_routed_path = true;
         self.request_id = host::request_header("x-request-id").unwrap_or_default();
+        if let Some(priority) = &config.priority {
+            self.admission =
+                priority.admission_of(host::request_header(&priority.header).as_deref());
+        }
         if let Ok(w) = self.worker.try_borrow() {
             w.metrics.requests.inc();
         }

@@ -82,6 +82,12 @@ pub fn set_request_body(size: usize, body: &[u8]) -> Result<(), Status> {
     hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body)
 }
 
+/// Answers the request from the proxy (a local reply): the stream goes no
+/// further upstream.
+pub fn send_local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), Status> {
+    hostcalls::send_http_response(status, headers.to_vec(), Some(body))
+}
+
 pub fn resume_request() {
     let _ = hostcalls::resume_http_request();
 }

@@ -79,6 +79,10 @@ pub struct FilterMetrics {
     pub tokenizer_ok: Metric,
     pub tokenizer_failed: Metric,
     pub tokenizer_us: Metric,
+    /// Decisions taken while every candidate pod was saturated (priority on).
+    pub saturated: Metric,
+    /// Sheddable requests answered 429 at saturation.
+    pub shed: Metric,
     fallback: Vec<Metric>,
     /// Responses by verdict on the decision: confirmed, refused, failed, rerouted.
     outcomes: [Metric; 4],
@@ -100,6 +104,8 @@ impl FilterMetrics {
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
             tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
+            saturated: Metric::counter("kvroute.saturated"),
+            shed: Metric::counter("kvroute.shed"),
             fallback: FailOpen::ALL
                 .iter()
                 .map(|c| Metric::counter(&format!("kvroute.fallback.{}", c.name())))

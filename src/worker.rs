@@ -240,6 +240,9 @@ impl Worker {
             PeerMessage::Finished { pod, prompt_blocks } => {
                 self.cluster.record_finished(&pod, prompt_blocks)
             }
+            PeerMessage::Released { pod, prompt_blocks } => {
+                self.cluster.record_released(&pod, prompt_blocks)
+            }
             PeerMessage::Feed(bytes) => match feed::decode(&bytes) {
                 Ok(update) => {
                     let trust_s = self.config.indexer.as_ref().map_or(DEFAULT_TRUST_S, |i| {

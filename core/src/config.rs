@@ -57,8 +57,12 @@ pub struct Weights {
     pub decode: f64,
     /// Per request waiting in the pod's queue (pod-reported).
     pub queue: f64,
-    /// Per unit of KV usage, scaled by the pod's capacity in blocks (pod-reported).
+    /// Per KV block in use on the pod: `kv_usage` × capacity as the pod
+    /// reports it (precise), else the uncached prompt blocks of requests
+    /// routed there and not finished (the proxy's estimate).
     pub kv_usage: f64,
+    /// Per request running on the pod (pod-reported; else requests in flight).
+    pub running: f64,
 }
 
 impl Default for Weights {
@@ -73,6 +77,7 @@ impl Default for Weights {
             decode: 1.0,
             queue: 0.0,
             kv_usage: 0.0,
+            running: 0.0,
         }
     }
 }
@@ -132,6 +137,89 @@ pub struct Endpoint {
     /// Models served; empty means every model.
     #[serde(default)]
     pub models: Vec<String>,
+    /// Relative speed (prefill and decode) against a reference pod at 1.0:
+    /// a pod at 0.5 takes twice as long for the same work. Default 1.0.
+    #[serde(default)]
+    pub speed: Option<f64>,
+}
+
+/// How a priority class is treated when every candidate pod is saturated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Admission {
+    /// Always routed.
+    Critical,
+    /// Answered 429 by the proxy while every candidate pod is saturated.
+    Sheddable,
+}
+
+/// When a pod counts as saturated (see `admission`). A threshold of 0 turns
+/// its test off.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Saturation {
+    /// Pod-reported (precise): this many requests waiting in its queue.
+    pub max_waiting: u32,
+    /// Pod-reported `kv_usage` at or above this fraction (precise); the
+    /// proxy's active-block estimate at or above it × capacity otherwise.
+    pub max_kv_usage: f64,
+    /// Without fresh pod reports (approximate): this many requests in flight
+    /// per unit of the pod's speed.
+    pub max_inflight_requests: u32,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Saturation {
+            max_waiting: 4,
+            max_kv_usage: 0.95,
+            max_inflight_requests: 64,
+        }
+    }
+}
+
+/// Priority classes and shedding at saturation. Absent: nothing is shed.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrioritySettings {
+    /// Request header naming the request's class.
+    pub header: String,
+    /// Class of a request without the header or naming an unknown class.
+    pub default_class: String,
+    /// Class name → `critical` or `sheddable`.
+    pub classes: BTreeMap<String, Admission>,
+    pub saturation: Saturation,
+    /// `Retry-After` of a shed request's 429, in seconds.
+    pub retry_after_seconds: u32,
+}
+
+impl Default for PrioritySettings {
+    fn default() -> Self {
+        PrioritySettings {
+            header: "x-kvroute-priority".into(),
+            default_class: "critical".into(),
+            classes: BTreeMap::from([
+                ("critical".into(), Admission::Critical),
+                ("sheddable".into(), Admission::Sheddable),
+            ]),
+            saturation: Saturation::default(),
+            retry_after_seconds: 1,
+        }
+    }
+}
+
+impl PrioritySettings {
+    /// The admission of a request whose priority header is `value`.
+    pub fn admission_of(&self, value: Option<&str>) -> Admission {
+        let class = value
+            .map(str::trim)
+            .filter(|v| self.classes.contains_key(*v));
+        let class = class.unwrap_or(&self.default_class);
+        self.classes
+            .get(class)
+            .copied()
+            .unwrap_or(Admission::Critical)
+    }
 }
 
 /// An HTTP call-out target (an Envoy cluster).
@@ -239,6 +327,8 @@ pub struct Config {
     /// from the authenticated identity). When set, every routed request gets
     /// the tenant's `cache_salt` written into its body.
     pub tenant_header: Option<String>,
+    /// Priority classes and shedding at saturation; absent: nothing is shed.
+    pub priority: Option<PrioritySettings>,
     pub indexer: Option<IndexerSettings>,
     pub tokenizer: Option<TokenizerSettings>,
 }
@@ -265,6 +355,7 @@ impl Default for Config {
             adapters: BTreeMap::new(),
             default_model: None,
             tenant_header: None,
+            priority: None,
             indexer: None,
             tokenizer: None,
         }
@@ -274,6 +365,8 @@ impl Default for Config {
 /// Bounds that keep a typo from turning into a memory or CPU bomb.
 const MAX_CAPACITY_BLOCKS: u32 = 1 << 24;
 const MAX_BLOCKS_PER_REQUEST: usize = 1 << 16;
+/// Speeds are relative to one reference pod; beyond this is a typo.
+const MAX_SPEED: f64 = 1000.0;
 
 impl Config {
     /// Parses and validates the plugin configuration. An empty input means
@@ -341,6 +434,7 @@ impl Config {
             ("decode", w.decode),
             ("queue", w.queue),
             ("kv_usage", w.kv_usage),
+            ("running", w.running),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(invalid(
@@ -396,6 +490,17 @@ impl Config {
                 &format!("endpoints[{i}].capacity_blocks"),
                 endpoint.capacity_blocks,
             )?;
+            if let Some(speed) = endpoint.speed {
+                if !(speed.is_finite() && speed > 0.0 && speed <= MAX_SPEED) {
+                    return Err(invalid(
+                        format!("endpoints[{i}].speed"),
+                        format!("must be > 0 and <= {MAX_SPEED}"),
+                    ));
+                }
+            }
+        }
+        if let Some(priority) = &self.priority {
+            check_priority(priority)?;
         }
         if self.default_model.as_ref().is_some_and(|m| m.is_empty()) {
             return Err(invalid(
@@ -449,11 +554,48 @@ impl Config {
             .unwrap_or(self.default_capacity_blocks)
     }
 
+    /// Relative speed of an endpoint (1.0 when not configured).
+    pub fn speed_of(&self, endpoint: &Endpoint) -> f64 {
+        endpoint.speed.unwrap_or(1.0)
+    }
+
     /// True when requests on this path are routed.
     pub fn routes_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or(path);
         self.paths.iter().any(|p| p == path)
     }
+}
+
+fn check_priority(p: &PrioritySettings) -> Result<(), ConfigError> {
+    if !is_header_name(&p.header) {
+        return Err(invalid(
+            "priority.header",
+            "must be a lower-case HTTP header name",
+        ));
+    }
+    if p.classes.keys().any(|name| name.is_empty()) {
+        return Err(invalid("priority.classes", "class names must not be empty"));
+    }
+    if !p.classes.contains_key(&p.default_class) {
+        return Err(invalid(
+            "priority.default_class",
+            "must be one of priority.classes",
+        ));
+    }
+    let kv = p.saturation.max_kv_usage;
+    if !(kv.is_finite() && (0.0..=1.0).contains(&kv)) {
+        return Err(invalid(
+            "priority.saturation.max_kv_usage",
+            "must be between 0 and 1 (0: test off)",
+        ));
+    }
+    if p.retry_after_seconds == 0 || p.retry_after_seconds > 3600 {
+        return Err(invalid(
+            "priority.retry_after_seconds",
+            "must be between 1 and 3600",
+        ));
+    }
+    Ok(())
 }
 
 fn check_capacity(field: &str, capacity: Option<u32>) -> Result<(), ConfigError> {
@@ -605,6 +747,29 @@ mod tests {
         );
         assert_eq!(err(r#"{"default_model":""}"#).field, "default_model");
         assert_eq!(
+            err(r#"{"endpoints":[{"address":"a:1","speed":0}]}"#).field,
+            "endpoints[0].speed"
+        );
+        assert_eq!(
+            err(r#"{"priority":{"default_class":"gold"}}"#).field,
+            "priority.default_class"
+        );
+        assert_eq!(
+            err(r#"{"priority":{"header":"X-Priority"}}"#).field,
+            "priority.header"
+        );
+        assert_eq!(
+            err(r#"{"priority":{"saturation":{"max_kv_usage":1.5}}}"#).field,
+            "priority.saturation.max_kv_usage"
+        );
+        assert_eq!(
+            err(r#"{"priority":{"retry_after_seconds":0}}"#).field,
+            "priority.retry_after_seconds"
+        );
+        assert!(err(r#"{"priority":{"classes":{"x":"maybe"}}}"#)
+            .to_string()
+            .contains("unknown variant `maybe`"));
+        assert_eq!(
             err(r#"{"tenant_header":"X-Tenant"}"#).field,
             "tenant_header"
         );
@@ -614,6 +779,32 @@ mod tests {
         assert!(err("not json")
             .to_string()
             .starts_with("invalid kvroute config"));
+    }
+
+    #[test]
+    fn priority_classes_with_a_default() {
+        let c = Config::from_json(
+            br#"{"priority":{"default_class":"batch","classes":{"interactive":"critical","batch":"sheddable"}},
+                "endpoints":[{"address":"a:1","speed":0.5},{"address":"b:1"}]}"#,
+        )
+        .unwrap();
+        let p = c.priority.clone().unwrap();
+        assert_eq!(p.header, "x-kvroute-priority");
+        assert_eq!(p.admission_of(Some("interactive")), Admission::Critical);
+        for value in [None, Some("batch"), Some("unknown"), Some("")] {
+            assert_eq!(p.admission_of(value), Admission::Sheddable, "{value:?}");
+        }
+        assert_eq!(
+            (c.speed_of(&c.endpoints[0]), c.speed_of(&c.endpoints[1])),
+            (0.5, 1.0)
+        );
+        // Turned on without classes: only requests marked sheddable are shed.
+        let plain = Config::from_json(br#"{"priority":{}}"#)
+            .unwrap()
+            .priority
+            .unwrap();
+        assert_eq!(plain.admission_of(None), Admission::Critical);
+        assert_eq!(plain.admission_of(Some("sheddable")), Admission::Sheddable);
     }
 
     #[test]

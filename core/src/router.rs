@@ -1,6 +1,7 @@
 //! The routing state of one VM and the decision for one request: pods with
 //! their block tables and load, longest-prefix lookup, scoring, learning.
 
+use crate::admission::all_saturated;
 use crate::budget::ClientBudgets;
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
@@ -19,6 +20,8 @@ pub struct PodSpec {
     pub address: String,
     pub models: Vec<String>,
     pub capacity_blocks: u32,
+    /// Relative speed (1.0: the reference pod).
+    pub speed: f64,
 }
 
 /// Load the pod reports about itself (vLLM `/metrics`, via the indexer).
@@ -35,6 +38,8 @@ struct Pod {
     table: PodTable,
     inflight_requests: u32,
     inflight_blocks: u64,
+    /// Uncached prompt blocks of requests routed here and not finished.
+    active_blocks: u64,
     reported: ReportedLoad,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
@@ -49,6 +54,7 @@ impl Pod {
             spec,
             inflight_requests: 0,
             inflight_blocks: 0,
+            active_blocks: 0,
             reported: ReportedLoad::default(),
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
@@ -163,6 +169,9 @@ pub struct Decision {
     pub terms: CostTerms,
     pub signals: PodSignals,
     pub candidates: usize,
+    /// With `priority` configured: every candidate is saturated, by test
+    /// (see `admission::all_saturated`).
+    pub saturation: Option<[usize; 3]>,
 }
 
 impl Decision {
@@ -185,7 +194,7 @@ impl Decision {
         let mut out = String::with_capacity(160);
         let _ = write!(
             out,
-            "pod={}; matched={}/{} {}; cost={:.1} (prefill={:.1} decode={:.1} queue={:.1} kv={:.1}); inflight={} req/{} blocks; candidates={}",
+            "pod={}; matched={}/{} {}; cost={:.1} (prefill={:.1} decode={:.1} queue={:.1} kv={:.1}",
             self.pod,
             self.matched_blocks,
             self.total_blocks,
@@ -195,10 +204,23 @@ impl Decision {
             self.terms.decode,
             self.terms.queue,
             self.terms.kv,
-            self.signals.inflight_requests,
-            self.signals.inflight_blocks,
-            self.candidates,
         );
+        // Terms and factors at their defaults stay out, so the header keeps its shape.
+        if self.terms.running != 0.0 {
+            let _ = write!(out, " running={:.1}", self.terms.running);
+        }
+        out.push(')');
+        if self.signals.speed != 1.0 {
+            let _ = write!(out, " at speed {}", self.signals.speed);
+        }
+        let _ = write!(
+            out,
+            "; inflight={} req/{} blocks; candidates={}",
+            self.signals.inflight_requests, self.signals.inflight_blocks, self.candidates,
+        );
+        if let Some(by_test) = self.saturation {
+            let _ = write!(out, "; {}", crate::admission::explain(by_test));
+        }
         out
     }
 }
@@ -214,6 +236,8 @@ pub struct Cluster {
     precise_until_s: u32,
     /// Capacity of discovered pods whose capacity the indexer does not know.
     default_capacity: u32,
+    /// Speeds of configured endpoints, kept for the pods discovery names.
+    configured_speeds: HashMap<String, f64>,
     /// True once a feed snapshot (the indexer's full state) was applied.
     has_feed_state: bool,
     policy: ClusterPolicy,
@@ -225,6 +249,11 @@ impl Cluster {
     pub fn set_configured(&mut self, config: &Config, now_s: u32) {
         self.default_capacity = config.default_capacity_blocks;
         self.policy = ClusterPolicy::of(config);
+        self.configured_speeds = config
+            .endpoints
+            .iter()
+            .map(|e| (e.address.clone(), config.speed_of(e)))
+            .collect();
         if self.discovered {
             return;
         }
@@ -232,6 +261,7 @@ impl Cluster {
             address: e.address.clone(),
             models: e.models.clone(),
             capacity_blocks: config.capacity_of(e),
+            speed: config.speed_of(e),
         });
         self.set_pods(specs.collect(), now_s);
     }
@@ -348,13 +378,21 @@ impl Cluster {
             signals.push(PodSignals {
                 cached_credit: m.credit,
                 inflight_blocks: pod.inflight_blocks,
+                active_blocks: pod.active_blocks,
                 inflight_requests: pod.inflight_requests,
+                reported: trust_precise,
                 waiting: pod.reported.waiting,
+                running: pod.reported.running,
                 kv_usage: pod.reported.kv_usage,
                 capacity_blocks: pod.spec.capacity_blocks,
+                speed: pod.spec.speed,
             });
         }
         let ranked = rank(prompt.hashes.len(), &signals, &config.weights, tie_seed);
+        let saturation = config
+            .priority
+            .as_ref()
+            .and_then(|p| all_saturated(&signals, &p.saturation));
         let Some(&(best, terms)) = ranked.first() else {
             return Err(NoRoute::NoEndpointForModel);
         };
@@ -372,6 +410,7 @@ impl Cluster {
             terms,
             signals: signals[best],
             candidates: candidates.len(),
+            saturation,
         })
     }
 
@@ -383,6 +422,7 @@ impl Cluster {
         if let Some(pod) = self.pod_mut(address) {
             pod.inflight_requests = pod.inflight_requests.saturating_add(1);
             pod.inflight_blocks = pod.inflight_blocks.saturating_add(u64::from(prompt_blocks));
+            pod.active_blocks = pod.active_blocks.saturating_add(u64::from(prompt_blocks));
             let learned = pod.learnable(hashes, &policy);
             pod.table.touch_chain(learned, Tier::Learned, now_s);
         }
@@ -452,6 +492,14 @@ impl Cluster {
         }
     }
 
+    /// A request routed to `address` with `prompt_blocks` uncached blocks
+    /// ended: the KV it held there is free again.
+    pub fn record_released(&mut self, address: &str, prompt_blocks: u32) {
+        if let Some(pod) = self.pod_mut(address) {
+            pod.active_blocks = pod.active_blocks.saturating_sub(u64::from(prompt_blocks));
+        }
+    }
+
     /// Applies an indexer feed update: the pod set and load it states, then
     /// its block operations. Precise entries are trusted for `trust_for_s`.
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
@@ -497,6 +545,7 @@ impl Cluster {
     fn adopt_pods(&mut self, update: &FeedUpdate, now_s: u32) {
         self.discovered = true;
         let default_capacity = self.default_capacity.max(1);
+        let speeds = &self.configured_speeds;
         let specs = update.pods.iter().map(|p| PodSpec {
             address: p.address.clone(),
             models: p.models.clone(),
@@ -506,8 +555,11 @@ impl Cluster {
             } else {
                 p.capacity_blocks
             },
+            // Discovery knows no speeds: a configured endpoint's, else 1.
+            speed: speeds.get(&p.address).copied().unwrap_or(1.0),
         });
-        self.set_pods(specs.collect(), now_s);
+        let specs: Vec<PodSpec> = specs.collect();
+        self.set_pods(specs, now_s);
     }
 
     fn apply_ops(&mut self, update: &FeedUpdate, now_s: u32) {
@@ -1084,6 +1136,72 @@ mod tests {
         assert_eq!(
             (d.pod.clone(), d.matched_blocks),
             (first.pod, first.total_blocks)
+        );
+    }
+
+    #[test]
+    fn speeds_survive_discovery_and_decode_pressure_is_released_at_the_end() {
+        let c = config(r#"[{"address":"a:1","speed":0.5},{"address":"b:1"}]"#);
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&c, 0);
+        let update = FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: true,
+            pods: vec![
+                fed_pod("a:1", 100),
+                fed_pod("b:1", 100),
+                fed_pod("n:1", 100),
+            ],
+            ops: vec![],
+        };
+        cluster.apply_feed(&update, 10, 5);
+        let prompt = token_prompt(&c, "m", 64);
+        let speeds: Vec<f64> = ["a:1", "b:1", "n:1"]
+            .iter()
+            .map(|a| {
+                let i = cluster.by_address[*a];
+                cluster.pods[i].spec.speed
+            })
+            .collect();
+        assert_eq!(speeds, vec![0.5, 1.0, 1.0]);
+        // The proxy's estimate of active KV lives from routing to the end,
+        // past the prefill.
+        let mut approx = Cluster::default();
+        approx.set_configured(&c, 0);
+        approx.record_routed("b:1", 4, &prompt.hashes, 10);
+        approx.record_prefill_done("b:1", 4);
+        let signals = |cl: &Cluster| {
+            let i = cl.by_address["b:1"];
+            (cl.pods[i].inflight_blocks, cl.pods[i].active_blocks)
+        };
+        assert_eq!(signals(&approx), (0, 4));
+        approx.record_finished("b:1", 0);
+        approx.record_released("b:1", 4);
+        assert_eq!(signals(&approx), (0, 0));
+    }
+
+    #[test]
+    fn saturation_is_judged_only_with_priority_configured() {
+        let (c, mut cluster) = four_pods();
+        let prompt = token_prompt(&c, "m", 64);
+        for pod in ["a:1", "b:1", "c:1"] {
+            for _ in 0..2 {
+                cluster.record_routed(pod, 1, &[], 10);
+            }
+        }
+        assert_eq!(cluster.decide(&c, &prompt, 10, 1).unwrap().saturation, None);
+        let with = Config::from_json(
+            br#"{"priority":{"saturation":{"max_inflight_requests":2}},
+                "endpoints":[{"address":"a:1"},{"address":"b:1"},{"address":"c:1"},{"address":"d:1","models":["other"]}]}"#,
+        )
+        .unwrap();
+        let d = cluster.decide(&with, &prompt, 10, 1).unwrap();
+        assert_eq!(d.saturation, Some([0, 0, 3]), "{}", d.explain());
+        cluster.record_finished("c:1", 1);
+        assert_eq!(
+            cluster.decide(&with, &prompt, 10, 1).unwrap().saturation,
+            None
         );
     }
 }

@@ -8,6 +8,7 @@
 //!   'R' Routed:   str pod, u32 prompt_blocks, u32 n, n × u64 hash
 //!   'P' PrefillDone: str pod, u32 prompt_blocks
 //!   'F' Finished: str pod, u32 prompt_blocks
+//!   'A' Released: str pod, u32 prompt_blocks
 //!   'L' Learned:  str pod, hashes
 //!   'U' Unlearned: str pod, hashes
 //!   'X' Failed:   str pod
@@ -32,6 +33,9 @@ pub enum PeerMessage {
     PrefillDone { pod: String, prompt_blocks: u32 },
     /// A request routed to `pod` ended (its load is released).
     Finished { pod: String, prompt_blocks: u32 },
+    /// A request routed to `pod` with `prompt_blocks` uncached blocks ended:
+    /// the KV it held there no longer counts as decode pressure.
+    Released { pod: String, prompt_blocks: u32 },
     /// `pod` answered a request successfully: its blocks are confirmed
     /// cached there (learned by peers; reported to the indexer).
     Learned { pod: String, hashes: Vec<u64> },
@@ -69,6 +73,7 @@ impl std::error::Error for WireError {}
 const ROUTED: u8 = b'R';
 const PREFILL_DONE: u8 = b'P';
 const FINISHED: u8 = b'F';
+const RELEASED: u8 = b'A';
 const LEARNED: u8 = b'L';
 const UNLEARNED: u8 = b'U';
 const FAILED: u8 = b'X';
@@ -113,6 +118,11 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
                 put_str(&mut out, pod)?;
                 put_u32(&mut out, *prompt_blocks);
             }
+            PeerMessage::Released { pod, prompt_blocks } => {
+                out.push(RELEASED);
+                put_str(&mut out, pod)?;
+                put_u32(&mut out, *prompt_blocks);
+            }
             PeerMessage::Feed(bytes) => {
                 out.push(FEED);
                 put_u32(&mut out, len_u32(bytes.len())?);
@@ -149,6 +159,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
                 prompt_blocks: r.u32()?,
             },
             FINISHED => PeerMessage::Finished {
+                pod: r.str()?,
+                prompt_blocks: r.u32()?,
+            },
+            RELEASED => PeerMessage::Released {
                 pod: r.str()?,
                 prompt_blocks: r.u32()?,
             },
@@ -251,6 +265,10 @@ mod tests {
                 prompt_blocks: 7,
             },
             PeerMessage::Feed(vec![1, 2, 3]),
+            PeerMessage::Released {
+                pod: "10.0.0.2:8000".into(),
+                prompt_blocks: 11,
+            },
             PeerMessage::PrefillDone {
                 pod: "10.0.0.3:8000".into(),
                 prompt_blocks: 9,

@@ -15,10 +15,16 @@ Usage: python ipwrap.py -c config.yaml   (same arguments as `inference-perf`)
 The arrival schedule actually produced is written to
 $KVROUTE_BENCH_SCHEDULE_OUT (JSON lines: stage timer index, offset seconds) so
 the harness can prove every strategy saw the same schedule.
+
+With $KVROUTE_BENCH_CRITICAL_SHARE (a fraction) and $KVROUTE_BENCH_PRIORITY_HEADER
+set, every request carries that header: `critical` for the share of prompts
+`priority_of` picks (a hash of the prompt text, so the same requests for every
+strategy), `sheddable` for the rest. Routers that know no priority ignore it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -76,9 +82,32 @@ def _install_seeded_timers(seed: int, schedule_out: str | None) -> None:
         load_timer.PoissonLoadTimer.start_timer = start_timer  # type: ignore[method-assign]
 
 
+def priority_of(prompt: str, critical_share: float) -> str:
+    """`critical` for a `critical_share` of prompts, by the hash of their text; else `sheddable`."""
+    h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
+    return "critical" if h / 2**64 < critical_share else "sheddable"
+
+
+def _install_priority_header(header: str, critical_share: float) -> None:
+    from inference_perf.client.modelserver import openai_client
+
+    session = openai_client.openAIModelServerClientSession
+    orig = session.process_request
+
+    async def process_request(self, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prompt = getattr(data, "prompt", "")
+        data.headers = {**(data.headers or {}), header: priority_of(str(prompt), critical_share)}
+        return await orig(self, data, *args, **kwargs)
+
+    session.process_request = process_request  # type: ignore[method-assign]
+
+
 def main() -> None:
     seed = int(os.environ.get("KVROUTE_BENCH_ARRIVAL_SEED", "0"))
     _install_seeded_timers(seed, os.environ.get("KVROUTE_BENCH_SCHEDULE_OUT"))
+    share = float(os.environ.get("KVROUTE_BENCH_CRITICAL_SHARE", "0") or 0)
+    if share > 0:
+        _install_priority_header(os.environ.get("KVROUTE_BENCH_PRIORITY_HEADER", "x-kvroute-priority"), share)
     from inference_perf.main import main_cli
 
     sys.argv[0] = "inference-perf"

@@ -133,6 +133,36 @@ def summarize_samples(rows: List[dict], t0: float | None = None, t1: float | Non
     return {k: (sum(v) / len(v) if v else None) for k, v in acc.items()}
 
 
+def per_pod(rows: List[dict], t0: float | None = None, t1: float | None = None) -> Dict[str, Dict[str, Optional[float]]]:
+    """Mean waiting / running / KV usage of each pod over samples in [t0, t1] (who got the work)."""
+    acc: Dict[str, Dict[str, List[float]]] = {}
+    for r in rows:
+        if (t0 is not None and r["t"] < t0) or (t1 is not None and r["t"] > t1):
+            continue
+        for name, pod in r["pods"].items():
+            for k in GAUGES:
+                if pod.get(k) is not None:
+                    acc.setdefault(name, {g: [] for g in GAUGES})[k].append(float(pod[k]))
+    return {name: {k: (sum(v) / len(v) if v else None) for k, v in vals.items()} for name, vals in sorted(acc.items())}
+
+
+def waiting_trend(rows: List[dict], t0: float | None = None, t1: float | None = None) -> Dict[str, Optional[float]]:
+    """The longest pod queue per sample in [t0, t1]: its maximum, and its mean over the first and the
+    last third of the samples (a queue that grows without bound ends far above where it started)."""
+    worst = []
+    for r in rows:
+        if (t0 is not None and r["t"] < t0) or (t1 is not None and r["t"] > t1):
+            continue
+        vals = [float(p["vllm:num_requests_waiting"]) for p in r["pods"].values()
+                if p.get("vllm:num_requests_waiting") is not None]
+        if vals:
+            worst.append(max(vals))
+    if not worst:
+        return {"max": None, "first_third": None, "last_third": None}
+    k = max(1, len(worst) // 3)
+    return {"max": max(worst), "first_third": sum(worst[:k]) / k, "last_third": sum(worst[-k:]) / k}
+
+
 def counter_delta(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]], name: str) -> Optional[float]:
     """Sum over pods of after-before for a counter (a counter that went down was reset: use after)."""
     total = 0.0

@@ -51,6 +51,16 @@ class SimSpec:
     max_model_len: int = 40960
     time_scale: float = 1.0  # wall seconds per simulated second (vllm-sim --time-scale)
     extra_args: List[str] = field(default_factory=list)
+    # Unequal pods (issue 15): one KV capacity / one relative speed per pod (vllm-sim --num-gpu-blocks,
+    # --speed); empty: every pod has num_gpu_blocks and speed 1.
+    pod_blocks: List[int] = field(default_factory=list)
+    pod_speeds: List[float] = field(default_factory=list)
+
+    def capacities(self) -> List[int]:
+        return list(self.pod_blocks) if self.pod_blocks else [self.num_gpu_blocks] * self.pods
+
+    def speeds(self) -> List[float]:
+        return list(self.pod_speeds) if self.pod_speeds else [1.0] * self.pods
 
 
 @dataclass
@@ -62,6 +72,9 @@ class WorkloadSpec:
     output_len: int = 1000
     seed: int = 42  # prompt text and order (data.shared_prefix.seed)
     arrival_seed: int = 42  # Poisson gaps (ipwrap.py) and inference-perf base_seed
+    # Share of requests sent with the priority header `critical` (the rest `sheddable`); 0: no header.
+    # Which requests is a function of the prompt text (ipwrap.priority_of), the same for every strategy.
+    critical_share: float = 0.0
 
 
 @dataclass
@@ -121,7 +134,7 @@ class Profile:
         """Resident prefix set (groups × (system + prompts × question)) / cluster KV tokens."""
         w, s = self.workload, self.sim
         resident = w.groups * (w.system_prompt_len + w.prompts_per_group * w.question_len)
-        return resident / (s.pods * s.num_gpu_blocks * s.block_size)
+        return resident / (sum(s.capacities()) * s.block_size)
 
 
 _FULL_RATES = [3, 10, 15, 20, 22, 25, 30, 35, 40, 43, 46, 49, 52, 55, 57, 60]
@@ -166,7 +179,70 @@ def quick() -> Profile:
     )
 
 
-PROFILES = {"quick": quick, "full": full}
+# The scenarios' pods run at an eighth of vllm-sim's default speed (2 × H100 constants): the same
+# shapes at an eighth of the request rate, so inference-perf, Envoy and the peers fit on 2 shared
+# cores. Speeds the routers are told are relative to the fast pods (1.0 and 0.5).
+SCENARIO_SPEED = 0.125
+
+
+def mixed() -> Profile:
+    # 8 pods: 4 fast (3,072 blocks), 4 at half speed with three quarters of the KV (2,304 blocks):
+    # 344,064 KV tokens. 96 groups × (1,500 + 5 × 300) = 288,000 resident tokens = 84%. The fleet
+    # serves ~6 fast pods' worth: at SCENARIO_SPEED one fast pod sustains ~5 QPS of this workload
+    # (overload calibration: 4 pods, 20 QPS), so ~30 QPS; a router blind to speed gives each slow
+    # pod 1/8 of the load and saturates them from ~20 QPS. Stages just below that and near ~30.
+    fast, slow = 3072, 2304
+    return Profile(
+        name="mixed",
+        description="8 pods (4 at half speed and 3/4 KV), 96x5 prompts, 1500+300 -> 100 tokens, 84% resident, "
+                    "Poisson 18/28 QPS x 15 s, 60 s request timeout",
+        sim=SimSpec(pods=8, num_gpu_blocks=fast, max_model_len=8192,
+                    pod_blocks=[fast] * 4 + [slow] * 4,
+                    pod_speeds=[SCENARIO_SPEED] * 4 + [SCENARIO_SPEED / 2] * 4),
+        workload=WorkloadSpec(groups=96, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
+        load=LoadSpec(
+            warmup=(12.0, 15),
+            stages=[(18.0, 15), (28.0, 15)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            # Cache-blind routers fall far behind at 1/8 speed; the timeout bounds their drain so
+            # nine strategies fit in ~30 minutes. A timed-out request is a counted error.
+            request_timeout=60.0,
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+def overload() -> Profile:
+    # The quick cluster (4 pods, 3,072 blocks, 73% resident) at SCENARIO_SPEED: half its sustainable
+    # rate, then twice it, 20% of requests critical and 80% sheddable (priority header).
+    # OVERLOAD_SUSTAINABLE_QPS: the highest rate kvroute precise was measured to serve with no pod
+    # queue growing (below). The warm-up (half load, 20 s: 200 requests) sends nearly every group.
+    r = OVERLOAD_SUSTAINABLE_QPS
+    return Profile(
+        name="overload",
+        description=f"4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, Poisson {r / 2:g} QPS (half load) "
+                    f"then {2 * r:g} QPS (2x sustainable) x 20 s, 20% critical / 80% sheddable, 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100,
+                              critical_share=0.2),
+        load=LoadSpec(
+            warmup=(r / 2, 20),
+            stages=[(r / 2, 20), (2 * r, 20)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            request_timeout=60.0,  # as in mixed(): bounds the cache-blind routers' drain
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+# Measured (kvroute precise, no priority, stages 8/12/16/20 QPS x 20 s at SCENARIO_SPEED): at 20 QPS
+# the pods' longest queue stayed at 0-4 and ended at 0, KV use 61%, TTFT p90 0.40 s; the highest
+# rate measured, so the sustainable rate is at least this.
+OVERLOAD_SUSTAINABLE_QPS = 20.0
+
+PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload}
 
 
 def get(name: str, overrides: List[str] | None = None) -> Profile:

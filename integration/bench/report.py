@@ -271,6 +271,56 @@ def verdicts(results: List[Dict[str, Any]], sums: Dict[str, Dict[str, Any]]) -> 
     return lines
 
 
+def priority_section(results: List[Dict[str, Any]]) -> List[str]:
+    """Per stage and priority class (runs that send a priority header): critical TTFT, sheddable
+    requests refused (the proxy's 429s when the router sheds), and the longest pod queue."""
+    rows = [(r, st, ps) for r in results for st, ps in zip(r.get("stages", []), (r.get("pods") or {}).get("per_stage", []))
+            if st.get("by_priority") and not st.get("warmup")]
+    if not rows:
+        return []
+    L = ["### Priority classes per stage", "",
+         "Critical and sheddable requests are marked by the priority header (ipwrap.priority_of: a hash of the prompt, "
+         "the same requests for every strategy). Shed: sheddable requests that got no answer (kvroute with `priority`: "
+         "the proxy's 429). Longest queue: the largest per-pod `vllm:num_requests_waiting` per sample; max over the "
+         "stage, and its mean over the stage's first and last third (a queue growing without bound ends far above "
+         "where it started).", "",
+         "| strategy | stage QPS | critical TTFT p50 | critical TTFT p90 | critical failed | sheddable TTFT p90 | shed / sheddable | longest queue max (first → last third) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r, st, ps in rows:
+        c, sh = st["by_priority"]["critical"], st["by_priority"]["sheddable"]
+        q = ps.get("longest_queue") or {}
+        shed = f"{sh['failed']} / {sh['requests']} ({sh['failed'] / sh['requests']:.0%})" if sh["requests"] else "—"
+        queue = (f"{f_num(q.get('max'), 0)} ({f_num(q.get('first_third'), 1)} → {f_num(q.get('last_third'), 1)})"
+                 if q.get("max") is not None else "—")
+        L.append(f"| {r['label']} | {st['rate']:g} | {f_s(c['ttft_p50'])} | {f_s(c['ttft_p90'])} | {c['failed']} / {c['requests']} | "
+                 f"{f_s(sh['ttft_p90'])} | {shed} | {queue} |")
+    L.append("")
+    return L
+
+
+def per_pod_section(results: List[Dict[str, Any]], prof: Dict[str, Any]) -> List[str]:
+    """Who got the work on an unequal fleet: mean running / waiting per pod over the measured stages."""
+    speeds = prof["sim"].get("pod_speeds") or []
+    if len(set(speeds)) <= 1:
+        return []
+    blocks = prof["sim"].get("pod_blocks") or [prof["sim"]["num_gpu_blocks"]] * len(speeds)
+    L = ["### Who got the work (unequal pods)", "",
+         "Mean `vllm:num_requests_running` / `vllm:num_requests_waiting` per pod over the measured stages, pods in "
+         "address order; speeds (relative to vllm-sim's default pod) and KV blocks: "
+         + ", ".join(f"{sp:g} × {b}" for sp, b in zip(speeds, blocks)) + ".", "",
+         "| strategy | " + " | ".join(f"pod {i} ({sp:g})" for i, sp in enumerate(speeds)) + " |",
+         "|---|" + "---:|" * len(speeds)]
+    for r in results:
+        per = (r.get("pods") or {}).get("per_pod_measured") or {}
+        if not per:
+            continue
+        cells = [f"{f_num(v.get('vllm:num_requests_running'), 1)} / {f_num(v.get('vllm:num_requests_waiting'), 1)}"
+                 for _, v in sorted(per.items(), key=lambda kv: int(kv[0].rsplit(':', 1)[-1]))]
+        L.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    L.append("")
+    return L
+
+
 def write(out: str) -> str:
     data = json.load(open(os.path.join(out, "results.json")))
     meta, results = data["meta"], data["results"]
@@ -328,6 +378,8 @@ def write(out: str) -> str:
                  f"{f_s(s['ttft_mean'])} | {f_s(s['pod_ttft_mean'])} | {f_s(s['pooled_ttft_p90'])} | {f_pct(s['hit_rate'])} | {f_num(s['waiting'], 2)} | "
                  f"{s['errors']} / {s['expected']} |")
     L.append("")
+    L.extend(priority_section(results))
+    L.extend(per_pod_section(results, prof))
     not_ok = [r for r in results if r["status"] != "ok"]
     if not_ok:
         L.append("Strategies that did not complete:")

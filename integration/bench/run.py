@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import ipwrap  # noqa: E402
 import podmetrics  # noqa: E402
 import profiles  # noqa: E402
 import strategies  # noqa: E402
@@ -140,7 +141,8 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
         model=s.model,
         served_model_name=s.served_model_name,
         block_size=s.block_size,
-        num_gpu_blocks=s.num_gpu_blocks,
+        num_gpu_blocks=s.capacities() if s.pod_blocks else s.num_gpu_blocks,
+        speed=s.speeds() if s.pod_speeds else None,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=s.max_model_len,
@@ -244,7 +246,8 @@ def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_
                 "summary": True,
                 "per_stage": True,
                 "per_request": True,
-                "per_request_fields": {"request": False, "response": False, "info": False,
+                # The request body only when priorities are sent: its prompt names the request's class.
+                "per_request_fields": {"request": w.critical_share > 0, "response": False, "info": False,
                                        "response_chunks": False, "computed_metrics": True},
                 "percentiles": [10, 25, 50, 75, 90, 95, 99],
             },
@@ -285,6 +288,9 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
         "KVROUTE_BENCH_SCHEDULE_OUT": sched,
         "TOKENIZERS_PARALLELISM": "false",
     })
+    if profile.workload.critical_share > 0:
+        env["KVROUTE_BENCH_CRITICAL_SHARE"] = str(profile.workload.critical_share)
+        env["KVROUTE_BENCH_PRIORITY_HEADER"] = strategies.PRIORITY_HEADER
     argv = [sys.executable, os.path.join(HERE, "ipwrap.py"), "-c", cfg_path, "--log-level", "INFO"]
     # A guard against a hung client, not a budget: arrivals, one timeout, and every
     # output token at 1,000 tok/s (a cache-blind router on the full profile does ~4,000).
@@ -388,6 +394,9 @@ def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
             cm = r.get("computed_metrics") or {}
             err = r.get("error")
             scale = profile.sim.time_scale
+            extra = {}
+            if profile.workload.critical_share > 0:
+                extra["priority"] = ipwrap.priority_of(_prompt_of(r.get("request")), profile.workload.critical_share)
             reqs.append({
                 "stage": k,
                 "start": _div(r.get("start_time"), scale),
@@ -396,8 +405,39 @@ def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
                 "out": cm.get("output_tokens"),
                 "in": cm.get("input_tokens"),
                 "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
+                **extra,
             })
+    if profile.workload.critical_share > 0:
+        for st in stages:
+            st["by_priority"] = by_priority([r for r in reqs if r["stage"] == st["stage"]])
     return {"stages": stages, "requests": reqs}
+
+
+def _prompt_of(request_data: Any) -> str:
+    """The prompt of a recorded request body (completion API), '' when unreadable."""
+    try:
+        body = json.loads(request_data) if isinstance(request_data, str) else (request_data or {})
+        return str(body.get("prompt", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def by_priority(reqs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per priority class: requests, answered, failed (sheddable failures are the proxy's 429s when
+    the router sheds), TTFT p50/p90 of the answered ones."""
+    out: Dict[str, Any] = {}
+    for cls in ("critical", "sheddable"):
+        mine = [r for r in reqs if r.get("priority") == cls]
+        ok = sorted(r["ttft"] for r in mine if not r.get("error") and r.get("ttft") is not None)
+        failed = [r for r in mine if r.get("error")]
+
+        def pct(p: float) -> Optional[float]:
+            return ok[min(len(ok) - 1, int(round(p / 100 * (len(ok) - 1))))] if ok else None
+
+        out[cls] = {"requests": len(mine), "answered": len(ok), "failed": len(failed),
+                    "errors": sorted({str(r["error"]) for r in failed}),
+                    "ttft_p50": pct(50), "ttft_p90": pct(90)}
+    return out
 
 
 def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]],
@@ -408,6 +448,7 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
     t1 = measured[-1]["t_end"] if measured else None
     out: Dict[str, Any] = {"samples": len(rows)}
     out["measured"] = podmetrics.summarize_samples(rows, t0, t1)
+    out["per_pod_measured"] = podmetrics.per_pod(rows, t0, t1)
     out["all"] = podmetrics.summarize_samples(rows)
     q = podmetrics.counter_delta(before, after, "vllm:prefix_cache_queries_total")
     h = podmetrics.counter_delta(before, after, "vllm:prefix_cache_hits_total")
@@ -442,7 +483,8 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
         qs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_queries_total") if bs and as_ else None
         hs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_hits_total") if bs and as_ else None
         per.append({"waiting": g.get("vllm:num_requests_waiting"), "running": g.get("vllm:num_requests_running"),
-                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": (hs / qs) if qs else None})
+                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": (hs / qs) if qs else None,
+                    "longest_queue": podmetrics.waiting_trend(rows, s["t_start"], s["t_end"])})
     out["per_stage"] = per
     return out
 

@@ -7,7 +7,9 @@ Covers: profile arithmetic, Prometheus parsing and counter deltas, wrk output
 parsing, the seeded arrival schedule (two timers from the same seed give the
 same gaps, a different seed does not), the Envoy configs (baseline and kvroute
 precise: overlay present, filter removed or singleton added), kvroute's timers
-scaled with the pods' time scale (singleton and filter), and the report on
+scaled with the pods' time scale (singleton and filter), the mixed and overload
+scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
+per-class and longest-queue summaries), and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -47,6 +49,50 @@ def profile_numbers():
     assert quick.expected_requests() == [150, 225, 450, 675]
     o = profiles.get("quick", ["load.stages=[[5,10]]", "workload.groups=4"])
     assert o.load.stages == [(5, 10)] and o.workload.groups == 4
+
+
+@check
+def scenarios_mixed_and_overload():
+    import strategies
+
+    mixed = profiles.get("mixed")
+    assert mixed.sim.capacities() == [3072] * 4 + [2304] * 4
+    assert mixed.sim.speeds()[4] == mixed.sim.speeds()[0] / 2
+    assert abs(mixed.resident_fraction() - 0.84) < 0.01
+    eps = [f"127.0.0.1:{9000 + i}" for i in range(8)]
+    plugin = strategies.kvroute_plugin_config("precise", eps, mixed.sim.capacities(), 16, speeds=mixed.sim.speeds())
+    assert [e.get("speed") for e in plugin["endpoints"]] == [1.0] * 4 + [0.5] * 4
+    assert plugin["endpoints"][7]["capacity_blocks"] == 2304 and "priority" not in plugin
+    quick = strategies.kvroute_plugin_config("approximate", eps[:2], 3072, 16, speeds=[1.0, 1.0])
+    assert all("speed" not in e for e in quick["endpoints"]), "equal pods: the config stays as shipped"
+    overload = profiles.get("overload")
+    r = profiles.OVERLOAD_SUSTAINABLE_QPS
+    assert [rate for rate, _ in overload.load.stages] == [r / 2, 2 * r]
+    shed = strategies.kvroute_plugin_config("approximate", eps[:4], 3072, 16, priority=True)
+    assert shed["priority"]["default_class"] == "sheddable"
+
+
+@check
+def priority_classes_of_prompts():
+    import ipwrap
+    import run
+
+    prompts = [f"prompt {i}" for i in range(2000)]
+    classes = [ipwrap.priority_of(p, 0.2) for p in prompts]
+    assert classes == [ipwrap.priority_of(p, 0.2) for p in prompts], "a function of the prompt"
+    assert 0.17 < classes.count("critical") / len(prompts) < 0.23
+    assert ipwrap.priority_of("x", 0.0) == "sheddable"
+    assert run._prompt_of(json.dumps({"prompt": "p", "max_tokens": 3})) == "p"
+    assert run._prompt_of("not json") == ""
+    reqs = [{"priority": "critical", "ttft": t, "error": None} for t in (0.1, 0.2, 0.3, 0.4)]
+    reqs += [{"priority": "sheddable", "ttft": None, "error": "HTTP 429"}, {"priority": "sheddable", "ttft": 1.0, "error": None}]
+    c = run.by_priority(reqs)
+    assert (c["critical"]["answered"], c["critical"]["ttft_p90"]) == (4, 0.4)
+    assert (c["sheddable"]["requests"], c["sheddable"]["failed"]) == (2, 1)
+    rows = [{"t": t, "pods": {"a": {"vllm:num_requests_waiting": w}, "b": {"vllm:num_requests_waiting": 0.0}}}
+            for t, w in enumerate([0, 1, 2, 3, 4, 5])]
+    trend = podmetrics.waiting_trend(rows)
+    assert (trend["max"], trend["first_third"], trend["last_third"]) == (5.0, 0.5, 4.5)
 
 
 @check

@@ -14,6 +14,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -149,19 +150,44 @@ def kvroute_timers(time_scale: float) -> Dict[str, int]:
     return {k: max(KVROUTE_TIMER_MINIMA[k], round(v * time_scale)) for k, v in KVROUTE_TIMERS.items()}
 
 
-def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: int, block_size: int,
-                          time_scale: float = 1.0) -> Dict[str, Any]:
+# The priority header the overload scenario sends (ipwrap.py) and kvroute reads.
+PRIORITY_HEADER = "x-kvroute-priority"
+
+
+def kvroute_priority() -> Dict[str, Any]:
+    """Shedding for the overload scenario: requests without the header are sheddable. Saturation:
+    the shipped pod-reported tests (waiting >= 4, KV usage >= 0.95; precise mode), and for
+    approximate mode 48 requests in flight per pod instead of the shipped 64: the overload
+    calibration ran ~45 per pod at the sustainable rate (profiles.OVERLOAD_SUSTAINABLE_QPS)."""
+    return {"header": PRIORITY_HEADER, "default_class": "sheddable",
+            "classes": {"critical": "critical", "sheddable": "sheddable"},
+            "saturation": {"max_inflight_requests": 48}}
+
+
+def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: Any, block_size: int,
+                          time_scale: float = 1.0, speeds: Optional[List[float]] = None,
+                          priority: bool = False) -> Dict[str, Any]:
     """Plugin config per mode, merged over envoy/gateway.yaml (precise: envoy/gateway-precise.yaml).
 
-    Only the pods, their KV capacity (the simulated pods' real one) and the block size are set for
-    every mode; load-only sets weights.prefill = 0; the timers are scaled with the pods' clock
-    (kvroute_timers). Everything else is the shipped config."""
+    Only the pods, their KV capacity (the simulated pods' real one, one for all or one per pod),
+    their relative speeds when they differ (each divided by the fastest pod's, as an operator
+    would state GPU classes) and the block size are set for every mode; load-only sets
+    weights.prefill = 0; the timers are scaled with the pods' clock (kvroute_timers); `priority`
+    turns shedding on (kvroute_priority). Everything else is the shipped config."""
     t = kvroute_timers(time_scale)
+    caps = capacity_blocks if isinstance(capacity_blocks, list) else [capacity_blocks] * len(endpoints)
+    eps: List[Dict[str, Any]] = [{"address": a, "capacity_blocks": c} for a, c in zip(endpoints, caps)]
+    if speeds and len(set(speeds)) > 1:
+        top = max(speeds)
+        for ep, sp in zip(eps, speeds):
+            ep["speed"] = sp / top
     cfg: Dict[str, Any] = {
         "block_size": block_size,
-        "endpoints": [{"address": a, "capacity_blocks": capacity_blocks} for a in endpoints],
+        "endpoints": eps,
         "index": {"ttl_seconds": t["ttl_seconds"], "snapshot_interval_ms": t["snapshot_interval_ms"]},
     }
+    if priority:
+        cfg["priority"] = kvroute_priority()
     if mode == "load":
         cfg["weights"] = {"prefill": 0.0, "decode": 1.0}
     elif mode == "approximate":
@@ -196,8 +222,15 @@ def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, 
     if not sources and require_events:
         raise RuntimeError("the pods expose no KV-event endpoints")
     (http_port,) = free_ports(1)
+    # Learned writes need a bearer token: the indexer reads it from a file, and Envoy (started
+    # after, inheriting this environment) hands $KVROUTE_INDEXER_TOKEN to the singleton VM
+    # (envoy/gateway-precise.yaml: host_env_keys, indexer.token_env).
+    token = os.environ.setdefault("KVROUTE_INDEXER_TOKEN", secrets.token_hex(32))
+    token_file = os.path.join(workdir, "indexer.token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+        fh.write(token + "\n")
     argv = [indexer_binary() or "kvroute-indexer", f"--listen=127.0.0.1:{http_port}", "--zmq-bind", "none",
-            f"--model={model}", f"--block-size={block_size}"]
+            f"--model={model}", f"--block-size={block_size}", f"--learned-token-file={token_file}"]
     for a in endpoints:
         argv += ["--pod", f"{a}@{model}"]
         if a in sources:
@@ -220,7 +253,8 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
     with contextlib.ExitStack() as stack:
         argv: List[List[str]] = []
         pids: List[int] = []
-        plugin = kvroute_plugin_config(mode, endpoints, sim.num_gpu_blocks, sim.block_size, sim.time_scale)
+        plugin = kvroute_plugin_config(mode, endpoints, sim.capacities(), sim.block_size, sim.time_scale,
+                                       speeds=sim.speeds(), priority=profile.workload.critical_share > 0)
         t = kvroute_timers(sim.time_scale)
         notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
                      f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "

@@ -39,6 +39,9 @@ pub struct CostModel {
     pub attn_ns_per_pair: f64,
     /// Decode cost per context token of each decoding sequence: KV bytes / effective bandwidth (ns).
     pub kv_read_ns_per_token: f64,
+    /// Relative speed of this pod's accelerator (1.0: the constants above; 0.5: every step
+    /// takes twice as long, prefill and decode alike).
+    pub speed: f64,
 }
 
 impl Default for CostModel {
@@ -48,12 +51,14 @@ impl Default for CostModel {
             prefill_us_per_token: 73.7,
             attn_ns_per_pair: 2.36,
             kv_read_ns_per_token: 91.0,
+            speed: 1.0,
         }
     }
 }
 
 impl CostModel {
-    /// Seconds for a step that computes, per scheduled request, `n` new tokens over `ctx` already-computed ones.
+    /// Seconds for a step that computes, per scheduled request, `n` new tokens over `ctx`
+    /// already-computed ones, on a pod of `speed`.
     pub fn step_seconds(&self, work: impl Iterator<Item = (usize, usize, bool)>) -> f64 {
         let mut s = self.step_overhead_ms * 1e-3;
         for (ctx, n, decode) in work {
@@ -65,7 +70,7 @@ impl CostModel {
                     + n * (ctx + n / 2.0) * self.attn_ns_per_pair * 1e-9;
             }
         }
-        s
+        s / self.speed
     }
 }
 
@@ -867,6 +872,19 @@ mod tests {
             .cost
             .step_seconds([(6000usize, 1200usize, false)].into_iter());
         assert!(cold > 4.0 * warm, "cold {cold} warm {warm}");
+        // A half-speed pod takes twice as long for every kind of step.
+        let half = CostModel {
+            speed: 0.5,
+            ..e.cfg.cost
+        };
+        for work in [(0usize, 7200usize, false), (7000, 1, true)] {
+            let full = e.cfg.cost.step_seconds([work].into_iter());
+            let slow = half.step_seconds([work].into_iter());
+            assert!(
+                (slow - 2.0 * full).abs() < 1e-12,
+                "{work:?}: {slow} vs {full}"
+            );
+        }
     }
 
     #[test]

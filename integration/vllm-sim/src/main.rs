@@ -82,6 +82,10 @@ struct Args {
     /// Cost model: decode KV read per context token per running sequence (ns).
     #[arg(long, default_value_t = CostModel::default().kv_read_ns_per_token)]
     kv_read_ns_per_token: f64,
+    /// Relative speed of each pod (prefill and decode): every step takes 1/speed as long.
+    /// One value for every pod, or one per pod (`1,1,0.5,0.5`) for a mixed fleet.
+    #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "1.0")]
+    speed: Vec<f64>,
     /// When prefix-cache queries/hits are counted: every lookup (vLLM before mid-2026) or
     /// once at admission (vLLM since).
     #[arg(long, value_enum, default_value_t = PrefixStats::Lookup)]
@@ -128,6 +132,12 @@ fn validate(a: &Args) -> Result<(), SimError> {
     {
         return bad("--block-size, --num-gpu-blocks, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
+    if a.speed.len() != 1 && a.speed.len() != usize::from(a.pods) {
+        return bad("--speed takes one value, or one per pod");
+    }
+    if a.speed.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        return bad("--speed values must be positive numbers");
+    }
     if a.max_model_len < 2 {
         return bad("--max-model-len must be at least 2");
     }
@@ -150,6 +160,12 @@ fn validate(a: &Args) -> Result<(), SimError> {
 fn pod_blocks(a: &Args, i: u16) -> usize {
     let v = &a.num_gpu_blocks;
     v.get(usize::from(i)).or(v.first()).copied().unwrap_or(1)
+}
+
+/// Speed of pod `i` (`--speed` has one value or one per pod; validated).
+fn pod_speed(a: &Args, i: u16) -> f64 {
+    let v = &a.speed;
+    v.get(usize::from(i)).or(v.first()).copied().unwrap_or(1.0)
 }
 
 /// The engine loop of one pod: schedule (and publish the step's events, as vLLM does at
@@ -243,6 +259,7 @@ async fn start_pod(
             prefill_us_per_token: a.prefill_us_per_token,
             attn_ns_per_pair: a.attn_ns_per_pair,
             kv_read_ns_per_token: a.kv_read_ns_per_token,
+            speed: pod_speed(a, i),
         },
         time_scale: a.time_scale,
         prefix_stats: a.prefix_cache_stats,
@@ -290,7 +307,7 @@ async fn run(a: Args) -> Result<(), SimError> {
         start_pod(&a, i, tokenizer.clone(), vocab.clone(), output_ids.clone()).await?;
     }
     eprintln!(
-        "vllm-sim: {} pod(s) on {}:{}..{} model {} ({:?} blocks × {} tokens, time scale {})",
+        "vllm-sim: {} pod(s) on {}:{}..{} model {} ({:?} blocks × {} tokens, speed {:?}, time scale {})",
         a.pods,
         a.host,
         a.port,
@@ -298,6 +315,7 @@ async fn run(a: Args) -> Result<(), SimError> {
         a.model,
         a.num_gpu_blocks,
         a.block_size,
+        a.speed,
         a.time_scale
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
