@@ -269,9 +269,11 @@ impl Worker {
         if !self.peers.is_serving() {
             return;
         }
-        let (blocks, bytes) = self.cluster.index_size();
-        self.metrics.index_blocks.record(blocks as u64);
-        self.metrics.index_bytes.record(bytes as u64);
+        let index = self.cluster.index().stats();
+        self.metrics.index_blocks.record(index.blocks as u64);
+        self.metrics.index_bytes.record(index.bytes as u64);
+        self.metrics.index_evicted.record(index.evicted);
+        self.metrics.index_dropped.record(index.dropped);
         // Serving VMs sharing what they learn, this one included.
         self.metrics
             .peers

@@ -99,6 +99,15 @@ impl Default for TierDiscount {
     }
 }
 
+/// 192 MiB: holds the issue-10 fleet (1,000 pods × 19,208 blocks at 70 %,
+/// 13.45 M entries without sharing) with room for learned entries: at most
+/// 18 M blocks at the buckets' 7/8 load.
+pub const DEFAULT_INDEX_BUDGET_BYTES: usize = 192 << 20;
+/// Below this the index holds too few buckets to be worth having.
+pub const MIN_INDEX_BUDGET_BYTES: usize = 1 << 20;
+/// One copy per worker VM must fit in the VM's heap (about 1 GiB in Envoy).
+pub const MAX_INDEX_BUDGET_BYTES: usize = 768 << 20;
+
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IndexSettings {
@@ -112,6 +121,9 @@ pub struct IndexSettings {
     /// Share of a pod's table one client (named by `tenant_header`) may
     /// teach per `ttl_seconds`.
     pub max_client_share: f64,
+    /// Bytes the block index may take (buckets and interned pod sets); what
+    /// goes first when it is full: core/src/index.rs.
+    pub budget_bytes: usize,
 }
 
 impl Default for IndexSettings {
@@ -121,6 +133,7 @@ impl Default for IndexSettings {
             snapshot_interval_ms: 2000,
             max_learn_share: 0.125,
             max_client_share: 0.5,
+            budget_bytes: DEFAULT_INDEX_BUDGET_BYTES,
         }
     }
 }
@@ -465,6 +478,14 @@ impl Config {
                 return Err(invalid(format!("index.{name}"), "must be > 0 and <= 1"));
             }
         }
+        if !(MIN_INDEX_BUDGET_BYTES..=MAX_INDEX_BUDGET_BYTES).contains(&self.index.budget_bytes) {
+            return Err(invalid(
+                "index.budget_bytes",
+                format!(
+                    "must be between {MIN_INDEX_BUDGET_BYTES} (1 MiB) and {MAX_INDEX_BUDGET_BYTES} (768 MiB)"
+                ),
+            ));
+        }
         if self.index.snapshot_interval_ms < 100 {
             return Err(invalid("index.snapshot_interval_ms", "must be >= 100"));
         }
@@ -737,6 +758,12 @@ mod tests {
             err(r#"{"failure_cooldown_seconds":7200}"#).field,
             "failure_cooldown_seconds"
         );
+        for budget in [0, (1 << 20) - 1, (768 << 20) + 1] {
+            assert_eq!(
+                err(&format!(r#"{{"index":{{"budget_bytes":{budget}}}}}"#)).field,
+                "index.budget_bytes"
+            );
+        }
         assert_eq!(
             err(r#"{"index":{"max_learn_share":0}}"#).field,
             "index.max_learn_share"

@@ -1,24 +1,111 @@
-//! Per-pod block tables: which chained block hashes a pod holds.
+//! The routing index: block → pod set, each block held once whatever the
+//! number of pods that cache it, bounded by a byte budget.
 //!
-//! One open-addressing table per pod, sized once from the pod's KV capacity
-//! (wasm memory never shrinks, so nothing grows after start): 8-byte key and
-//! 4-byte stamp per slot at a load factor of at most 0.8, i.e. 15 bytes per
-//! block. Stamps order entries for LRU eviction; within one routed prompt the
-//! tail gets the oldest stamp, so the tail is evicted first and the cached
-//! set stays prefix-closed the way vLLM's is. Full tables evict their oldest
-//! sixteenth in one sweep, which keeps the per-insert cost constant.
+//! Layout (docs/fleet-scale-design.md, "B inside A"):
+//! - A block is keyed by its 40-bit [`index_key`]. The key's high bits pick
+//!   one of a fixed number of buckets; inside a bucket, slots are open
+//!   addressed by the key's low bits. A slot is 8 bytes (key and a 24-bit
+//!   pod-set reference) plus a 1-byte age (the epoch of its last write).
+//!   Two blocks whose index keys agree share a slot: an absent block matches
+//!   with probability about n / 2⁴⁰ per probe.
+//! - Pod sets are interned and reference counted: a chain learned on one pod,
+//!   or a system prompt on 500, stores its set once. A member is (pod, the
+//!   pod's generation, tier, epoch learned), so tiers and learned ages are
+//!   per (block, pod), and clearing a pod bumps its generation instead of
+//!   scanning the index (stale members are dropped when their slot is next
+//!   written or evicted).
+//! - Memory: the bucket count is fixed from `index.budget_bytes` so that every
+//!   bucket at its full size fits; buckets grow on demand (8 → 512 slots), so a
+//!   small fleet holds little. Interned sets get a sixteenth of the budget; a
+//!   write that would need a new set beyond it is dropped (counted).
+//! - A full bucket evicts its worst sixteenth in one sweep: first entries no
+//!   pod can use (cleared pods, expired learned), then learned-only entries,
+//!   oldest first, then entries some pod reported (precise), oldest first.
+//!
+//! Learned entries live `index.ttl_seconds` rounded up to the next epoch
+//! (a sixteenth of the TTL): from `ttl` to `ttl × 17/16` seconds.
+//!
+//! The lookup walks a prompt's chain once: probe its first and last block,
+//! and bisect only between probes whose pod sets differ. Pod sets only shrink
+//! along a chain (block i cached ⇒ blocks 0..i cached), so every point where
+//! a pod drops out or changes tier is found in O(changes × log n) probes,
+//! whatever the number of pods.
 
 use crate::hash::index_key;
-use std::collections::VecDeque;
+use hashbrown::HashTable;
 
 pub use crate::feed::Tier;
 
-fn tier_bits(tier: Tier) -> u32 {
-    u32::from(tier.code())
+/// A pod's handle in the index, stable while the pod is in the pod set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PodId(u32);
+
+impl PodId {
+    /// The id's position in dense per-pod tables.
+    pub fn slot(self) -> usize {
+        self.0 as usize
+    }
 }
 
-fn tier_from_bits(bits: u32) -> Tier {
-    Tier::from_code((bits & 3) as u8).unwrap_or(Tier::Learned)
+/// Slots of a bucket at its full size (4 KiB of keys and references).
+pub const BUCKET_SLOTS: usize = 512;
+/// Bytes a slot costs: key and reference, and its age.
+const SLOT_BYTES: usize = 9;
+/// A bucket's fixed cost besides its slots (two vector headers and its length).
+const BUCKET_OVERHEAD: usize = 2 * std::mem::size_of::<Vec<u8>>() + std::mem::size_of::<usize>();
+/// Bytes of one bucket at its full size.
+const FULL_BUCKET_BYTES: usize = BUCKET_SLOTS * SLOT_BYTES + BUCKET_OVERHEAD;
+const MIN_BUCKET_SLOTS: usize = 8;
+/// Slots one sweep of a full bucket frees.
+const EVICT_BATCH: usize = BUCKET_SLOTS / 16;
+/// The interned pod sets may take this fraction of the budget.
+const SET_BUDGET_DIVISOR: usize = 16;
+/// Accounted bytes of one interned set besides its members (its entry in the
+/// member, reference and lookup tables).
+const SET_OVERHEAD: usize = std::mem::size_of::<Box<[Member]>>() + 4 + 8;
+/// Learned ages are kept in epochs of a sixteenth of the TTL.
+const EPOCHS_PER_TTL: u32 = 16;
+
+const REF_BITS: u32 = 24;
+const REF_MASK: u64 = (1 << REF_BITS) - 1;
+const EMPTY: u64 = 0;
+
+const POD_BITS: u32 = 20;
+/// Pods the index can tell apart at once.
+pub const MAX_PODS: usize = 1 << POD_BITS;
+const GEN_BITS: u32 = 26;
+const GEN_MASK: u32 = (1 << GEN_BITS) - 1;
+
+/// One pod in a block's set: pod (top bits, so sets sort by pod), the pod's
+/// generation when written, tier, and the epoch a learned entry was taught.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Member(u64);
+
+impl Member {
+    fn new(pod: PodId, generation: u32, tier: Tier, epoch: u16) -> Member {
+        Member(
+            (u64::from(pod.0) << (64 - POD_BITS))
+                | (u64::from(generation & GEN_MASK) << 18)
+                | (u64::from(tier.code()) << 16)
+                | u64::from(epoch),
+        )
+    }
+
+    fn pod(self) -> PodId {
+        PodId((self.0 >> (64 - POD_BITS)) as u32)
+    }
+
+    fn generation(self) -> u32 {
+        (self.0 >> 18) as u32 & GEN_MASK
+    }
+
+    fn tier(self) -> Tier {
+        Tier::from_code((self.0 >> 16) as u8 & 3).unwrap_or(Tier::Learned)
+    }
+
+    fn epoch(self) -> u16 {
+        self.0 as u16
+    }
 }
 
 /// Precise tiers are facts reported by the pod; only `Learned` ages by TTL.
@@ -26,18 +113,9 @@ fn is_precise(tier: Tier) -> bool {
     tier != Tier::Learned
 }
 
-const EMPTY: u64 = 0;
-const STAMP_BITS: u32 = 30;
-const STAMP_MASK: u32 = (1 << STAMP_BITS) - 1;
-/// Time checkpoints kept for TTL; at one per active second this covers more
-/// than an hour, beyond any sensible TTL.
-const MAX_MARKS: usize = 4096;
-
 /// What a lookup may trust.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MatchRules {
-    /// Learned entries stamped before this are expired (see [`PodTable::learned_cutoff`]).
-    pub learned_cutoff: u32,
     /// False while the indexer feed is stale: precise entries are then ignored.
     pub trust_precise: bool,
     /// Credit of a CPU-tier block relative to GPU.
@@ -46,689 +124,1166 @@ pub struct MatchRules {
     pub disk_credit: f64,
 }
 
-/// Result of a longest-prefix lookup on one pod.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct PrefixMatch {
+/// One pod's longest cached prefix of a prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PodMatch {
+    pub pod: PodId,
     /// Leading blocks held in any trusted tier.
     pub blocks: usize,
-    /// Blocks weighted by tier credit (== `blocks` when all are GPU or learned).
+    /// Those blocks weighted by tier credit (== `blocks` when all are GPU or learned).
     pub credit: f64,
 }
 
-/// The block table of one pod.
-#[derive(Debug, Clone)]
-pub struct PodTable {
-    keys: Vec<u64>,
-    /// Tier in the top two bits, stamp in the rest.
-    meta: Vec<u32>,
-    len: usize,
-    capacity: usize,
-    clock: u32,
-    /// (first stamp issued in a second, that second): maps TTL to stamps.
-    marks: VecDeque<(u32, u32)>,
-    lower_tier_entries: usize,
+/// What one lookup did, for benchmarks and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LookupCost {
+    /// Blocks probed (slot searches).
+    pub probes: usize,
+    /// Runs of equal pod set found along the chain.
+    pub runs: usize,
 }
 
-impl PodTable {
-    /// A table holding at most `capacity` blocks.
-    pub fn new(capacity: usize) -> PodTable {
-        let capacity = capacity.max(1);
-        let slots = capacity + capacity / 4 + 1;
-        PodTable {
-            keys: vec![EMPTY; slots],
-            meta: vec![0; slots],
-            len: 0,
-            capacity,
-            clock: 0,
-            marks: VecDeque::new(),
-            lower_tier_entries: 0,
+/// Counters of what the budget refused or pushed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexStats {
+    /// Occupied slots (blocks held).
+    pub blocks: usize,
+    /// Bytes held by buckets and interned sets (never above the budget).
+    pub bytes: usize,
+    /// Distinct pod sets interned.
+    pub sets: usize,
+    /// Slots evicted by full buckets.
+    pub evicted: u64,
+    /// Writes dropped because the interned sets were at their budget.
+    pub dropped: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct PodState {
+    learned_generation: u32,
+    precise_generation: u32,
+}
+
+/// The generation a member of `tier` must carry to count for `pod`.
+fn generation_of(state: &PodState, tier: Tier) -> u32 {
+    if is_precise(tier) {
+        state.precise_generation
+    } else {
+        state.learned_generation
+    }
+}
+
+/// Interned pod sets (members sorted by pod, one member per pod).
+#[derive(Debug, Clone, Default)]
+struct PodSets {
+    members: Vec<Box<[Member]>>,
+    refs: Vec<u32>,
+    lookup: HashTable<u32>,
+    free: Vec<u32>,
+    bytes: usize,
+    budget: usize,
+}
+
+fn hash_members(members: &[Member]) -> u64 {
+    members
+        .iter()
+        .fold(0x243f_6a88_85a3_08d3, |h, m| mix(h ^ m.0))
+}
+
+/// SplitMix64 finaliser.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn set_cost(members: usize) -> usize {
+    SET_OVERHEAD + members * std::mem::size_of::<Member>()
+}
+
+impl PodSets {
+    fn get(&self, id: u32) -> &[Member] {
+        self.members.get(id as usize).map_or(&[], |m| m)
+    }
+
+    /// A reference to the set `members` (non-empty, sorted by pod), or `None`
+    /// when it would take the sets past their budget.
+    fn intern(&mut self, members: &[Member]) -> Option<u32> {
+        let hash = hash_members(members);
+        let all = &self.members;
+        if let Some(&id) = self.lookup.find(hash, |&id| *all[id as usize] == *members) {
+            self.refs[id as usize] += 1;
+            return Some(id);
+        }
+        let cost = set_cost(members.len());
+        if self.bytes + cost > self.budget {
+            return None;
+        }
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.members[id as usize] = members.into();
+                self.refs[id as usize] = 1;
+                id
+            }
+            None => {
+                if self.members.len() > REF_MASK as usize {
+                    return None;
+                }
+                self.members.push(members.into());
+                self.refs.push(1);
+                (self.members.len() - 1) as u32
+            }
+        };
+        self.bytes += cost;
+        let all = &self.members;
+        self.lookup
+            .insert_unique(hash, id, |&i| hash_members(&all[i as usize]));
+        Some(id)
+    }
+
+    fn retain(&mut self, id: u32) {
+        self.refs[id as usize] += 1;
+    }
+
+    /// Drops one reference; true when the set is gone (its id may be reused).
+    fn release(&mut self, id: u32) -> bool {
+        let refs = &mut self.refs[id as usize];
+        *refs -= 1;
+        if *refs > 0 {
+            return false;
+        }
+        let members = std::mem::take(&mut self.members[id as usize]);
+        let hash = hash_members(&members);
+        if let Ok(entry) = self.lookup.find_entry(hash, |&i| i == id) {
+            entry.remove();
+        }
+        self.bytes -= set_cost(members.len());
+        self.free.push(id);
+        true
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn len(&self) -> usize {
+        self.members.len() - self.free.len()
+    }
+}
+
+/// One bucket: open addressing over `slots` (key << 24 | set reference).
+#[derive(Debug, Clone, Default)]
+struct Bucket {
+    slots: Vec<u64>,
+    ages: Vec<u8>,
+    len: usize,
+}
+
+fn slot_key(slot: u64) -> u64 {
+    slot >> REF_BITS
+}
+
+fn slot_set(slot: u64) -> u32 {
+    (slot & REF_MASK) as u32
+}
+
+impl Bucket {
+    fn home(&self, key: u64) -> usize {
+        key as usize & (self.slots.len() - 1)
+    }
+
+    /// `Ok(slot)` holding `key`, or `Err(empty slot)` where it would go;
+    /// `Err(None)` when the bucket has no slots yet.
+    fn find(&self, key: u64) -> Result<usize, Option<usize>> {
+        if self.slots.is_empty() {
+            return Err(None);
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let slot = self.slots[i];
+            if slot == EMPTY {
+                return Err(Some(i));
+            }
+            if slot_key(slot) == key {
+                return Ok(i);
+            }
+            i = (i + 1) & mask;
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.len
+    fn is_full(&self) -> bool {
+        (self.len + 1) * 8 > self.slots.len() * 7
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    fn place(&mut self, slot: u64, age: u8) {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(slot_key(slot));
+        while self.slots[i] != EMPTY {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = slot;
+        self.ages[i] = age;
+        self.len += 1;
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// Re-seats `entries` in `size` slots.
+    fn rebuild(&mut self, size: usize, entries: Vec<(u64, u8)>) {
+        self.slots = vec![EMPTY; size];
+        self.ages = vec![0; size];
+        self.len = 0;
+        for (slot, age) in entries {
+            self.place(slot, age);
+        }
     }
 
-    /// Bytes held by the table's arrays (what sizing guides quote).
-    pub fn memory_bytes(&self) -> usize {
-        self.keys.len() * (std::mem::size_of::<u64>() + std::mem::size_of::<u32>())
+    fn entries(&self) -> Vec<(u64, u8)> {
+        self.slots
+            .iter()
+            .zip(&self.ages)
+            .filter(|(&s, _)| s != EMPTY)
+            .map(|(&s, &a)| (s, a))
+            .collect()
     }
 
-    /// Records `hashes` (a chain from block 0) as held in `tier`, most
-    /// recently used first. A learned entry never downgrades a precise one.
-    pub fn touch_chain(&mut self, hashes: &[u64], tier: Tier, now_s: u32) {
-        let hashes = &hashes[..hashes.len().min(self.capacity)];
-        if hashes.is_empty() {
+    /// Backward-shift deletion keeps probe chains intact without tombstones.
+    fn delete_at(&mut self, mut hole: usize) {
+        let mask = self.slots.len() - 1;
+        self.slots[hole] = EMPTY;
+        self.len -= 1;
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            let slot = self.slots[i];
+            if slot == EMPTY {
+                return;
+            }
+            let home = self.home(slot_key(slot));
+            let stays = if hole <= i {
+                hole < home && home <= i
+            } else {
+                hole < home || home <= i
+            };
+            if !stays {
+                self.slots[hole] = slot;
+                self.ages[hole] = self.ages[i];
+                self.slots[i] = EMPTY;
+                hole = i;
+            }
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        BUCKET_OVERHEAD + self.slots.capacity() * 8 + self.ages.capacity()
+    }
+}
+
+/// The slot key of a block hash: its index key, with the empty marker moved aside.
+fn key_of(hash: u64) -> u64 {
+    match index_key(hash) {
+        0 => 1,
+        key => key,
+    }
+}
+
+/// Why a write to the index was not applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// The block's bucket had no free slot.
+    BucketFull,
+}
+
+/// The block → pod-set index of one routing state.
+#[derive(Debug, Clone)]
+pub struct BlockIndex {
+    buckets: Vec<Bucket>,
+    sets: PodSets,
+    pods: Vec<PodState>,
+    /// Ids of pods that left, reusable (their generations were bumped).
+    free_pods: Vec<u32>,
+    live_pods: usize,
+    budget_bytes: usize,
+    ttl_seconds: u32,
+    epoch_seconds: u32,
+    blocks: usize,
+    evicted: u64,
+    dropped: u64,
+    /// The epoch of the newest write.
+    latest_epoch: u16,
+}
+
+impl BlockIndex {
+    /// An empty index within `budget_bytes` whose learned entries live
+    /// `ttl_seconds` (see the module documentation for the rounding).
+    pub fn new(budget_bytes: usize, ttl_seconds: u32) -> BlockIndex {
+        let set_budget = budget_bytes / SET_BUDGET_DIVISOR;
+        let buckets = ((budget_bytes - set_budget) / FULL_BUCKET_BYTES).max(1);
+        BlockIndex {
+            buckets: vec![Bucket::default(); buckets],
+            sets: PodSets {
+                budget: set_budget,
+                ..PodSets::default()
+            },
+            pods: Vec::new(),
+            free_pods: Vec::new(),
+            live_pods: 0,
+            budget_bytes,
+            ttl_seconds: ttl_seconds.max(1),
+            epoch_seconds: ttl_seconds.div_ceil(EPOCHS_PER_TTL).max(1),
+            blocks: 0,
+            evicted: 0,
+            dropped: 0,
+            latest_epoch: 0,
+        }
+    }
+
+    /// The smallest budget that holds at least one bucket and its sets.
+    pub fn min_budget_bytes() -> usize {
+        FULL_BUCKET_BYTES * 2
+    }
+
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
+    pub fn ttl_seconds(&self) -> u32 {
+        self.ttl_seconds
+    }
+
+    /// A handle for a new pod; `None` when [`MAX_PODS`] are indexed.
+    pub fn add_pod(&mut self) -> Option<PodId> {
+        if let Some(id) = self.free_pods.pop() {
+            self.live_pods += 1;
+            return Some(PodId(id));
+        }
+        if self.pods.len() >= MAX_PODS {
+            return None;
+        }
+        self.pods.push(PodState::default());
+        self.live_pods += 1;
+        Some(PodId((self.pods.len() - 1) as u32))
+    }
+
+    /// The pod left: its entries stop counting now and its id may be reused.
+    pub fn remove_pod(&mut self, pod: PodId) {
+        if pod.slot() < self.pods.len() && !self.free_pods.contains(&pod.0) {
+            self.clear(pod);
+            self.free_pods.push(pod.0);
+            self.live_pods -= 1;
+        }
+    }
+
+    /// Forgets every block of `pod` (it restarted or cleared its cache).
+    pub fn clear(&mut self, pod: PodId) {
+        if let Some(state) = self.pods.get_mut(pod.slot()) {
+            state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
+            state.precise_generation = state.precise_generation.wrapping_add(1) & GEN_MASK;
+        }
+    }
+
+    /// Forgets every learned entry of `pod` (it failed: what the proxy guessed
+    /// about its cache can no longer be trusted); its own reports stay.
+    pub fn clear_learned(&mut self, pod: PodId) {
+        if let Some(state) = self.pods.get_mut(pod.slot()) {
+            state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
+        }
+    }
+
+    fn epoch(&self, now_s: u32) -> u16 {
+        (now_s / self.epoch_seconds) as u16
+    }
+
+    fn ttl_epochs(&self) -> u16 {
+        self.ttl_seconds
+            .div_ceil(self.epoch_seconds)
+            .min(u32::from(u16::MAX)) as u16
+    }
+
+    /// True when `member` still says something about its pod: its pod's
+    /// generation is current and, if learned, it has not expired.
+    fn is_current(&self, member: Member, epoch: u16) -> bool {
+        let Some(state) = self.pods.get(member.pod().slot()) else {
+            return false;
+        };
+        let tier = member.tier();
+        member.generation() == generation_of(state, tier)
+            && (is_precise(tier) || epoch.wrapping_sub(member.epoch()) <= self.ttl_epochs())
+    }
+
+    fn bucket_of(&self, key: u64) -> usize {
+        // Multiply-shift of the key's top 32 bits (of 40): no modulo, no
+        // 128-bit product (wasm32 would emulate either).
+        ((((key >> 8) & 0xffff_ffff) * self.buckets.len() as u64) >> 32) as usize
+    }
+
+    /// Records `hashes` as held by `pod` in `tier`. A learned entry never
+    /// downgrades a precise one (it refreshes the slot's age).
+    pub fn touch_chain(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
+        let Some(state) = self.pods.get(pod.slot()).copied() else {
             return;
-        }
-        self.reserve_stamps(hashes.len() as u32);
-        if self.marks.back().is_none_or(|&(_, second)| second != now_s) {
-            if self.marks.len() == MAX_MARKS {
-                self.marks.pop_front();
-            }
-            self.marks.push_back((self.clock, now_s));
-        }
-        let newest = self.clock + hashes.len() as u32 - 1;
-        self.clock += hashes.len() as u32;
-        for (i, &hash) in hashes.iter().enumerate() {
-            self.upsert(key_of(hash), tier, newest - i as u32);
-        }
-    }
-
-    /// Forgets blocks (vLLM evicted them).
-    pub fn remove(&mut self, hashes: &[u64]) {
+        };
+        let epoch = self.epoch(now_s);
+        self.latest_epoch = epoch;
+        let member = Member::new(
+            pod,
+            generation_of(&state, tier),
+            tier,
+            if is_precise(tier) { 0 } else { epoch },
+        );
+        // Consecutive blocks of a chain usually share their old set, so the
+        // new one is computed once per run.
+        let mut last: Option<(Option<u32>, u32)> = None;
         for &hash in hashes {
-            if let Some(slot) = self.find(key_of(hash)) {
-                self.delete_at(slot);
-            }
-        }
-    }
-
-    /// Forgets the learned entries among `hashes`; precise entries are the
-    /// pod's own report and stay.
-    pub fn remove_learned(&mut self, hashes: &[u64]) {
-        for &hash in hashes {
-            if let Some(slot) = self.find(key_of(hash)) {
-                if !is_precise(tier_from_bits(self.meta[slot] >> STAMP_BITS)) {
-                    self.delete_at(slot);
+            let key = key_of(hash);
+            let old = self
+                .find(key)
+                .map(|(b, i)| slot_set(self.buckets[b].slots[i]));
+            let new = match last {
+                Some((from, to)) if from == old => {
+                    self.sets.retain(to);
+                    Some(to)
+                }
+                _ => {
+                    let members = old.map_or(&[][..], |id| self.sets.get(id));
+                    let merged = self.with_member(members, member, epoch);
+                    let new = if old.is_some_and(|id| self.sets.get(id) == merged.as_slice()) {
+                        old.inspect(|&id| self.sets.retain(id))
+                    } else {
+                        self.sets.intern(&merged)
+                    };
+                    if let Some(to) = new {
+                        last = Some((old, to));
+                    }
+                    new
+                }
+            };
+            match new {
+                Some(to) => {
+                    if self.write(key, to, epoch).is_err() {
+                        last = None;
+                    }
+                }
+                None => {
+                    self.dropped += 1;
+                    last = None;
                 }
             }
         }
     }
 
-    /// Forgets every learned entry (the pod failed: what the proxy guessed
-    /// about its cache can no longer be trusted).
-    pub fn clear_learned(&mut self) {
-        let learned: Vec<u64> = self
-            .keys
-            .iter()
-            .zip(&self.meta)
-            .filter(|(&k, &m)| k != EMPTY && !is_precise(tier_from_bits(m >> STAMP_BITS)))
-            .map(|(&k, _)| k)
-            .collect();
-        for key in learned {
-            if let Some(slot) = self.find(key) {
-                self.delete_at(slot);
+    /// `members` with `member` in place of its pod's current entry, without
+    /// members that no longer count.
+    fn with_member(&self, members: &[Member], member: Member, epoch: u16) -> Vec<Member> {
+        let mut out = Vec::with_capacity(members.len() + 1);
+        let mut placed = false;
+        for &m in members {
+            if !self.is_current(m, epoch) {
+                continue;
+            }
+            if m.pod() == member.pod() {
+                // Learned never replaces precise; the pod's report stays.
+                out.push(if is_precise(m.tier()) && !is_precise(member.tier()) {
+                    m
+                } else {
+                    member
+                });
+                placed = true;
+            } else {
+                if !placed && m.pod() > member.pod() {
+                    out.push(member);
+                    placed = true;
+                }
+                out.push(m);
+            }
+        }
+        if !placed {
+            out.push(member);
+        }
+        out
+    }
+
+    /// Forgets blocks of `pod` (vLLM evicted them), any tier.
+    pub fn remove(&mut self, pod: PodId, hashes: &[u64]) {
+        self.remove_where(pod, hashes, |_| true);
+    }
+
+    /// Forgets the learned entries of `pod` among `hashes` (a request the pod
+    /// refused taught them); its precise entries stay.
+    pub fn remove_learned(&mut self, pod: PodId, hashes: &[u64]) {
+        self.remove_where(pod, hashes, |tier| !is_precise(tier));
+    }
+
+    fn remove_where(&mut self, pod: PodId, hashes: &[u64], applies: impl Fn(Tier) -> bool) {
+        // Removals carry no clock: members expired by the newest write go too.
+        let epoch = self.latest_epoch;
+        for &hash in hashes {
+            let key = key_of(hash);
+            let Some((b, i)) = self.find(key) else {
+                continue;
+            };
+            let old = slot_set(self.buckets[b].slots[i]);
+            let members = self.sets.get(old);
+            if !members.iter().any(|m| m.pod() == pod && applies(m.tier())) {
+                continue;
+            }
+            let rest: Vec<Member> = members
+                .iter()
+                .copied()
+                .filter(|&m| m.pod() != pod && self.is_current(m, epoch))
+                .collect();
+            if rest.is_empty() {
+                self.buckets[b].delete_at(i);
+                self.blocks -= 1;
+                self.sets.release(old);
+                continue;
+            }
+            match self.sets.intern(&rest) {
+                Some(new) => {
+                    let bucket = &mut self.buckets[b];
+                    bucket.slots[i] = (key << REF_BITS) | u64::from(new);
+                    self.sets.release(old);
+                }
+                // No room for the smaller set: forget the block for every pod
+                // rather than keep claiming it for this one.
+                None => {
+                    self.buckets[b].delete_at(i);
+                    self.blocks -= 1;
+                    self.sets.release(old);
+                    self.dropped += 1;
+                }
             }
         }
     }
 
-    /// Forgets every block (pod restarted or cleared its cache).
-    pub fn clear(&mut self) {
-        self.keys.fill(EMPTY);
-        self.meta.fill(0);
-        self.len = 0;
-        self.lower_tier_entries = 0;
+    fn find(&self, key: u64) -> Option<(usize, usize)> {
+        let b = self.bucket_of(key);
+        self.buckets[b].find(key).ok().map(|i| (b, i))
     }
 
-    /// The stamp before which learned entries are older than `ttl_s`.
-    /// Marks are in increasing seconds: a binary search, so the cost per
-    /// decision does not grow with how long the table has been learning.
-    pub fn learned_cutoff(&self, now_s: u32, ttl_s: u32) -> u32 {
-        let horizon = now_s.saturating_sub(ttl_s);
-        let first_live = self.marks.partition_point(|&(_, second)| second <= horizon);
-        self.marks
-            .get(first_live)
-            .map_or(self.clock, |&(stamp, _)| stamp)
-    }
-
-    /// Longest cached prefix of `hashes` on this pod. Relies on the chain
-    /// property (block i cached ⇒ blocks 0..i cached) to gallop and bisect:
-    /// O(log n) probes per pod instead of one per block.
-    pub fn prefix_match(&self, hashes: &[u64], rules: &MatchRules) -> PrefixMatch {
-        let tier_at = |i: usize| -> Option<Tier> {
-            let slot = self.find(key_of(hashes[i]))?;
-            let meta = self.meta[slot];
-            let tier = tier_from_bits(meta >> STAMP_BITS);
-            let live = if is_precise(tier) {
-                rules.trust_precise
-            } else {
-                (meta & STAMP_MASK) >= rules.learned_cutoff
-            };
-            live.then_some(tier)
-        };
-        let full = prefix_len(hashes.len(), |i| {
-            matches!(tier_at(i), Some(Tier::Gpu | Tier::Learned))
-        });
-        if self.lower_tier_entries == 0 || !rules.trust_precise {
-            return PrefixMatch {
-                blocks: full,
-                credit: full as f64,
-            };
-        }
-        let cpu = prefix_len(hashes.len(), |i| {
-            matches!(tier_at(i), Some(Tier::Gpu | Tier::Learned | Tier::Cpu))
-        });
-        let any = prefix_len(hashes.len(), |i| tier_at(i).is_some());
-        let cpu = cpu.max(full);
-        let any = any.max(cpu);
-        PrefixMatch {
-            blocks: any,
-            credit: full as f64
-                + (cpu - full) as f64 * rules.cpu_credit
-                + (any - cpu) as f64 * rules.disk_credit,
-        }
-    }
-
-    /// The same entries in a table of another capacity, in LRU order (the
-    /// oldest go first if they no longer fit). Learned entries restart their TTL.
-    pub fn resized(&self, capacity: usize, now_s: u32) -> PodTable {
-        let mut table = PodTable::new(capacity);
-        for (hash, tier) in self.entries_oldest_first() {
-            table.touch_chain(&[hash], tier, now_s);
-        }
-        table
-    }
-
-    /// Live entries as (hash, tier), oldest first: what a snapshot carries.
-    pub fn entries_oldest_first(&self) -> Vec<(u64, Tier)> {
-        let mut entries: Vec<(u32, u64, Tier)> = self
-            .keys
-            .iter()
-            .zip(&self.meta)
-            .filter(|(&k, _)| k != EMPTY)
-            .map(|(&k, &m)| (m & STAMP_MASK, k, tier_from_bits(m >> STAMP_BITS)))
-            .collect();
-        entries.sort_unstable_by_key(|&(stamp, _, _)| stamp);
-        entries.into_iter().map(|(_, k, t)| (k, t)).collect()
-    }
-
-    fn home(&self, key: u64) -> usize {
-        // Keys are index keys, uniform in their low 40 bits: multiply-shift of
-        // the low 32 maps them onto any table size (< 2^32 slots) without a
-        // modulo or a 128-bit product, which wasm32 would emulate. (The top 32
-        // bits of an index key hold only 8 bits: 256 home slots, probe chains
-        // as long as the table.)
-        ((u64::from(key as u32) * self.keys.len() as u64) >> 32) as usize
-    }
-
-    fn next(&self, slot: usize) -> usize {
-        if slot + 1 == self.keys.len() {
-            0
-        } else {
-            slot + 1
-        }
-    }
-
-    fn find(&self, key: u64) -> Option<usize> {
-        let mut slot = self.home(key);
-        loop {
-            match self.keys[slot] {
-                EMPTY => return None,
-                k if k == key => return Some(slot),
-                _ => slot = self.next(slot),
+    /// Points `key`'s slot at set `set` (one reference already taken for it),
+    /// releasing the set it held; evicts or grows when the bucket is full.
+    fn write(&mut self, key: u64, set: u32, epoch: u16) -> Result<(), Refused> {
+        let b = self.bucket_of(key);
+        let age = epoch as u8;
+        match self.buckets[b].find(key) {
+            Ok(i) => {
+                let bucket = &mut self.buckets[b];
+                let old = slot_set(bucket.slots[i]);
+                bucket.slots[i] = (key << REF_BITS) | u64::from(set);
+                bucket.ages[i] = age;
+                self.sets.release(old);
+                return Ok(());
             }
+            Err(_) if self.buckets[b].is_full() || self.buckets[b].slots.is_empty() => {
+                self.make_room(b, epoch);
+            }
+            Err(_) => {}
         }
+        let bucket = &mut self.buckets[b];
+        if bucket.is_full() {
+            self.sets.release(set);
+            return Err(Refused::BucketFull);
+        }
+        bucket.place((key << REF_BITS) | u64::from(set), age);
+        self.blocks += 1;
+        Ok(())
     }
 
-    fn upsert(&mut self, key: u64, tier: Tier, stamp: u32) {
-        if let Some(slot) = self.find(key) {
-            let old = tier_from_bits(self.meta[slot] >> STAMP_BITS);
-            let tier = if is_precise(old) && !is_precise(tier) {
-                old
-            } else {
-                tier
-            };
-            self.count_tier(old, false);
-            self.count_tier(tier, true);
-            self.meta[slot] = (tier_bits(tier) << STAMP_BITS) | stamp;
+    /// Grows bucket `b` (up to [`BUCKET_SLOTS`]) or, at its full size, evicts
+    /// its worst sixteenth: entries no pod can use, then learned-only ones,
+    /// then the rest; oldest first within each.
+    fn make_room(&mut self, b: usize, epoch: u16) {
+        let size = self.buckets[b].slots.len();
+        let entries = self.buckets[b].entries();
+        if size < BUCKET_SLOTS {
+            let grown = (size * 2).max(MIN_BUCKET_SLOTS);
+            self.buckets[b].rebuild(grown, entries);
             return;
         }
-        if self.len >= self.capacity {
-            self.evict_oldest((self.capacity / 16).max(1));
-        }
-        self.place(key, (tier_bits(tier) << STAMP_BITS) | stamp);
-        self.len += 1;
-        self.count_tier(tier, true);
-    }
-
-    fn place(&mut self, key: u64, meta: u32) {
-        let mut slot = self.home(key);
-        while self.keys[slot] != EMPTY {
-            slot = self.next(slot);
-        }
-        self.keys[slot] = key;
-        self.meta[slot] = meta;
-    }
-
-    fn count_tier(&mut self, tier: Tier, add: bool) {
-        if matches!(tier, Tier::Cpu | Tier::Disk) {
-            if add {
-                self.lower_tier_entries += 1;
-            } else {
-                self.lower_tier_entries = self.lower_tier_entries.saturating_sub(1);
-            }
-        }
-    }
-
-    /// Backward-shift deletion keeps probe chains intact without tombstones.
-    fn delete_at(&mut self, mut hole: usize) {
-        self.count_tier(tier_from_bits(self.meta[hole] >> STAMP_BITS), false);
-        self.keys[hole] = EMPTY;
-        self.len -= 1;
-        let mut slot = hole;
-        loop {
-            slot = self.next(slot);
-            let key = self.keys[slot];
-            if key == EMPTY {
-                return;
-            }
-            let home = self.home(key);
-            let stays = if hole <= slot {
-                hole < home && home <= slot
-            } else {
-                hole < home || home <= slot
-            };
-            if !stays {
-                self.keys[hole] = key;
-                self.meta[hole] = self.meta[slot];
-                self.keys[slot] = EMPTY;
-                hole = slot;
-            }
-        }
-    }
-
-    /// The stamp of the least recently used entry (the clock when empty).
-    fn oldest_stamp(&self) -> u32 {
-        self.keys
+        let now_age = epoch as u8;
+        let mut ranked: Vec<(u16, usize)> = entries
             .iter()
-            .zip(&self.meta)
-            .filter(|(&k, _)| k != EMPTY)
-            .map(|(_, &m)| m & STAMP_MASK)
-            .min()
-            .unwrap_or(self.clock)
-    }
-
-    /// Evicts about `count` of the oldest entries: a histogram of stamps finds
-    /// the cut, one pass empties the slots, one pass re-seats the survivors.
-    fn evict_oldest(&mut self, count: usize) {
-        const BUCKETS: usize = 256;
-        let oldest = self.oldest_stamp();
-        let span = (self.clock - oldest).max(1) as u64;
-        let bucket_of = |stamp: u32| {
-            (((stamp - oldest) as u64 * BUCKETS as u64) / span).min(BUCKETS as u64 - 1) as usize
-        };
-        let mut histogram = [0usize; BUCKETS];
-        for (&k, &m) in self.keys.iter().zip(&self.meta) {
-            if k != EMPTY {
-                histogram[bucket_of(m & STAMP_MASK)] += 1;
+            .enumerate()
+            .map(|(i, &(slot, age))| {
+                let members = self.sets.get(slot_set(slot));
+                let current = members.iter().filter(|&&m| self.is_current(m, epoch));
+                let class: u16 = if current.clone().next().is_none() {
+                    2
+                } else if current.clone().all(|m| !is_precise(m.tier())) {
+                    1
+                } else {
+                    0
+                };
+                (class << 8 | u16::from(now_age.wrapping_sub(age)), i)
+            })
+            .collect();
+        let batch = EVICT_BATCH.min(ranked.len());
+        if batch == 0 {
+            return;
+        }
+        ranked.select_nth_unstable_by(batch - 1, |a, b| b.0.cmp(&a.0));
+        let mut evict = vec![false; entries.len()];
+        for &(_, i) in &ranked[..batch] {
+            evict[i] = true;
+        }
+        let mut kept = Vec::with_capacity(entries.len() - batch);
+        for (i, entry) in entries.into_iter().enumerate() {
+            if evict[i] {
+                self.sets.release(slot_set(entry.0));
+            } else {
+                kept.push(entry);
             }
         }
-        let mut cut_bucket = 0;
-        let mut seen = 0;
-        for (bucket, &n) in histogram.iter().enumerate() {
-            seen += n;
-            cut_bucket = bucket;
-            if seen >= count {
+        self.blocks -= batch;
+        self.evicted += batch as u64;
+        self.buckets[b].rebuild(size, kept);
+    }
+
+    /// Every pod's longest cached prefix of `hashes` (pods with none left
+    /// out, in pod order) into `out`, and what the lookup cost.
+    pub fn match_lengths(
+        &self,
+        hashes: &[u64],
+        now_s: u32,
+        rules: &MatchRules,
+        out: &mut Vec<PodMatch>,
+    ) -> LookupCost {
+        out.clear();
+        let mut cost = LookupCost::default();
+        let n = hashes.len();
+        if n == 0 {
+            return cost;
+        }
+        let mut probe = |i: usize| {
+            cost.probes += 1;
+            self.find(key_of(hashes[i]))
+                .map(|(b, s)| slot_set(self.buckets[b].slots[s]))
+        };
+        let first = probe(0);
+        if first.is_none() {
+            return cost;
+        }
+        let last = probe(n - 1);
+        // Runs of blocks with one set, as (last block of the run, its set):
+        // bisect only where the sets at two probes differ.
+        let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
+        let mut pending = vec![(0usize, first, n - 1, last)];
+        while let Some((lo, s_lo, hi, s_hi)) = pending.pop() {
+            if s_lo == s_hi {
+                continue;
+            }
+            if hi - lo == 1 {
+                runs.push((lo, s_lo));
+                continue;
+            }
+            let mid = lo + (hi - lo) / 2;
+            let s_mid = probe(mid);
+            pending.push((mid, s_mid, hi, s_hi));
+            pending.push((lo, s_lo, mid, s_mid));
+        }
+        runs.push((n - 1, last));
+        runs.sort_unstable_by_key(|&(end, _)| end);
+        cost.runs = runs.len();
+
+        let epoch = self.epoch(now_s);
+        let usable = |m: &Member| {
+            self.is_current(*m, epoch) && (rules.trust_precise || !is_precise(m.tier()))
+        };
+        let credit_of = |tier: Tier| match tier {
+            Tier::Gpu | Tier::Learned => 1.0,
+            Tier::Cpu => rules.cpu_credit,
+            Tier::Disk => rules.disk_credit,
+        };
+        // Pods still matching at the current run, in pod order.
+        let mut active: Vec<PodMatch> = Vec::new();
+        let mut next: Vec<PodMatch> = Vec::new();
+        let mut start = 0;
+        for (k, &(end, set)) in runs.iter().enumerate() {
+            let len = (end + 1 - start) as f64;
+            let mut members = set
+                .map_or(&[][..], |id| self.sets.get(id))
+                .iter()
+                .filter(|m| usable(m))
+                .peekable();
+            if k == 0 {
+                next.extend(members.map(|m| PodMatch {
+                    pod: m.pod(),
+                    blocks: end + 1,
+                    credit: len * credit_of(m.tier()),
+                }));
+            } else {
+                for matched in active.drain(..) {
+                    while members.next_if(|m| m.pod() < matched.pod).is_some() {}
+                    match members.peek() {
+                        Some(m) if m.pod() == matched.pod => next.push(PodMatch {
+                            blocks: end + 1,
+                            credit: matched.credit + len * credit_of(m.tier()),
+                            ..matched
+                        }),
+                        _ => out.push(matched),
+                    }
+                }
+            }
+            std::mem::swap(&mut active, &mut next);
+            next.clear();
+            start = end + 1;
+            if active.is_empty() {
                 break;
             }
         }
-        // A slot empty before the deletions: no probe chain crosses it, so
-        // re-seating may start there.
-        let Some(start) = self.keys.iter().position(|&k| k == EMPTY) else {
-            return;
-        };
-        for slot in 0..self.keys.len() {
-            if self.keys[slot] != EMPTY && bucket_of(self.meta[slot] & STAMP_MASK) <= cut_bucket {
-                self.count_tier(tier_from_bits(self.meta[slot] >> STAMP_BITS), false);
-                self.keys[slot] = EMPTY;
-                self.len -= 1;
+        out.extend(active);
+        out.sort_unstable_by_key(|m| m.pod);
+        cost
+    }
+
+    /// Every entry that still counts, as (pod, index key, tier), oldest
+    /// first: what a snapshot carries.
+    pub fn entries_oldest_first(&self) -> Vec<(PodId, u64, Tier)> {
+        let epoch = self.latest_epoch;
+        let now_age = epoch as u8;
+        let mut entries: Vec<(u8, PodId, u64, Tier)> = Vec::new();
+        for bucket in &self.buckets {
+            for (&slot, &age) in bucket.slots.iter().zip(&bucket.ages) {
+                if slot == EMPTY {
+                    continue;
+                }
+                for &m in self.sets.get(slot_set(slot)) {
+                    if self.is_current(m, epoch) {
+                        entries.push((
+                            now_age.wrapping_sub(age),
+                            m.pod(),
+                            slot_key(slot),
+                            m.tier(),
+                        ));
+                    }
+                }
             }
         }
-        self.reseat_all(start);
+        entries.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        entries
+            .into_iter()
+            .map(|(_, pod, key, tier)| (pod, key, tier))
+            .collect()
     }
 
-    /// After bulk deletion, re-inserts every entry in probe order starting
-    /// just past `start`, a slot that was empty before the deletions (so no
-    /// probe chain crosses it). Each entry moves only towards its home and
-    /// every hole is re-seated before the entries behind it: one pass
-    /// restores every probe chain.
-    fn reseat_all(&mut self, start: usize) {
-        let mut slot = start;
-        for _ in 0..self.keys.len() {
-            slot = self.next(slot);
-            let key = self.keys[slot];
-            if key != EMPTY {
-                let meta = self.meta[slot];
-                self.keys[slot] = EMPTY;
-                self.place(key, meta);
-            }
+    /// The same pods and entries under another budget or TTL (the oldest go
+    /// first if they no longer fit). Learned entries restart their TTL.
+    pub fn reconfigured(&self, budget_bytes: usize, ttl_seconds: u32, now_s: u32) -> BlockIndex {
+        let mut index = BlockIndex::new(budget_bytes, ttl_seconds);
+        index.pods = self.pods.clone();
+        index.free_pods = self.free_pods.clone();
+        index.live_pods = self.live_pods;
+        for (pod, key, tier) in self.entries_oldest_first() {
+            index.touch_chain(pod, &[key], tier, now_s);
+        }
+        index
+    }
+
+    /// Blocks held, bytes, sets, and what the budget cost.
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            blocks: self.blocks,
+            bytes: self.memory_bytes(),
+            sets: self.sets.len(),
+            evicted: self.evicted,
+            dropped: self.dropped,
         }
     }
 
-    /// Keeps stamps within 30 bits: when the clock would overflow, shift every
-    /// stamp down by the oldest live one (rare: once per ~10^9 blocks).
-    fn reserve_stamps(&mut self, n: u32) {
-        if self.clock as u64 + n as u64 <= STAMP_MASK as u64 {
-            return;
-        }
-        let oldest = self.oldest_stamp();
-        for (k, m) in self.keys.iter().zip(self.meta.iter_mut()) {
-            if *k != EMPTY {
-                *m = (*m & !STAMP_MASK) | ((*m & STAMP_MASK) - oldest);
-            }
-        }
-        for mark in self.marks.iter_mut() {
-            mark.0 = mark.0.saturating_sub(oldest);
-        }
-        self.clock -= oldest;
+    /// Bytes of the buckets and the interned sets: never above the budget.
+    pub fn memory_bytes(&self) -> usize {
+        self.buckets.iter().map(Bucket::memory_bytes).sum::<usize>() + self.sets.memory_bytes()
     }
-}
-
-/// Hash 0 marks an empty slot; fold it onto 1 (one in 2^64 collides).
-/// The slot key of a block hash: its index key (see [`index_key`]), with
-/// the empty marker moved aside.
-fn key_of(hash: u64) -> u64 {
-    match index_key(hash) {
-        EMPTY => 1,
-        key => key,
-    }
-}
-
-/// Length of the longest prefix of 0..n for which `hit` holds, assuming hits
-/// form a prefix: gallop 1, 2, 4, … then bisect.
-fn prefix_len(n: usize, hit: impl Fn(usize) -> bool) -> usize {
-    if n == 0 || !hit(0) {
-        return 0;
-    }
-    let mut known_hit = 0;
-    let mut step = 1;
-    let mut first_miss = n;
-    while known_hit + step < n {
-        if hit(known_hit + step) {
-            known_hit += step;
-            step *= 2;
-        } else {
-            first_miss = known_hit + step;
-            break;
-        }
-    }
-    while first_miss - known_hit > 1 {
-        let mid = known_hit + (first_miss - known_hit) / 2;
-        if hit(mid) {
-            known_hit = mid;
-        } else {
-            first_miss = mid;
-        }
-    }
-    known_hit + 1
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     const TRUST_ALL: MatchRules = MatchRules {
-        learned_cutoff: 0,
         trust_precise: true,
         cpu_credit: 0.5,
         disk_credit: 0.25,
     };
 
-    fn chain(seed: u64, n: usize) -> Vec<u64> {
-        (0..n as u64)
-            .map(|i| {
-                seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                    ^ (i + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9)
-            })
-            .collect()
+    /// A deterministic stream of hash-like numbers (SplitMix64).
+    fn next(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mix(*state)
     }
 
-    #[test]
-    fn learned_cutoff_is_the_first_stamp_of_the_ttl_window() {
-        let mut t = PodTable::new(1 << 14);
-        // Learning in some seconds and not others, past the number of marks kept.
-        let seconds: Vec<u32> = (0..6000).filter(|s| s % 3 != 1).collect();
-        for &second in &seconds {
-            t.touch_chain(&chain(u64::from(second), 2), Tier::Learned, second);
-        }
-        let linear = |now: u32, ttl: u32| {
-            let horizon = now.saturating_sub(ttl);
-            t.marks
+    fn chain(seed: u64, n: usize) -> Vec<u64> {
+        let mut state = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (0..n).map(|_| next(&mut state)).collect()
+    }
+
+    impl BlockIndex {
+        /// The (pod, tier) pairs that count for `hash` at `now_s`.
+        fn current_members(&self, hash: u64, now_s: u32) -> Vec<(PodId, Tier)> {
+            let epoch = self.epoch(now_s);
+            self.find(key_of(hash))
+                .map(|(b, i)| self.sets.get(slot_set(self.buckets[b].slots[i])))
+                .unwrap_or(&[])
                 .iter()
-                .find(|&&(_, second)| second > horizon)
-                .map_or(t.clock, |&(stamp, _)| stamp)
-        };
-        for now in [0, 1, 2500, 5998, 5999, 7000, 20_000] {
-            for ttl in [0, 1, 2, 60, 600, 3600, 100_000] {
-                assert_eq!(
-                    t.learned_cutoff(now, ttl),
-                    linear(now, ttl),
-                    "now {now} ttl {ttl}"
-                );
+                .filter(|&&m| self.is_current(m, epoch))
+                .map(|m| (m.pod(), m.tier()))
+                .collect()
+        }
+    }
+
+    /// The exact model: (pod, block) → (tier, second taught).
+    #[derive(Default)]
+    struct Model {
+        entries: HashMap<(PodId, u64), (Tier, u32)>,
+        ttl: u32,
+    }
+
+    impl Model {
+        /// The documented lifetime: the TTL rounded up to the next epoch of
+        /// `ceil(ttl / 16)` seconds.
+        fn live(&self, tier: Tier, taught_s: u32, now_s: u32) -> bool {
+            let epoch = self.ttl.div_ceil(16).max(1);
+            tier != Tier::Learned || now_s / epoch - taught_s / epoch <= self.ttl.div_ceil(epoch)
+        }
+
+        fn touch(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
+            for &h in hashes {
+                let entry = self
+                    .entries
+                    .entry((pod, key_of(h)))
+                    .or_insert((tier, now_s));
+                let keep_precise =
+                    entry.0 != Tier::Learned && tier == Tier::Learned && self.ttl > 0;
+                if !keep_precise {
+                    *entry = (tier, now_s);
+                }
+            }
+        }
+
+        fn members(&self, hash: u64, now_s: u32) -> Vec<(PodId, Tier)> {
+            let mut out: Vec<(PodId, Tier)> = self
+                .entries
+                .iter()
+                .filter(|(&(_, k), &(t, at))| k == key_of(hash) && self.live(t, at, now_s))
+                .map(|(&(p, _), &(t, _))| (p, t))
+                .collect();
+            out.sort_unstable();
+            out
+        }
+
+        /// Each pod's longest usable prefix of `hashes`, walked block by block.
+        fn matches(&self, hashes: &[u64], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
+            let mut pods: Vec<PodId> = self.entries.keys().map(|&(p, _)| p).collect();
+            pods.sort_unstable();
+            pods.dedup();
+            let mut out = Vec::new();
+            for pod in pods {
+                let (mut blocks, mut credit) = (0, 0.0);
+                for &h in hashes {
+                    let Some(&(tier, at)) = self.entries.get(&(pod, key_of(h))) else {
+                        break;
+                    };
+                    if !self.live(tier, at, now_s)
+                        || (tier != Tier::Learned && !rules.trust_precise)
+                    {
+                        break;
+                    }
+                    blocks += 1;
+                    credit += match tier {
+                        Tier::Gpu | Tier::Learned => 1.0,
+                        Tier::Cpu => rules.cpu_credit,
+                        Tier::Disk => rules.disk_credit,
+                    };
+                }
+                if blocks > 0 {
+                    out.push(PodMatch {
+                        pod,
+                        blocks,
+                        credit,
+                    });
+                }
+            }
+            out
+        }
+    }
+
+    fn tier_of(n: u64) -> Tier {
+        Tier::from_code((n % 4) as u8).unwrap_or(Tier::Learned)
+    }
+
+    /// Any sequence of writes, removals and clears: every block's pods and
+    /// tiers are the model's, as long as the budget is not reached.
+    #[test]
+    fn storage_matches_an_exact_model_on_random_operations() {
+        for seed in 0..8u64 {
+            let ttl = 20;
+            let mut index = BlockIndex::new(1 << 20, ttl);
+            let mut model = Model {
+                ttl,
+                ..Model::default()
+            };
+            let pods: Vec<PodId> = (0..6).filter_map(|_| index.add_pod()).collect();
+            let universe = chain(seed, 64);
+            let mut rng = seed;
+            let mut now = 0;
+            for _ in 0..600 {
+                now += (next(&mut rng) % 3) as u32;
+                let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
+                let picked: Vec<u64> = universe
+                    .iter()
+                    .copied()
+                    .filter(|_| next(&mut rng) % 4 == 0)
+                    .collect();
+                match next(&mut rng) % 10 {
+                    0..=4 => {
+                        let tier = tier_of(next(&mut rng));
+                        index.touch_chain(pod, &picked, tier, now);
+                        model.touch(pod, &picked, tier, now);
+                    }
+                    5 | 6 => {
+                        index.remove(pod, &picked);
+                        picked.iter().for_each(|&h| {
+                            model.entries.remove(&(pod, key_of(h)));
+                        });
+                    }
+                    7 => {
+                        index.remove_learned(pod, &picked);
+                        for &h in &picked {
+                            if model.entries.get(&(pod, key_of(h))).map(|e| e.0)
+                                == Some(Tier::Learned)
+                            {
+                                model.entries.remove(&(pod, key_of(h)));
+                            }
+                        }
+                    }
+                    8 => {
+                        index.clear_learned(pod);
+                        model
+                            .entries
+                            .retain(|&(p, _), &mut (t, _)| p != pod || t != Tier::Learned);
+                    }
+                    _ => {
+                        index.clear(pod);
+                        model.entries.retain(|&(p, _), _| p != pod);
+                    }
+                }
+                for &h in &universe {
+                    let mut got = index.current_members(h, now);
+                    got.sort_unstable();
+                    assert_eq!(got, model.members(h, now), "seed {seed} at {now}s");
+                }
+            }
+            assert_eq!(index.stats().evicted + index.stats().dropped, 0);
+        }
+    }
+
+    /// Chains taught and evicted the way vLLM does (prefixes stored, tails
+    /// removed), on pods that each report one tier: every pod's match length
+    /// and credit are the model's block-by-block walk.
+    #[test]
+    fn lookups_match_the_model_walk_on_random_chains() {
+        for seed in 0..8u64 {
+            let ttl = 30;
+            let mut index = BlockIndex::new(1 << 20, ttl);
+            let mut model = Model {
+                ttl,
+                ..Model::default()
+            };
+            let pods: Vec<(PodId, Tier)> = (0..8)
+                .filter_map(|i| Some((index.add_pod()?, tier_of(i))))
+                .collect();
+            let chains: Vec<Vec<u64>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
+            let mut rng = seed;
+            let mut now = 0;
+            let mut out = Vec::new();
+            for _ in 0..400 {
+                now += (next(&mut rng) % 4) as u32;
+                let (pod, tier) = pods[(next(&mut rng) % pods.len() as u64) as usize];
+                let c = &chains[(next(&mut rng) % chains.len() as u64) as usize];
+                let cut = (next(&mut rng) % (c.len() as u64 + 1)) as usize;
+                match next(&mut rng) % 8 {
+                    0..=4 => {
+                        index.touch_chain(pod, &c[..cut], tier, now);
+                        model.touch(pod, &c[..cut], tier, now);
+                    }
+                    5 => {
+                        index.remove(pod, &c[cut..]);
+                        c[cut..].iter().for_each(|&h| {
+                            model.entries.remove(&(pod, key_of(h)));
+                        });
+                    }
+                    6 => {
+                        index.clear_learned(pod);
+                        model
+                            .entries
+                            .retain(|&(p, _), &mut (t, _)| p != pod || t != Tier::Learned);
+                    }
+                    _ => {
+                        index.clear(pod);
+                        model.entries.retain(|&(p, _), _| p != pod);
+                    }
+                }
+                for rules in [
+                    TRUST_ALL,
+                    MatchRules {
+                        trust_precise: false,
+                        ..TRUST_ALL
+                    },
+                ] {
+                    for c in &chains {
+                        index.match_lengths(c, now, &rules, &mut out);
+                        assert_eq!(out, model.matches(c, now, &rules), "seed {seed} at {now}s");
+                    }
+                }
             }
         }
     }
 
+    /// The spike's shape: 512 blocks on one pod, the first 256 on 50 more,
+    /// the first 64 on 500 more: 551 pods found in a few dozen probes.
     #[test]
-    fn only_the_index_key_bits_of_a_hash_are_compared() {
-        let mut t = PodTable::new(100);
-        let full = chain(3, 4);
-        // What a feed carrying index keys delivers for the same chain.
-        let keys: Vec<u64> = full.iter().map(|&h| index_key(h)).collect();
-        assert_ne!(full, keys);
-        t.touch_chain(&keys, Tier::Gpu, 1);
-        assert_eq!(t.prefix_match(&full, &TRUST_ALL).blocks, 4);
-        t.remove(&full[2..]);
-        assert_eq!(t.prefix_match(&keys, &TRUST_ALL).blocks, 2);
+    fn a_lookup_probes_only_where_pod_sets_change() {
+        let mut index = BlockIndex::new(8 << 20, 600);
+        let pods: Vec<PodId> = (0..1000).filter_map(|_| index.add_pod()).collect();
+        let hot = chain(7, 512);
+        index.touch_chain(pods[3], &hot, Tier::Gpu, 5);
+        for &pod in &pods[10..60] {
+            index.touch_chain(pod, &hot[..256], Tier::Gpu, 5);
+        }
+        for &pod in &pods[100..600] {
+            index.touch_chain(pod, &hot[..64], Tier::Learned, 5);
+        }
+        let mut out = Vec::new();
+        let cost = index.match_lengths(&hot, 10, &TRUST_ALL, &mut out);
+        assert_eq!(out.len(), 551);
+        for m in &out {
+            let expected = match m.pod.slot() {
+                3 => 512,
+                10..60 => 256,
+                _ => 64,
+            };
+            assert_eq!(m.blocks, expected, "{m:?}");
+        }
+        assert_eq!(cost.runs, 3);
+        assert!(cost.probes <= 2 + 2 * 9, "{cost:?}");
+        // A prompt nobody holds costs one probe.
+        assert_eq!(
+            index
+                .match_lengths(&chain(8, 512), 10, &TRUST_ALL, &mut out)
+                .probes,
+            1
+        );
+        assert!(out.is_empty());
     }
 
-    /// Index keys spread over the whole table: 10,000 of them in 40,000
-    /// slots find thousands of home slots, not the 256 the top 32 bits of a
-    /// 40-bit key would give (every probe then walks a cluster).
     #[test]
-    fn index_keys_spread_over_the_table() {
-        let t = PodTable::new(20_000);
-        let homes: std::collections::HashSet<usize> = chain(9, 10_000)
-            .iter()
-            .map(|&h| t.home(key_of(h)))
-            .collect();
-        assert!(homes.len() > 5_000, "{} home slots", homes.len());
+    fn learned_entries_live_the_ttl_rounded_up_to_an_epoch() {
+        let mut index = BlockIndex::new(1 << 20, 600);
+        let pod = index.add_pod().unwrap();
+        let c = chain(1, 10);
+        index.touch_chain(pod, &c, Tier::Learned, 1000);
+        let mut out = Vec::new();
+        let blocks = |index: &BlockIndex, now, out: &mut Vec<PodMatch>| {
+            index.match_lengths(&c, now, &TRUST_ALL, out);
+            out.first().map_or(0, |m| m.blocks)
+        };
+        assert_eq!(blocks(&index, 1600, &mut out), 10);
+        // Epochs are ceil(600 / 16) = 38 s: gone by ttl + 38 s.
+        assert_eq!(blocks(&index, 1638, &mut out), 0);
+        // Precise entries do not age.
+        index.touch_chain(pod, &c, Tier::Gpu, 1000);
+        assert_eq!(blocks(&index, 100_000, &mut out), 10);
     }
 
     #[test]
-    fn forgetting_learned_entries_keeps_the_pods_own_report() {
-        let mut t = PodTable::new(100);
+    fn learned_never_downgrades_precise_and_refusals_take_back_only_learned() {
+        let mut index = BlockIndex::new(1 << 20, 600);
+        let pod = index.add_pod().unwrap();
         let precise = chain(1, 4);
         let learned = chain(2, 6);
-        t.touch_chain(&precise, Tier::Gpu, 1);
-        t.touch_chain(&learned, Tier::Learned, 1);
-        // A learned touch of a precise block keeps it precise.
-        t.touch_chain(&precise[..2], Tier::Learned, 1);
-        t.remove_learned(&[precise[0], learned[5]]);
-        assert_eq!(t.prefix_match(&precise, &TRUST_ALL).blocks, 4);
-        assert_eq!(t.prefix_match(&learned, &TRUST_ALL).blocks, 5);
-        t.clear_learned();
-        assert_eq!(t.len(), 4);
-        assert_eq!(t.prefix_match(&learned, &TRUST_ALL).blocks, 0);
-        assert_eq!(t.prefix_match(&precise, &TRUST_ALL).blocks, 4);
+        index.touch_chain(pod, &precise, Tier::Cpu, 1);
+        index.touch_chain(pod, &learned, Tier::Learned, 1);
+        index.touch_chain(pod, &precise[..2], Tier::Learned, 1);
+        assert_eq!(index.current_members(precise[0], 1), vec![(pod, Tier::Cpu)]);
+        index.remove_learned(pod, &[precise[0], learned[5]]);
+        let mut out = Vec::new();
+        index.match_lengths(&precise, 1, &TRUST_ALL, &mut out);
+        assert_eq!((out[0].blocks, out[0].credit), (4, 2.0));
+        index.match_lengths(&learned, 1, &TRUST_ALL, &mut out);
+        assert_eq!(out[0].blocks, 5);
+        index.clear_learned(pod);
+        index.match_lengths(&learned, 1, &TRUST_ALL, &mut out);
+        assert!(out.is_empty());
+        index.match_lengths(&precise, 1, &TRUST_ALL, &mut out);
+        assert_eq!(out[0].blocks, 4);
     }
 
+    /// A small budget under a long stream of learning: the bytes never pass
+    /// it, precise entries outlive learned ones, and the newest chain is whole.
     #[test]
-    fn prefix_len_finds_every_boundary() {
-        for n in 0..70 {
-            for cached in 0..=n {
-                assert_eq!(
-                    prefix_len(n, |i| i < cached),
-                    cached,
-                    "n={n} cached={cached}"
-                );
-            }
+    fn the_budget_holds_and_learned_entries_go_before_precise_ones() {
+        let budget = 64 << 10;
+        let mut index = BlockIndex::new(budget, 600);
+        let reporter = index.add_pod().unwrap();
+        let learner = index.add_pod().unwrap();
+        let precise = chain(1, 1500);
+        index.touch_chain(reporter, &precise, Tier::Gpu, 0);
+        let mut newest = Vec::new();
+        for round in 0..400u64 {
+            newest = chain(100 + round, 50);
+            index.touch_chain(learner, &newest, Tier::Learned, round as u32);
+            assert!(
+                index.memory_bytes() <= budget,
+                "round {round}: {:?}",
+                index.stats()
+            );
         }
-    }
-
-    #[test]
-    fn longest_prefix_match() {
-        let mut t = PodTable::new(1000);
-        let a = chain(1, 40);
-        t.touch_chain(&a[..25], Tier::Learned, 0);
-        assert_eq!(t.prefix_match(&a, &TRUST_ALL).blocks, 25);
-        assert_eq!(t.prefix_match(&a[..10], &TRUST_ALL).blocks, 10);
-        assert_eq!(t.prefix_match(&chain(2, 40), &TRUST_ALL).blocks, 0);
-        assert_eq!(t.len(), 25);
-    }
-
-    #[test]
-    fn capacity_bounds_entries_and_evicts_oldest_tail_first() {
-        let mut t = PodTable::new(100);
-        let old = chain(1, 60);
-        let new = chain(2, 60);
-        t.touch_chain(&old, Tier::Learned, 0);
-        t.touch_chain(&new, Tier::Learned, 1);
-        assert!(t.len() <= 100);
-        assert_eq!(
-            t.prefix_match(&new, &TRUST_ALL).blocks,
-            60,
-            "the newest prompt survives whole"
-        );
-        let kept = t.prefix_match(&old, &TRUST_ALL).blocks;
-        assert!(
-            kept < 60 && kept > 0,
-            "the old prompt loses its tail first, kept {kept}"
-        );
-        // Every surviving block of the old prompt is a prefix: nothing after a hole.
-        let present: Vec<bool> = old.iter().map(|&h| t.find(key_of(h)).is_some()).collect();
-        assert!(
-            present.windows(2).all(|w| w[0] || !w[1]),
-            "cached set stays prefix-closed"
-        );
-    }
-
-    #[test]
-    fn reuse_refreshes_lru_order() {
-        let mut t = PodTable::new(100);
-        let a = chain(1, 50);
-        let b = chain(2, 40);
-        t.touch_chain(&a, Tier::Learned, 0);
-        t.touch_chain(&b, Tier::Learned, 0);
-        t.touch_chain(&a, Tier::Learned, 0); // a is hot again
-        t.touch_chain(&chain(3, 30), Tier::Learned, 0);
-        assert_eq!(t.prefix_match(&a, &TRUST_ALL).blocks, 50);
-        assert!(t.prefix_match(&b, &TRUST_ALL).blocks < 40);
-    }
-
-    #[test]
-    fn churn_keeps_lookups_exact() {
-        let mut t = PodTable::new(500);
-        for round in 0..200u64 {
-            let c = chain(round, 37);
-            t.touch_chain(&c, Tier::Learned, round as u32);
-            assert_eq!(t.prefix_match(&c, &TRUST_ALL).blocks, 37);
-            assert!(t.len() <= 500);
-        }
-        // Every stored key is findable (probe chains intact after sweeps).
-        for slot in 0..t.keys.len() {
-            if t.keys[slot] != EMPTY {
-                assert_eq!(t.find(t.keys[slot]), Some(slot));
-            }
-        }
-    }
-
-    #[test]
-    fn ttl_hides_learned_but_not_precise_entries() {
-        let mut t = PodTable::new(100);
-        let learned = chain(1, 10);
-        let precise = chain(2, 10);
-        t.touch_chain(&learned, Tier::Learned, 100);
-        t.touch_chain(&precise, Tier::Gpu, 100);
-        let rules = |now| MatchRules {
-            learned_cutoff: t.learned_cutoff(now, 60),
-            ..TRUST_ALL
-        };
-        assert_eq!(t.prefix_match(&learned, &rules(150)).blocks, 10);
-        assert_eq!(t.prefix_match(&learned, &rules(161)).blocks, 0);
-        assert_eq!(t.prefix_match(&precise, &rules(10_000)).blocks, 10);
-        let untrusted = MatchRules {
-            trust_precise: false,
-            ..rules(150)
-        };
-        assert_eq!(t.prefix_match(&precise, &untrusted).blocks, 0);
-    }
-
-    #[test]
-    fn lower_tiers_earn_discounted_credit() {
-        let mut t = PodTable::new(100);
-        let c = chain(1, 12);
-        t.touch_chain(&c[..8], Tier::Disk, 0);
-        t.touch_chain(&c[..6], Tier::Cpu, 0);
-        t.touch_chain(&c[..4], Tier::Gpu, 0);
-        let m = t.prefix_match(&c, &TRUST_ALL);
-        assert_eq!(m.blocks, 8);
-        assert!((m.credit - (4.0 + 2.0 * 0.5 + 2.0 * 0.25)).abs() < 1e-9);
-    }
-
-    #[test]
-    fn learned_never_downgrades_precise() {
-        let mut t = PodTable::new(10);
-        let c = chain(1, 3);
-        t.touch_chain(&c, Tier::Cpu, 0);
-        t.touch_chain(&c, Tier::Learned, 0);
-        assert!(t
-            .entries_oldest_first()
+        let stats = index.stats();
+        assert!(stats.evicted > 0, "{stats:?}");
+        let mut out = Vec::new();
+        index.match_lengths(&precise, 400, &TRUST_ALL, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(1500), "{stats:?}");
+        let held = newest
             .iter()
-            .all(|&(_, tier)| tier == Tier::Cpu));
+            .filter(|&&h| !index.current_members(h, 400).is_empty())
+            .count();
+        assert!(held >= 45, "newest chain kept {held}/50");
     }
 
     #[test]
-    fn resizing_keeps_the_newest_entries() {
-        let mut t = PodTable::new(100);
-        let old = chain(1, 30);
-        let new = chain(2, 30);
-        t.touch_chain(&old, Tier::Learned, 0);
-        t.touch_chain(&new, Tier::Gpu, 0);
-        let bigger = t.resized(1000, 5);
-        assert_eq!(bigger.len(), 60);
-        assert_eq!(bigger.prefix_match(&new, &TRUST_ALL).blocks, 30);
-        let smaller = t.resized(40, 5);
-        assert_eq!(smaller.prefix_match(&new, &TRUST_ALL).blocks, 30);
-        assert!(smaller.prefix_match(&old, &TRUST_ALL).blocks < 30);
-        assert!(smaller.len() <= 40);
-    }
-
-    #[test]
-    fn remove_and_clear() {
-        let mut t = PodTable::new(100);
-        let c = chain(1, 20);
-        t.touch_chain(&c, Tier::Gpu, 0);
-        t.remove(&c[10..]);
-        assert_eq!(t.prefix_match(&c, &TRUST_ALL).blocks, 10);
-        assert_eq!(t.len(), 10);
-        t.remove(&[12345]);
-        t.clear();
-        assert!(t.is_empty());
-        assert_eq!(t.prefix_match(&c, &TRUST_ALL).blocks, 0);
-    }
-
-    #[test]
-    fn stamps_rebase_before_overflow() {
-        let mut t = PodTable::new(10);
-        t.clock = STAMP_MASK - 5;
+    fn a_pod_that_leaves_takes_its_entries_and_its_id_is_reused_clean() {
+        let mut index = BlockIndex::new(1 << 20, 600);
+        let a = index.add_pod().unwrap();
         let c = chain(1, 8);
-        t.touch_chain(&c, Tier::Learned, 0);
-        t.touch_chain(&chain(2, 8), Tier::Learned, 0);
-        assert!(t.clock < 100);
-        assert_eq!(t.prefix_match(&chain(2, 8), &TRUST_ALL).blocks, 8);
+        index.touch_chain(a, &c, Tier::Gpu, 1);
+        index.remove_pod(a);
+        let b = index.add_pod().unwrap();
+        assert_eq!(a, b);
+        let mut out = Vec::new();
+        index.match_lengths(&c, 1, &TRUST_ALL, &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]
-    fn zero_hash_and_oversized_chain() {
-        let mut t = PodTable::new(4);
-        t.touch_chain(&[0, 1, 2, 3, 4, 5], Tier::Learned, 0);
-        assert_eq!(t.len(), 3, "0 folds onto 1; the chain is cut at capacity");
-        assert_eq!(t.prefix_match(&[0, 1, 2, 3], &TRUST_ALL).blocks, 4);
-    }
-
-    #[test]
-    fn memory_is_at_most_16_bytes_per_block() {
-        let t = PodTable::new(19208);
-        assert!(t.memory_bytes() as f64 / 19208.0 <= 16.0);
+    fn reconfiguring_keeps_entries_and_only_index_keys_are_compared() {
+        let mut index = BlockIndex::new(1 << 20, 600);
+        let pod = index.add_pod().unwrap();
+        let full = chain(3, 40);
+        // What a feed carrying index keys delivers for the same chain.
+        let keys: Vec<u64> = full.iter().map(|&h| index_key(h)).collect();
+        index.touch_chain(pod, &keys, Tier::Gpu, 1);
+        let index = index.reconfigured(4 << 20, 60, 2);
+        let mut out = Vec::new();
+        index.match_lengths(&full, 2, &TRUST_ALL, &mut out);
+        assert_eq!(
+            out,
+            vec![PodMatch {
+                pod,
+                blocks: 40,
+                credit: 40.0
+            }]
+        );
     }
 }

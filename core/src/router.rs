@@ -1,5 +1,6 @@
-//! The routing state of one VM and the decision for one request: pods with
-//! their block tables and load, longest-prefix lookup, scoring, learning.
+//! The routing state of one VM and the decision for one request: pods and
+//! their load, the block → pod-set index, longest-prefix lookup, scoring,
+//! learning.
 
 use crate::admission::all_saturated;
 use crate::budget::ClientBudgets;
@@ -8,10 +9,10 @@ use crate::feed::{BlockOp, FeedUpdate, Tier};
 use crate::hash::{
     keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, Domain,
 };
-use crate::index::{MatchRules, PodTable};
+use crate::index::{BlockIndex, LookupCost, MatchRules, PodId, PodMatch};
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 /// A pod as discovery states it.
@@ -35,7 +36,8 @@ pub struct ReportedLoad {
 #[derive(Debug, Clone)]
 struct Pod {
     spec: PodSpec,
-    table: PodTable,
+    /// The pod's handle in the block index.
+    id: PodId,
     inflight_requests: u32,
     inflight_blocks: u64,
     /// Uncached prompt blocks of requests routed here and not finished.
@@ -45,13 +47,17 @@ struct Pod {
     passed_over_until_s: u32,
     /// What each recent client taught this pod's table.
     client_budgets: ClientBudgets,
+    /// Orders pods of equal load in the least-loaded walk; redrawn at every
+    /// load change, so idle pods take new prefixes in turn.
+    shuffle: u64,
 }
 
 impl Pod {
-    fn new(spec: PodSpec, table_blocks: usize) -> Pod {
+    fn new(spec: PodSpec, id: PodId) -> Pod {
         Pod {
-            table: PodTable::new(table_blocks),
+            shuffle: mix(id.slot() as u64),
             spec,
+            id,
             inflight_requests: 0,
             inflight_blocks: 0,
             active_blocks: 0,
@@ -59,6 +65,18 @@ impl Pod {
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
         }
+    }
+
+    /// Where the pod stands in the least-loaded walk: fewest prompt blocks in
+    /// flight, then fewest waiting, then fewest requests in flight.
+    fn load_key(&self, index: usize) -> LoadKey {
+        (
+            self.inflight_blocks,
+            self.reported.waiting,
+            self.inflight_requests,
+            self.shuffle,
+            index,
+        )
     }
 
     fn serves(&self, model: &str) -> bool {
@@ -75,6 +93,22 @@ impl Pod {
         let limit = (share.ceil() as usize).max(1);
         &hashes[..hashes.len().min(limit)]
     }
+}
+
+/// Position in the least-loaded order (see [`Pod::load_key`]), then the pod's index.
+type LoadKey = (u64, u32, u32, u64, usize);
+
+/// Pods with no cached prefix that a decision still considers: the least
+/// loaded ones serving the model (besides every pod the lookup matched).
+/// Enough for a new prefix to find an idle pod and for the fallbacks.
+pub const LEAST_LOADED_CANDIDATES: usize = 16;
+
+/// SplitMix64 finaliser.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// What the configuration says about learning and failures.
@@ -172,6 +206,8 @@ pub struct Decision {
     /// With `priority` configured: every candidate is saturated, by test
     /// (see `admission::all_saturated`).
     pub saturation: Option<[usize; 3]>,
+    /// What the index lookup cost (blocks probed, runs of equal pod set).
+    pub lookup: LookupCost,
 }
 
 impl Decision {
@@ -225,11 +261,16 @@ impl Decision {
     }
 }
 
-/// The pods one VM routes to, with their tables and load.
-#[derive(Debug, Clone, Default)]
+/// The pods one VM routes to, their load, and the block index.
+#[derive(Debug, Clone)]
 pub struct Cluster {
     pods: Vec<Pod>,
     by_address: HashMap<String, usize>,
+    /// Index into `pods` of each index pod id (`usize::MAX`: none).
+    by_id: Vec<usize>,
+    /// Every pod by [`Pod::load_key`]: the least-loaded walk.
+    load_order: BTreeSet<LoadKey>,
+    index: BlockIndex,
     /// True once the indexer feed has named the pods: it then owns the set.
     discovered: bool,
     /// Precise entries are trusted until this second (feed freshness).
@@ -243,6 +284,25 @@ pub struct Cluster {
     policy: ClusterPolicy,
 }
 
+impl Default for Cluster {
+    fn default() -> Self {
+        let settings = Config::default().index;
+        Cluster {
+            pods: Vec::new(),
+            by_address: HashMap::new(),
+            by_id: Vec::new(),
+            load_order: BTreeSet::new(),
+            index: BlockIndex::new(settings.budget_bytes, settings.ttl_seconds),
+            discovered: false,
+            precise_until_s: 0,
+            default_capacity: 0,
+            configured_speeds: HashMap::new(),
+            has_feed_state: false,
+            policy: ClusterPolicy::default(),
+        }
+    }
+}
+
 impl Cluster {
     /// Pods from the plugin configuration; ignored once the indexer feed has
     /// named the pods (discovery then owns the set).
@@ -254,6 +314,14 @@ impl Cluster {
             .iter()
             .map(|e| (e.address.clone(), config.speed_of(e)))
             .collect();
+        let settings = &config.index;
+        if settings.budget_bytes != self.index.budget_bytes()
+            || settings.ttl_seconds != self.index.ttl_seconds()
+        {
+            self.index =
+                self.index
+                    .reconfigured(settings.budget_bytes, settings.ttl_seconds, now_s);
+        }
         if self.discovered {
             return;
         }
@@ -263,12 +331,13 @@ impl Cluster {
             capacity_blocks: config.capacity_of(e),
             speed: config.speed_of(e),
         });
-        self.set_pods(specs.collect(), now_s);
+        self.set_pods(specs.collect());
     }
 
-    /// Replaces the pod set, keeping the table and load of every pod that
-    /// stays (its table resized when its capacity changed).
-    pub fn set_pods(&mut self, specs: Vec<PodSpec>, now_s: u32) {
+    /// Replaces the pod set, keeping the index entries and load of every pod
+    /// that stays. Pods beyond what the index can tell apart
+    /// ([`crate::index::MAX_PODS`]) are left out.
+    pub fn set_pods(&mut self, specs: Vec<PodSpec>) {
         let mut old: HashMap<String, Pod> = self
             .pods
             .drain(..)
@@ -281,20 +350,30 @@ impl Cluster {
             }
             let pod = match old.remove(&spec.address) {
                 Some(mut kept) => {
-                    if kept.spec.capacity_blocks != spec.capacity_blocks {
-                        kept.table = kept.table.resized(self.table_blocks(&spec), now_s);
-                    }
                     kept.spec = spec;
                     kept
                 }
-                None => {
-                    let table_blocks = self.table_blocks(&spec);
-                    Pod::new(spec, table_blocks)
-                }
+                None => match self.index.add_pod() {
+                    Some(id) => Pod::new(spec, id),
+                    None => continue,
+                },
             };
             self.by_address
                 .insert(pod.spec.address.clone(), self.pods.len());
             self.pods.push(pod);
+        }
+        for gone in old.into_values() {
+            self.index.remove_pod(gone.id);
+        }
+        self.by_id.clear();
+        self.load_order.clear();
+        for (i, pod) in self.pods.iter().enumerate() {
+            let slot = pod.id.slot();
+            if self.by_id.len() <= slot {
+                self.by_id.resize(slot + 1, usize::MAX);
+            }
+            self.by_id[slot] = i;
+            self.load_order.insert(pod.load_key(i));
         }
     }
 
@@ -314,31 +393,19 @@ impl Cluster {
         only.or_else(|| config.default_model.clone())
     }
 
-    /// Table size for a pod. With the indexer, the pod's own token-block
-    /// entries (up to its capacity) share the table with learned byte-chunk
-    /// entries (another view of the same cache), so it holds twice as many:
-    /// neither may evict the other.
-    fn table_blocks(&self, spec: &PodSpec) -> usize {
-        let capacity = spec.capacity_blocks as usize;
-        if self.discovered {
-            capacity * 2
-        } else {
-            capacity
-        }
-    }
-
     pub fn is_empty(&self) -> bool {
         self.pods.is_empty()
     }
 
-    /// Cached blocks over all pods, and the bytes their tables hold.
-    pub fn index_size(&self) -> (usize, usize) {
-        self.pods.iter().fold((0, 0), |(n, b), p| {
-            (n + p.table.len(), b + p.table.memory_bytes())
-        })
+    /// The block index, for its counters.
+    pub fn index(&self) -> &BlockIndex {
+        &self.index
     }
 
-    /// Picks the pod for a hashed prompt.
+    /// Picks the pod for a hashed prompt. The candidates are the pods the
+    /// index lookup matched and the [`LEAST_LOADED_CANDIDATES`] least-loaded
+    /// pods serving the model: the cost of a decision does not grow with the
+    /// number of pods.
     pub fn decide(
         &self,
         config: &Config,
@@ -349,45 +416,64 @@ impl Cluster {
         if self.pods.is_empty() {
             return Err(NoRoute::NoEndpoints);
         }
-        let trust_precise = now_s < self.precise_until_s;
-        let mut candidates = Vec::with_capacity(self.pods.len());
-        let mut signals = Vec::with_capacity(self.pods.len());
-        let mut matched = Vec::with_capacity(self.pods.len());
-        let serving = |p: &&Pod| p.serves(&prompt.serving_model);
-        // Pods that just failed are passed over while any other can serve.
-        let avoid_failed = self
-            .pods
+        let rules = MatchRules {
+            trust_precise: now_s < self.precise_until_s,
+            cpu_credit: config.tier_discount.cpu,
+            disk_credit: config.tier_discount.disk,
+        };
+        let mut matches: Vec<PodMatch> = Vec::new();
+        let lookup = self
+            .index
+            .match_lengths(&prompt.hashes, now_s, &rules, &mut matches);
+        let serving = |i: usize| self.pods[i].serves(&prompt.serving_model);
+        // (pod index, blocks matched, credit), matched pods first.
+        let mut candidates: Vec<(usize, usize, f64)> = matches
             .iter()
-            .filter(serving)
-            .any(|p| !p.passed_over(now_s));
-        for (i, pod) in self
-            .pods
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| serving(p) && !(avoid_failed && p.passed_over(now_s)))
-        {
-            let rules = MatchRules {
-                learned_cutoff: pod.table.learned_cutoff(now_s, config.index.ttl_seconds),
-                trust_precise,
-                cpu_credit: config.tier_discount.cpu,
-                disk_credit: config.tier_discount.disk,
-            };
-            let m = pod.table.prefix_match(&prompt.hashes, &rules);
-            candidates.push(i);
-            matched.push(m.blocks);
-            signals.push(PodSignals {
-                cached_credit: m.credit,
-                inflight_blocks: pod.inflight_blocks,
-                active_blocks: pod.active_blocks,
-                inflight_requests: pod.inflight_requests,
-                reported: trust_precise,
-                waiting: pod.reported.waiting,
-                running: pod.reported.running,
-                kv_usage: pod.reported.kv_usage,
-                capacity_blocks: pod.spec.capacity_blocks,
-                speed: pod.spec.speed,
-            });
+            .filter_map(|m| {
+                let i = *self.by_id.get(m.pod.slot())?;
+                (i != usize::MAX && serving(i)).then_some((i, m.blocks, m.credit))
+            })
+            .collect();
+        let mut matched: Vec<usize> = candidates.iter().map(|c| c.0).collect();
+        matched.sort_unstable();
+        let mut idle_found = 0;
+        for &(.., i) in &self.load_order {
+            if idle_found == LEAST_LOADED_CANDIDATES {
+                break;
+            }
+            if !serving(i) || matched.binary_search(&i).is_ok() {
+                continue;
+            }
+            candidates.push((i, 0, 0.0));
+            if !self.pods[i].passed_over(now_s) {
+                idle_found += 1;
+            }
         }
+        // Pods that just failed are passed over while any other can serve.
+        if candidates
+            .iter()
+            .any(|&(i, ..)| !self.pods[i].passed_over(now_s))
+        {
+            candidates.retain(|&(i, ..)| !self.pods[i].passed_over(now_s));
+        }
+        let signals: Vec<PodSignals> = candidates
+            .iter()
+            .map(|&(i, _, credit)| {
+                let pod = &self.pods[i];
+                PodSignals {
+                    cached_credit: credit,
+                    inflight_blocks: pod.inflight_blocks,
+                    active_blocks: pod.active_blocks,
+                    inflight_requests: pod.inflight_requests,
+                    reported: rules.trust_precise,
+                    waiting: pod.reported.waiting,
+                    running: pod.reported.running,
+                    kv_usage: pod.reported.kv_usage,
+                    capacity_blocks: pod.spec.capacity_blocks,
+                    speed: pod.spec.speed,
+                }
+            })
+            .collect();
         let ranked = rank(prompt.hashes.len(), &signals, &config.weights, tie_seed);
         let saturation = config
             .priority
@@ -396,21 +482,23 @@ impl Cluster {
         let Some(&(best, terms)) = ranked.first() else {
             return Err(NoRoute::NoEndpointForModel);
         };
+        let address = |c: usize| self.pods[candidates[c].0].spec.address.clone();
         Ok(Decision {
-            pod: self.pods[candidates[best]].spec.address.clone(),
+            pod: address(best),
             fallbacks: ranked
                 .iter()
                 .skip(1)
                 .take(config.fallback_endpoints)
-                .map(|&(i, _)| self.pods[candidates[i]].spec.address.clone())
+                .map(|&(c, _)| address(c))
                 .collect(),
-            matched_blocks: matched[best],
+            matched_blocks: candidates[best].1,
             total_blocks: prompt.hashes.len(),
             domain: prompt.domain,
             terms,
             signals: signals[best],
             candidates: candidates.len(),
             saturation,
+            lookup,
         })
     }
 
@@ -419,13 +507,18 @@ impl Cluster {
     /// [`Cluster::forget_learned`]).
     pub fn record_routed(&mut self, address: &str, prompt_blocks: u32, hashes: &[u64], now_s: u32) {
         let policy = self.policy;
-        if let Some(pod) = self.pod_mut(address) {
+        let Some(i) = self.by_address.get(address).copied() else {
+            return;
+        };
+        self.update_load(i, |pod| {
             pod.inflight_requests = pod.inflight_requests.saturating_add(1);
             pod.inflight_blocks = pod.inflight_blocks.saturating_add(u64::from(prompt_blocks));
             pod.active_blocks = pod.active_blocks.saturating_add(u64::from(prompt_blocks));
-            let learned = pod.learnable(hashes, &policy);
-            pod.table.touch_chain(learned, Tier::Learned, now_s);
-        }
+        });
+        let pod = &self.pods[i];
+        let learned = pod.learnable(hashes, &policy);
+        self.index
+            .touch_chain(pod.id, learned, Tier::Learned, now_s);
     }
 
     /// How many leading blocks of a `want`-block prompt `client` may teach
@@ -451,17 +544,18 @@ impl Cluster {
     /// pod was chosen for).
     pub fn record_learned(&mut self, address: &str, hashes: &[u64], now_s: u32) {
         let policy = self.policy;
-        if let Some(pod) = self.pod_mut(address) {
+        if let Some(pod) = self.pod(address) {
             let learned = pod.learnable(hashes, &policy);
-            pod.table.touch_chain(learned, Tier::Learned, now_s);
+            self.index
+                .touch_chain(pod.id, learned, Tier::Learned, now_s);
         }
     }
 
     /// A request routed to `address` was refused: the blocks it taught
-    /// the table are not cached there after all.
+    /// the index are not cached there after all.
     pub fn forget_learned(&mut self, address: &str, hashes: &[u64]) {
-        if let Some(pod) = self.pod_mut(address) {
-            pod.table.remove_learned(hashes);
+        if let Some(pod) = self.pod(address) {
+            self.index.remove_learned(pod.id, hashes);
         }
     }
 
@@ -471,40 +565,59 @@ impl Cluster {
     pub fn record_failure(&mut self, address: &str, now_s: u32) {
         let cooldown = self.policy.failure_cooldown_seconds;
         if let Some(pod) = self.pod_mut(address) {
-            pod.table.clear_learned();
             pod.passed_over_until_s = now_s.saturating_add(cooldown);
+            let id = pod.id;
+            self.index.clear_learned(id);
         }
     }
 
     /// A request routed to `address` started answering: its prefill is done.
     pub fn record_prefill_done(&mut self, address: &str, prompt_blocks: u32) {
-        if let Some(pod) = self.pod_mut(address) {
-            pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+        if let Some(i) = self.by_address.get(address).copied() {
+            self.update_load(i, |pod| {
+                pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+            });
         }
     }
 
     /// A request routed to `address` ended; `prompt_blocks` are those not
     /// yet released by [`Cluster::record_prefill_done`].
     pub fn record_finished(&mut self, address: &str, prompt_blocks: u32) {
-        if let Some(pod) = self.pod_mut(address) {
-            pod.inflight_requests = pod.inflight_requests.saturating_sub(1);
-            pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+        if let Some(i) = self.by_address.get(address).copied() {
+            self.update_load(i, |pod| {
+                pod.inflight_requests = pod.inflight_requests.saturating_sub(1);
+                pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+            });
         }
     }
 
     /// A request routed to `address` with `prompt_blocks` uncached blocks
     /// ended: the KV it held there is free again.
     pub fn record_released(&mut self, address: &str, prompt_blocks: u32) {
-        if let Some(pod) = self.pod_mut(address) {
-            pod.active_blocks = pod.active_blocks.saturating_sub(u64::from(prompt_blocks));
+        if let Some(i) = self.by_address.get(address).copied() {
+            self.update_load(i, |pod| {
+                pod.active_blocks = pod.active_blocks.saturating_sub(u64::from(prompt_blocks));
+            });
         }
+    }
+
+    /// Changes pod `i`'s load and moves it in the least-loaded order (to a
+    /// new place among pods of equal load).
+    fn update_load(&mut self, i: usize, change: impl FnOnce(&mut Pod)) {
+        let Some(pod) = self.pods.get_mut(i) else {
+            return;
+        };
+        self.load_order.remove(&pod.load_key(i));
+        change(pod);
+        pod.shuffle = mix(pod.shuffle);
+        self.load_order.insert(pod.load_key(i));
     }
 
     /// Applies an indexer feed update: the pod set and load it states, then
     /// its block operations. Precise entries are trusted for `trust_for_s`.
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
         if !update.pods.is_empty() || self.discovered {
-            self.adopt_pods(update, now_s);
+            self.adopt_pods(update);
         }
         self.apply_ops(update, now_s);
         self.has_feed_state |= update.snapshot;
@@ -519,7 +632,7 @@ impl Cluster {
     /// feed keeps them exact, and an older snapshot would undo removals.
     pub fn restore(&mut self, snapshot: &FeedUpdate, discovered: bool, now_s: u32) {
         if discovered && !self.discovered {
-            self.adopt_pods(snapshot, now_s);
+            self.adopt_pods(snapshot);
         }
         for op in &snapshot.ops {
             let BlockOp::Stored { tier, hashes, .. } = op else {
@@ -531,8 +644,8 @@ impl Cluster {
             let Some(info) = snapshot.pods.get(op.pod() as usize) else {
                 continue;
             };
-            if let Some(pod) = self.pod_mut(&info.address) {
-                pod.table.touch_chain(hashes, *tier, now_s);
+            if let Some(pod) = self.pod(&info.address) {
+                self.index.touch_chain(pod.id, hashes, *tier, now_s);
             }
         }
     }
@@ -542,7 +655,7 @@ impl Cluster {
         self.discovered
     }
 
-    fn adopt_pods(&mut self, update: &FeedUpdate, now_s: u32) {
+    fn adopt_pods(&mut self, update: &FeedUpdate) {
         self.discovered = true;
         let default_capacity = self.default_capacity.max(1);
         let speeds = &self.configured_speeds;
@@ -558,36 +671,40 @@ impl Cluster {
             // Discovery knows no speeds: a configured endpoint's, else 1.
             speed: speeds.get(&p.address).copied().unwrap_or(1.0),
         });
-        let specs: Vec<PodSpec> = specs.collect();
-        self.set_pods(specs, now_s);
+        self.set_pods(specs.collect());
     }
 
     fn apply_ops(&mut self, update: &FeedUpdate, now_s: u32) {
         if update.snapshot {
-            for pod in &mut self.pods {
-                pod.table.clear();
+            for pod in &self.pods {
+                self.index.clear(pod.id);
             }
         }
         for info in &update.pods {
-            if let Some(pod) = self.pod_mut(&info.address) {
-                pod.reported = ReportedLoad {
-                    waiting: info.waiting,
-                    running: info.running,
-                    kv_usage: info.kv_usage,
-                };
+            if let Some(i) = self.by_address.get(&info.address).copied() {
+                self.update_load(i, |pod| {
+                    pod.reported = ReportedLoad {
+                        waiting: info.waiting,
+                        running: info.running,
+                        kv_usage: info.kv_usage,
+                    };
+                });
             }
         }
         for op in &update.ops {
             let Some(info) = update.pods.get(op.pod() as usize) else {
                 continue;
             };
-            let Some(pod) = self.pod_mut(&info.address) else {
+            let Some(pod) = self.pod(&info.address) else {
                 continue;
             };
+            let id = pod.id;
             match op {
-                BlockOp::Stored { tier, hashes, .. } => pod.table.touch_chain(hashes, *tier, now_s),
-                BlockOp::Removed { hashes, .. } => pod.table.remove(hashes),
-                BlockOp::Cleared { .. } => pod.table.clear(),
+                BlockOp::Stored { tier, hashes, .. } => {
+                    self.index.touch_chain(id, hashes, *tier, now_s)
+                }
+                BlockOp::Removed { hashes, .. } => self.index.remove(id, hashes),
+                BlockOp::Cleared { .. } => self.index.clear(id),
             }
         }
     }
@@ -606,31 +723,23 @@ impl Cluster {
                 kv_usage: p.reported.kv_usage,
             })
             .collect();
-        let mut ops = Vec::new();
-        for (i, pod) in self.pods.iter().enumerate() {
-            // Oldest first, one op per run of equal tier, so replay restores
-            // the LRU order.
-            let mut run: Option<(Tier, Vec<u64>)> = None;
-            for (hash, tier) in pod.table.entries_oldest_first() {
-                match &mut run {
-                    Some((t, hashes)) if *t == tier => hashes.push(hash),
-                    _ => {
-                        if let Some((t, hashes)) = run.take() {
-                            ops.push(BlockOp::Stored {
-                                pod: i as u32,
-                                tier: t,
-                                hashes,
-                            });
-                        }
-                        run = Some((tier, vec![hash]));
-                    }
+        // Per pod, oldest first, one op per run of equal tier, so replay
+        // restores what is evicted first.
+        let mut per_pod: Vec<Vec<(u64, Tier)>> = vec![Vec::new(); self.pods.len()];
+        for (id, key, tier) in self.index.entries_oldest_first() {
+            if let Some(&i) = self.by_id.get(id.slot()) {
+                if let Some(entries) = per_pod.get_mut(i) {
+                    entries.push((key, tier));
                 }
             }
-            if let Some((t, hashes)) = run {
+        }
+        let mut ops = Vec::new();
+        for (i, entries) in per_pod.into_iter().enumerate() {
+            for run in entries.chunk_by(|a, b| a.1 == b.1) {
                 ops.push(BlockOp::Stored {
                     pod: i as u32,
-                    tier: t,
-                    hashes,
+                    tier: run[0].1,
+                    hashes: run.iter().map(|&(key, _)| key).collect(),
                 });
             }
         }
@@ -641,6 +750,10 @@ impl Cluster {
             pods,
             ops,
         }
+    }
+
+    fn pod(&self, address: &str) -> Option<&Pod> {
+        self.pods.get(*self.by_address.get(address)?)
     }
 
     fn pod_mut(&mut self, address: &str) -> Option<&mut Pod> {
@@ -1020,13 +1133,15 @@ mod tests {
             }],
         };
         cluster.apply_feed(&update, 10, 5);
-        assert_eq!(
-            cluster.index_size().0,
-            50,
-            "a 0-capacity table would hold one block"
-        );
-        assert!(c.default_capacity_blocks >= 50);
-        // Capacity learned later: the table is resized, its entries kept.
+        let prompt = HashedPrompt {
+            serving_model: "m".into(),
+            domain: Domain::Tokens,
+            hashes: (1..=50).collect(),
+        };
+        let d = cluster.decide(&c, &prompt, 10, 0).unwrap();
+        assert_eq!(d.signals.capacity_blocks, c.default_capacity_blocks);
+        assert_eq!(d.matched_blocks, 50);
+        // Capacity learned later: the index entries stay.
         let scraped = FeedUpdate {
             pods: vec![PodInfo {
                 capacity_blocks: 1000,
@@ -1037,7 +1152,63 @@ mod tests {
             ..update
         };
         cluster.apply_feed(&scraped, 11, 5);
-        assert_eq!(cluster.index_size().0, 50);
+        let d = cluster.decide(&c, &prompt, 11, 0).unwrap();
+        assert_eq!((d.signals.capacity_blocks, d.matched_blocks), (1000, 50));
+        assert_eq!(cluster.index().stats().blocks, 50);
+    }
+
+    fn many_pods(n: usize) -> (Config, Cluster) {
+        let endpoints: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"address":"10.0.{}.{}:8000"}}"#, i / 256, i % 256))
+            .collect();
+        let c = config(&format!("[{}]", endpoints.join(",")));
+        let mut cluster = Cluster::default();
+        cluster.set_configured(&c, 0);
+        (c, cluster)
+    }
+
+    #[test]
+    fn a_decision_visits_the_matched_pods_and_the_least_loaded_only() {
+        let (c, mut cluster) = many_pods(300);
+        let request = chat(&"k".repeat(3000), "q");
+        let hashed = hash_prompt(&c, &request);
+        cluster.record_routed("10.0.0.7:8000", 0, &hashed.hashes, 10);
+        cluster.record_routed("10.0.0.9:8000", 0, &hashed.hashes[..5], 10);
+        let d = cluster.decide(&c, &hashed, 10, 1).unwrap();
+        assert_eq!(
+            (d.pod.as_str(), d.matched_blocks),
+            ("10.0.0.7:8000", hashed.hashes.len())
+        );
+        assert_eq!(d.candidates, 2 + LEAST_LOADED_CANDIDATES, "{}", d.explain());
+        assert!(d.lookup.probes <= 2 + 2 * 6, "{:?}", d.lookup);
+        // A loaded pod leaves the least-loaded walk: the idle ones are considered.
+        let busy = "10.0.0.9:8000";
+        cluster.record_routed(busy, 500, &[], 10);
+        let fresh = hash_prompt(&c, &chat("other", "q"));
+        let d = cluster.decide(&c, &fresh, 10, 1).unwrap();
+        assert_eq!(d.candidates, LEAST_LOADED_CANDIDATES);
+        assert_ne!(d.pod, busy);
+    }
+
+    #[test]
+    fn idle_pods_take_new_prefixes_in_turn() {
+        let (c, mut cluster) = many_pods(200);
+        let mut chosen = std::collections::BTreeSet::new();
+        for seed in 0..100 {
+            let d = route(
+                &c,
+                &mut cluster,
+                &chat(&format!("prefix {seed}"), "q"),
+                seed,
+            );
+            cluster.record_finished(&d.pod, d.total_blocks as u32);
+            chosen.insert(d.pod);
+        }
+        assert!(
+            chosen.len() >= 60,
+            "{} pods took 100 new prefixes",
+            chosen.len()
+        );
     }
 
     #[test]
