@@ -5,8 +5,14 @@
 //! 1. events applied per second on one core (decode + re-hash + index + delta log),
 //! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
 //!    blocks, built from 150 prompt groups), measured with a counting allocator
-//!    and compared with the index's own estimate,
+//!    and compared with the index's own estimate; with every block on one pod,
+//!    and with each chain held by 2, 4 and 8 pods (same vLLM events),
 //! 3. feed size: one poll tick of churn as a delta, and the full snapshot.
+//!
+//! `cargo bench -p kvroute-indexer --bench indexer -- --entries 50000000 [--pods 1000] [--share 1]`
+//! fills one index with that many (block, pod) entries, streamed (`--share K`:
+//! each chain stored by K pods), and prints the allocator's live bytes per
+//! entry, the process RSS and its peak, and the apply rate.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -123,19 +129,178 @@ fn fill_messages(rng: &mut Rng) -> (Vec<Incoming>, Vec<Vec<u64>>) {
 }
 
 fn new_index() -> Index {
+    index_of(PODS, 1 << 20)
+}
+
+fn index_of(pods: usize, feed_log_hashes: usize) -> Index {
     let cfg = IndexConfig {
         max_blocks_per_pod: 1 << 22,
-        feed_log_hashes: 1 << 20,
+        max_pods: pods,
+        feed_log_hashes,
         ..IndexConfig::default()
     };
     let mut ix = Index::new(cfg, Metrics::new(), 1);
-    for p in 0..PODS {
+    for p in 0..pods {
         ix.add_pod(&pod(p), Some("Qwen/Qwen3-32B"), origin::STATIC, 0);
     }
     ix
 }
 
+/// The payloads of one chain of `len` blocks: BlockStored events of
+/// `BLOCKS_PER_EVENT` blocks, each encoded once for all the pods storing it.
+fn chain(rng: &mut Rng, len: usize) -> Vec<Vec<u8>> {
+    let mut payloads = Vec::new();
+    let mut parent = None;
+    let mut done = 0;
+    while done < len {
+        let n = BLOCKS_PER_EVENT.min(len - done);
+        let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
+        let tokens: Vec<u32> = (0..n * BLOCK)
+            .map(|_| (rng.next() % 151_000) as u32)
+            .collect();
+        parent = {
+            let last = hashes.last().copied();
+            let ev = KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: parent,
+                token_ids: tokens,
+                block_size: BLOCK as u32,
+                medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
+                group_idx: Some(0),
+                ..BlockStored::default()
+            });
+            let batch = EventBatch {
+                ts: 1.7e9,
+                events: vec![ev],
+                data_parallel_rank: Some(0),
+            };
+            payloads.push(encode_batch(&batch, Encoding::Map, HashForm::Uint));
+            last
+        };
+        done += n;
+    }
+    payloads
+}
+
+/// Fills `pods` pods with `per_pod` blocks each, every chain (of `chain_len`
+/// blocks) stored by `share` consecutive pods; returns the seconds spent in
+/// `Index::handle`.
+fn fill_shared(ix: &mut Index, pods: usize, per_pod: usize, share: usize, chain_len: usize) -> f64 {
+    let mut rng = Rng(0x5eed_0000_0000_0001 ^ share as u64);
+    let mut seqs = vec![0u64; pods];
+    let mut applying = 0.0;
+    for first in (0..pods).step_by(share) {
+        let holders = first..(first + share).min(pods);
+        let mut blocks = 0;
+        while blocks < per_pod {
+            let len = chain_len.min(per_pod - blocks);
+            for payload in chain(&mut rng, len) {
+                for p in holders.clone() {
+                    let m = Incoming {
+                        topic: format!("kv@{}@Qwen/Qwen3-32B", pod(p)).into_bytes(),
+                        seq: seqs[p].to_be_bytes().to_vec(),
+                        payload: payload.clone(),
+                        identity: None,
+                        received_ms: 0,
+                    };
+                    seqs[p] += 1;
+                    let t = Instant::now();
+                    ix.handle(&m, 0);
+                    applying += t.elapsed().as_secs_f64();
+                }
+            }
+            blocks += len;
+        }
+    }
+    applying
+}
+
+/// `VmRSS` and `VmHWM` (peak) of this process, bytes (Linux).
+fn rss() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+fn arg(args: &[String], name: &str) -> Option<usize> {
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1)?.parse().ok()
+}
+
+/// `--entries N`: one index filled to N (block, pod) entries.
+fn scale(entries: usize, pods: usize, share: usize) {
+    let per_pod = entries / pods;
+    let total = per_pod * pods;
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut ix = index_of(pods, IndexConfig::default().feed_log_hashes);
+    let secs = fill_shared(&mut ix, pods, per_pod, share, 512);
+    let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+    assert_eq_usize(ix.blocks(), total);
+    assert_eq_usize(ix.pod_blocks(), total);
+    assert_eq_usize(ix.distinct_blocks() * share.min(pods), total);
+    ix.update_gauges();
+    println!(
+        "scale: {pods} pods x {per_pod} blocks = {total} (block, pod) entries, each chain on {share} pod(s), {} distinct blocks; delta log {} hashes",
+        ix.distinct_blocks(),
+        ix.metrics().feed_log_hashes.get()
+    );
+    println!(
+        "scale: apply {:.2} M stored (block, pod)/s ({:.0} ns each, time in Index::handle only)",
+        total as f64 / secs / 1e6,
+        secs * 1e9 / total as f64
+    );
+    println!(
+        "scale: allocator live {:.0} MB = {:.1} bytes per (block, pod); index estimate {:.1}",
+        live as f64 / 1e6,
+        live as f64 / total as f64,
+        ix.memory_bytes() as f64 / total as f64
+    );
+    match rss() {
+        Some((rss, peak)) => println!(
+            "scale: process RSS {:.0} MB ({:.1} bytes per entry), peak {:.0} MB",
+            rss as f64 / 1e6,
+            rss as f64 / total as f64,
+            peak as f64 / 1e6
+        ),
+        None => println!("scale: RSS not available (no /proc/self/status)"),
+    }
+}
+
+/// Memory per (block, pod) of the index alone (no delta log) at the working
+/// set, each chain held by `share` pods.
+fn memory_shared(share: usize) {
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut ix = index_of(PODS, 0);
+    fill_shared(
+        &mut ix,
+        PODS,
+        BLOCKS_PER_POD,
+        share,
+        BLOCKS_PER_POD * PODS / GROUPS,
+    );
+    let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+    let total = PODS * BLOCKS_PER_POD;
+    assert_eq_usize(ix.pod_blocks(), total);
+    assert_eq_usize(ix.distinct_blocks() * share, total);
+    println!(
+        "memory, index alone, each chain on {share} pod(s): {:.1} bytes per (block, pod) ({} distinct blocks); estimate {:.1}",
+        live as f64 / total as f64,
+        ix.distinct_blocks(),
+        ix.memory_bytes() as f64 / total as f64
+    );
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(entries) = arg(&args, "--entries") {
+        let pods = arg(&args, "--pods").unwrap_or(1000);
+        scale(entries, pods, arg(&args, "--share").unwrap_or(1).max(1));
+        return;
+    }
     let mut rng = Rng(0x5eed_1234_abcd_ef01);
     let (fill, held) = fill_messages(&mut rng);
     let total_blocks = PODS * BLOCKS_PER_POD;
@@ -227,11 +392,16 @@ fn main() {
         ix.metrics().feed_log_hashes.get(),
         est as f64 / total_blocks as f64
     );
-    let log_bytes_est = ix.metrics().feed_log_hashes.get() as f64 * 8.0;
-    println!(
-        "memory without the delta log's hashes: ~{:.1} bytes per (block, pod)",
-        (with_log as f64 - log_bytes_est) / total_blocks as f64
-    );
+    assert_eq_usize(ix.pod_blocks(), total_blocks);
+    assert_eq_usize(ix.distinct_blocks(), total_blocks);
+    drop(ix);
+    for share in [1, 2, 4, 8] {
+        memory_shared(share);
+    }
+    let mut ix = new_index();
+    for m in &fill {
+        ix.handle(m, 0);
+    }
 
     // 3. Feed sizes: snapshot of the working set, and one 100 ms tick of churn.
     let snap = feed::encode(&ix.feed(0, 0));

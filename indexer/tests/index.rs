@@ -1148,3 +1148,75 @@ fn blocks_of_a_multiple_size_are_split_and_others_counted() {
     c.poll(&ix);
     assert_eq!(c.of(POD), gpu(&kv[..2]));
 }
+
+#[test]
+fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    let mut ix = Index::new(IndexConfig::default(), Metrics::new(), 5);
+    for p in pods {
+        ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
+    }
+    let toks = tokens(0, 4);
+    let kvs = kv_chain(&toks);
+    let chain = [11, 12, 13, 14];
+    for p in pods {
+        let ev = stored(&chain, None, toks.clone(), None);
+        ix.handle(&msg(p, 0, &batch(vec![ev], 0)), 0);
+    }
+    // The third pod also offloads the first two blocks to CPU.
+    let ev = stored(&chain[..2], None, tokens(0, 2), Some(Medium::Cpu));
+    ix.handle(&msg(pods[2], 1, &batch(vec![ev], 0)), 0);
+    assert_eq!(ix.pod_blocks(), 12);
+    assert_eq!(ix.distinct_blocks(), 4);
+    let mut c = fresh(&ix);
+    for p in pods {
+        assert_eq!(c.of(p), gpu(&kvs));
+    }
+
+    // The first pod evicts two blocks: the others keep them.
+    ix.handle(
+        &msg(pods[0], 1, &batch(vec![removed(&chain[2..], None)], 0)),
+        0,
+    );
+    // The third drops its GPU copies of the first two: their CPU copies remain.
+    ix.handle(
+        &msg(pods[2], 2, &batch(vec![removed(&chain[..2], None)], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert_eq!(c.of(pods[0]), gpu(&kvs[..2]));
+    assert_eq!(c.of(pods[1]), gpu(&kvs));
+    let mut third = gpu(&kvs[2..]);
+    third.extend(kvs[..2].iter().map(|&h| (h, Tier::Cpu)));
+    assert_eq!(c.of(pods[2]), third);
+    assert_eq!(ix.distinct_blocks(), 4);
+
+    // The second pod leaves: its entries go, the others' stay.
+    ix.remove_origin(pods[1], origin::STATIC);
+    c.poll(&ix);
+    assert!(c.of(pods[1]).is_empty());
+    assert_eq!(c.of(pods[0]), gpu(&kvs[..2]));
+    assert_eq!(c.of(pods[2]), third);
+    assert_eq!(ix.pod_blocks(), 6);
+
+    // A learned entry beside a pod's reported one.
+    let learned = LearnedBatch {
+        entries: vec![(pods[0].into(), vec![kvs[3]])],
+    };
+    assert_eq!(ix.apply_learned(&learned, 0), (1, 0));
+    assert!(ix.reported_by_a_pod(kvs[3]));
+
+    // The third pod's cache is cleared: what remains is the first pod's.
+    ix.handle(
+        &msg(pods[2], 3, &batch(vec![KvEvent::AllBlocksCleared], 0)),
+        0,
+    );
+    c.poll(&ix);
+    assert!(c.of(pods[2]).is_empty());
+    let mut first = gpu(&kvs[..2]);
+    first.insert(kvs[3], Tier::Learned);
+    assert_eq!(c.of(pods[0]), first);
+    assert_eq!(ix.distinct_blocks(), 3);
+    assert!(!ix.reported_by_a_pod(kvs[3]));
+    assert_eq!(c.entries, fresh(&ix).entries);
+}

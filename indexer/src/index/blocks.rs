@@ -1,15 +1,20 @@
-//! The block → pod map: per pod, each kvroute hash's reference counts by
-//! tier; a change of a hash's best tier on a pod becomes a feed op.
+//! The block → pod map, inverted: each kvroute hash is stored once, as a
+//! 12-byte record in a slab, with the interned set of the pods holding it
+//! (per pod, reference counts by tier). A block held by k pods costs one
+//! record, and the pods' sources refer to it by a 4-byte id. A change of a
+//! hash's best tier on a pod becomes a feed op.
 
-use std::collections::hash_map::Entry;
-
+use hashbrown::{hash_table, HashMap, HashTable};
 use kvroute_core::feed::Tier;
 
 use super::feed_log::Sink;
-use super::hashing::Map;
+use super::hashing::{mix, table_bytes};
+
+/// Id of a block record (stable while some pod holds the block).
+pub(super) type BlockId = u32;
 
 /// Per-tier reference counts of one kvroute hash on one pod.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub(super) struct TierCounts([u16; 4]);
 
 impl TierCounts {
@@ -17,67 +22,457 @@ impl TierCounts {
         const TIERS: [Tier; 4] = [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Learned];
         self.0.iter().position(|&c| c > 0).map(|i| TIERS[i])
     }
+
+    /// The tier when exactly one tier counts, and counts once.
+    fn single_tier(&self) -> Option<Tier> {
+        let best = self.best()?;
+        let once = self.0.iter().map(|&c| u32::from(c)).sum::<u32>() == 1;
+        once.then_some(best)
+    }
 }
 
 pub(super) fn tier_bit(t: Tier) -> u8 {
     1 << t.code()
 }
 
-/// Adds (`up`) or drops one count of `tier` for every kvroute hash of a block.
+/// A pod's (kvroute hash, pod) entries, by best tier.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Held([usize; 4]);
+
+impl Held {
+    pub(super) fn total(&self) -> usize {
+        self.0.iter().sum()
+    }
+
+    pub(super) fn by_tier(&self, t: Tier) -> usize {
+        self.0[t.code() as usize]
+    }
+
+    fn moved(&mut self, before: Option<Tier>, after: Option<Tier>) {
+        if let Some(t) = before {
+            self.0[t.code() as usize] -= 1;
+        }
+        if let Some(t) = after {
+            self.0[t.code() as usize] += 1;
+        }
+    }
+}
+
+/// One pod's hold on a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Holder {
+    pod: u64,
+    counts: TierCounts,
+}
+
+/// Id of a holder set. 0 is the empty set. An id with [`SINGLE`] set is
+/// not interned: it carries one pod key and the one tier that pod counts once
+/// (most blocks are held so; no lookup for them). Others are interned.
+type SetId = u32;
+const EMPTY_SET: SetId = 0;
+const SINGLE: SetId = 1 << 31;
+/// Pod keys a [`SINGLE`] id carries (below 2^29, and never [`FREE`]'s bits).
+const SINGLE_PODS: u64 = (1 << 29) - 1;
+
+/// Marks a free record, whose `kv` then links the next free one.
+const FREE: SetId = SetId::MAX;
+const NO_FREE: BlockId = BlockId::MAX;
+
+fn single(pod: u64, tier: Tier) -> Option<SetId> {
+    (pod < SINGLE_PODS).then(|| SINGLE | (pod as SetId) << 2 | SetId::from(tier.code()))
+}
+
+/// The (pod, tier) of a [`SINGLE`] id.
+fn single_parts(set: SetId) -> Option<(u64, Tier)> {
+    if set & SINGLE == 0 || set == FREE {
+        return None;
+    }
+    let tier = Tier::from_code((set & 3) as u8)?;
+    Some((u64::from((set & !SINGLE) >> 2), tier))
+}
+
+fn single_holder(pod: u64, tier: Tier) -> Holder {
+    let mut counts = TierCounts::default();
+    counts.0[tier.code() as usize] = 1;
+    Holder { pod, counts }
+}
+
+/// A block: its kvroute hash and who holds it (packed: 12 bytes).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
+struct Record {
+    kv: u64,
+    set: SetId,
+}
+
+/// Records per slab chunk: the slab grows by a chunk, never by doubling.
+const CHUNK: usize = 4096;
+
+/// Interned holder sets, reference counted by the records that use them.
+struct PodSets {
+    /// Set id → its holders, sorted by pod, and how many records use it.
+    slots: Vec<(Box<[Holder]>, u32)>,
+    ids: HashMap<Box<[Holder]>, SetId>,
+    free: Vec<SetId>,
+    /// The set being built (kept to reuse its allocation).
+    scratch: Vec<Holder>,
+}
+
+impl PodSets {
+    fn new() -> PodSets {
+        PodSets {
+            slots: vec![(Box::default(), 0)],
+            ids: HashMap::new(),
+            free: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The holders of a set: a [`SINGLE`] one, or an interned slice.
+    fn holders(&self, set: SetId) -> impl Iterator<Item = Holder> + '_ {
+        let single = single_parts(set).map(|(pod, tier)| single_holder(pod, tier));
+        let interned = match single {
+            Some(_) => &[],
+            None => self.slots.get(set as usize).map_or(&[][..], |s| &s.0),
+        };
+        single.into_iter().chain(interned.iter().copied())
+    }
+
+    /// The id of `scratch`'s set, with one more reference.
+    fn intern_scratch(&mut self) -> SetId {
+        match self.scratch[..] {
+            [] => return EMPTY_SET,
+            [Holder { pod, counts }] => {
+                if let Some(id) = counts.single_tier().and_then(|t| single(pod, t)) {
+                    return id;
+                }
+            }
+            _ => {}
+        }
+        if let Some(&id) = self.ids.get(&self.scratch[..]) {
+            if let Some(slot) = self.slots.get_mut(id as usize) {
+                slot.1 += 1;
+            }
+            return id;
+        }
+        let holders: Box<[Holder]> = self.scratch.as_slice().into();
+        let id = match self.free.pop() {
+            Some(id) => {
+                if let Some(slot) = self.slots.get_mut(id as usize) {
+                    *slot = (holders.clone(), 1);
+                }
+                id
+            }
+            None => {
+                self.slots.push((holders.clone(), 1));
+                (self.slots.len() - 1) as SetId
+            }
+        };
+        self.ids.insert(holders, id);
+        id
+    }
+
+    fn release(&mut self, id: SetId) {
+        if id == EMPTY_SET || id & SINGLE != 0 {
+            return;
+        }
+        let Some(slot) = self.slots.get_mut(id as usize) else {
+            return;
+        };
+        slot.1 = slot.1.saturating_sub(1);
+        if slot.1 == 0 {
+            let holders = std::mem::take(&mut slot.0);
+            self.ids.remove(&holders);
+            self.free.push(id);
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let holders: usize = self.slots.iter().map(|s| s.0.len()).sum();
+        self.slots.capacity() * std::mem::size_of::<(Box<[Holder]>, u32)>()
+            + table_bytes(
+                self.ids.capacity(),
+                std::mem::size_of::<(Box<[Holder]>, SetId)>(),
+            )
+            // each set's holders are held twice: by its slot and as its key
+            + 2 * holders * std::mem::size_of::<Holder>()
+            + self.free.capacity() * 4
+    }
+}
+
+/// Block records in chunks, with a free list threaded through freed ones.
+struct Slab {
+    chunks: Vec<Box<[Record]>>,
+    /// Records handed out so far (free or live).
+    allocated: usize,
+    free_head: BlockId,
+    live: usize,
+}
+
+impl Slab {
+    fn get(&self, id: BlockId) -> Option<&Record> {
+        self.chunks
+            .get(id as usize / CHUNK)?
+            .get(id as usize % CHUNK)
+    }
+
+    fn get_mut(&mut self, id: BlockId) -> Option<&mut Record> {
+        self.chunks
+            .get_mut(id as usize / CHUNK)?
+            .get_mut(id as usize % CHUNK)
+    }
+
+    fn kv(&self, id: BlockId) -> u64 {
+        self.get(id).map_or(0, |r| r.kv)
+    }
+
+    /// A new record of `kv` with no holder; `None` when every id is taken.
+    fn alloc(&mut self, kv: u64) -> Option<BlockId> {
+        let id = if self.free_head != NO_FREE {
+            let id = self.free_head;
+            self.free_head = self.get(id).map_or(NO_FREE, |r| r.kv as BlockId);
+            id
+        } else {
+            let id = BlockId::try_from(self.allocated)
+                .ok()
+                .filter(|&id| id != NO_FREE)?;
+            if self.allocated == self.chunks.len() * CHUNK {
+                let free = Record {
+                    kv: u64::from(NO_FREE),
+                    set: FREE,
+                };
+                self.chunks.push(vec![free; CHUNK].into_boxed_slice());
+            }
+            self.allocated += 1;
+            id
+        };
+        *self.get_mut(id)? = Record { kv, set: EMPTY_SET };
+        self.live += 1;
+        Some(id)
+    }
+
+    fn free(&mut self, id: BlockId) {
+        let next = self.free_head;
+        if let Some(rec) = self.get_mut(id) {
+            *rec = Record {
+                kv: u64::from(next),
+                set: FREE,
+            };
+            self.free_head = id;
+            self.live -= 1;
+        }
+    }
+}
+
+/// Every block some pod holds, with its holders.
+pub(super) struct Blocks {
+    slab: Slab,
+    /// kvroute hash → record.
+    index: HashTable<BlockId>,
+    sets: PodSets,
+}
+
+impl Default for Blocks {
+    fn default() -> Self {
+        Blocks {
+            slab: Slab {
+                chunks: Vec::new(),
+                allocated: 0,
+                free_head: NO_FREE,
+                live: 0,
+            },
+            index: HashTable::new(),
+            sets: PodSets::new(),
+        }
+    }
+}
+
+impl Blocks {
+    /// Distinct kvroute hashes held by some pod.
+    pub(super) fn len(&self) -> usize {
+        self.slab.live
+    }
+
+    /// The kvroute hash of a record.
+    pub(super) fn kv(&self, id: BlockId) -> u64 {
+        self.slab.kv(id)
+    }
+
+    pub(super) fn find(&self, kv: u64) -> Option<BlockId> {
+        let slab = &self.slab;
+        self.index.find(mix(kv), |&id| slab.kv(id) == kv).copied()
+    }
+
+    /// The record of `kv`, added with no holder when absent (the caller adds
+    /// one at once); `None` only when every 32-bit id is taken.
+    pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
+        let slab = &mut self.slab;
+        match self
+            .index
+            .entry(mix(kv), |&id| slab.kv(id) == kv, |&id| mix(slab.kv(id)))
+        {
+            hash_table::Entry::Occupied(o) => Some(*o.get()),
+            hash_table::Entry::Vacant(v) => {
+                let id = slab.alloc(kv)?;
+                v.insert(id);
+                Some(id)
+            }
+        }
+    }
+
+    /// Adds (`up`) or drops one count of `tier` of block `id` on `pod`,
+    /// emitting an op when the pod's best tier of the hash changes. A block
+    /// left with no holder leaves the map.
+    pub(super) fn adjust(
+        &mut self,
+        sink: &mut Sink,
+        held: &mut Held,
+        pod: u64,
+        id: BlockId,
+        tier: Tier,
+        up: bool,
+    ) {
+        let Some(&Record { kv, set }) = self.slab.get(id) else {
+            return;
+        };
+        let fast = match (set, up) {
+            (EMPTY_SET, true) => single(pod, tier).map(|s| (None, Some(tier), s)),
+            (s, false) if single_parts(s) == Some((pod, tier)) => {
+                Some((Some(tier), None, EMPTY_SET))
+            }
+            _ => None,
+        };
+        let (before, after, new_set) = match fast {
+            Some(t) => t,
+            None if set == FREE => return,
+            None => self.adjust_set(set, pod, tier, up),
+        };
+        if new_set == EMPTY_SET {
+            if let Ok(e) = self.index.find_entry(mix(kv), |&i| i == id) {
+                e.remove();
+            }
+            self.slab.free(id);
+        } else if let Some(rec) = self.slab.get_mut(id) {
+            rec.set = new_set;
+        }
+        if before != after {
+            held.moved(before, after);
+            match after {
+                Some(t) => sink.stored(pod, t, kv),
+                None => sink.removed(pod, kv),
+            }
+        }
+    }
+
+    /// The general case of [`Blocks::adjust`]: the set with `pod`'s count
+    /// changed, interned; returns `pod`'s best tier before and after, and the
+    /// new set (the old one released).
+    fn adjust_set(
+        &mut self,
+        set: SetId,
+        pod: u64,
+        tier: Tier,
+        up: bool,
+    ) -> (Option<Tier>, Option<Tier>, SetId) {
+        let t = tier.code() as usize;
+        let mut scratch = std::mem::take(&mut self.sets.scratch);
+        scratch.clear();
+        scratch.extend(self.sets.holders(set));
+        let (before, after) = match scratch.binary_search_by_key(&pod, |h| h.pod) {
+            Ok(i) => {
+                let counts = &mut scratch[i].counts;
+                let before = counts.best();
+                let c = &mut counts.0[t];
+                *c = if up {
+                    c.saturating_add(1)
+                } else {
+                    c.saturating_sub(1)
+                };
+                let after = counts.best();
+                if after.is_none() {
+                    scratch.remove(i);
+                }
+                (before, after)
+            }
+            Err(i) if up => {
+                scratch.insert(i, single_holder(pod, tier));
+                (None, Some(tier))
+            }
+            Err(_) => (None, None),
+        };
+        self.sets.scratch = scratch;
+        let new_set = self.sets.intern_scratch();
+        self.sets.release(set);
+        (before, after, new_set)
+    }
+
+    /// [`Blocks::adjust`] by hash; a hash to drop that no pod holds is ignored.
+    pub(super) fn adjust_kv(
+        &mut self,
+        sink: &mut Sink,
+        held: &mut Held,
+        pod: u64,
+        kv: u64,
+        tier: Tier,
+        up: bool,
+    ) {
+        let id = if up { self.acquire(kv) } else { self.find(kv) };
+        if let Some(id) = id {
+            self.adjust(sink, held, pod, id, tier, up);
+        }
+    }
+
+    /// The best tier of `kv` on each pod holding it.
+    pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (u64, Tier)> + '_ {
+        let set = self
+            .find(kv)
+            .and_then(|id| self.slab.get(id))
+            .map_or(EMPTY_SET, |r| r.set);
+        self.sets
+            .holders(set)
+            .filter_map(|h| Some((h.pod, h.counts.best()?)))
+    }
+
+    /// Calls `f(kv, pod, best tier)` for every (block, pod) held.
+    pub(super) fn for_each_held(&self, mut f: impl FnMut(u64, u64, Tier)) {
+        let records = self.slab.chunks.iter().flat_map(|c| c.iter());
+        for &Record { kv, set } in records.take(self.slab.allocated) {
+            if set == FREE {
+                continue;
+            }
+            for h in self.sets.holders(set) {
+                if let Some(t) = h.counts.best() {
+                    f(kv, h.pod, t);
+                }
+            }
+        }
+    }
+
+    /// Bytes held: the slab, its hash index and the interned sets.
+    pub(super) fn memory_bytes(&self) -> usize {
+        let chunks = &self.slab.chunks;
+        chunks.len() * CHUNK * std::mem::size_of::<Record>()
+            + chunks.capacity() * std::mem::size_of::<Box<[Record]>>()
+            + table_bytes(self.index.capacity(), std::mem::size_of::<BlockId>())
+            + self.sets.memory_bytes()
+    }
+}
+
+/// Adds (`up`) or drops one count of `tier` for every part of a block: its
+/// head parts (a vLLM block of several kvroute blocks) and its last one.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn adjust_block(
-    blocks: &mut Map<TierCounts>,
+    blocks: &mut Blocks,
     sink: &mut Sink,
+    held: &mut Held,
     pod: u64,
-    kv: u64,
-    head: Option<&[u64]>,
+    id: BlockId,
+    head: Option<&[BlockId]>,
     tier: Tier,
     up: bool,
 ) {
     for &part in head.unwrap_or_default() {
-        adjust(blocks, sink, pod, part, tier, up);
+        blocks.adjust(sink, held, pod, part, tier, up);
     }
-    adjust(blocks, sink, pod, kv, tier, up);
-}
-
-/// Adds `delta` (±1) to `tier` of `kv` on a pod, emitting an op when the
-/// best tier of the hash changes.
-pub(super) fn adjust(
-    blocks: &mut Map<TierCounts>,
-    sink: &mut Sink,
-    pod: u64,
-    kv: u64,
-    tier: Tier,
-    up: bool,
-) {
-    let i = tier.code() as usize;
-    match blocks.entry(kv) {
-        Entry::Occupied(mut e) => {
-            let before = e.get().best();
-            let c = &mut e.get_mut().0[i];
-            *c = if up {
-                c.saturating_add(1)
-            } else {
-                c.saturating_sub(1)
-            };
-            let after = e.get().best();
-            if after.is_none() {
-                e.remove();
-            }
-            if before != after {
-                match after {
-                    Some(t) => sink.stored(pod, t, kv),
-                    None => sink.removed(pod, kv),
-                }
-            }
-        }
-        Entry::Vacant(e) => {
-            if up {
-                let mut c = TierCounts::default();
-                c.0[i] = 1;
-                e.insert(c);
-                sink.stored(pod, tier, kv);
-            }
-        }
-    }
+    blocks.adjust(sink, held, pod, id, tier, up);
 }

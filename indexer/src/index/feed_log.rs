@@ -167,20 +167,21 @@ impl Index {
     }
 
     fn snapshot_ops(&self, idx: &HashMap<u64, u32>) -> Vec<BlockOp> {
-        let mut ops = Vec::new();
-        for (k, p) in &self.pods {
-            let Some(&pod) = idx.get(k) else { continue };
-            let mut by_tier: [Vec<u64>; 4] = Default::default();
-            for (h, c) in &p.blocks {
-                if let Some(t) = c.best() {
-                    by_tier[t.code() as usize].push(*h);
-                }
+        // Per pod (in `idx` order) and tier, the hashes whose best tier it is.
+        let mut by_pod: Vec<[Vec<u64>; 4]> = vec![Default::default(); idx.len()];
+        self.blocks.for_each_held(|kv, pod, tier| {
+            if let Some(tiers) = idx.get(&pod).and_then(|&i| by_pod.get_mut(i as usize)) {
+                tiers[tier.code() as usize].push(kv);
             }
+        });
+        let mut ops = Vec::new();
+        for (pod, by_tier) in by_pod.into_iter().enumerate() {
             for (i, hashes) in by_tier.into_iter().enumerate() {
                 if hashes.is_empty() {
                     continue;
                 }
                 if let Some(tier) = Tier::from_code(i as u8) {
+                    let pod = pod as u32;
                     ops.push(BlockOp::Stored { pod, tier, hashes });
                 }
             }

@@ -33,14 +33,25 @@ impl BuildHasher for BuildMix {
     }
 }
 
+/// [`MixHasher`] of one hash.
+pub(super) fn mix(h: u64) -> u64 {
+    BuildMix.hash_one(h)
+}
+
 pub(super) type Map<V> = HashMap<u64, V, BuildMix>;
 
-/// Bytes a hashbrown map holds for `capacity` entries of `entry` bytes.
-pub(super) fn map_bytes<V>(m: &Map<V>) -> usize {
-    let buckets = if m.capacity() == 0 {
+/// Bytes a hashbrown table holds for `capacity` entries of `entry` bytes
+/// (a control byte per bucket, buckets a power of two at most 7/8 full).
+pub(super) fn table_bytes(capacity: usize, entry: usize) -> usize {
+    let buckets = if capacity == 0 {
         0
     } else {
-        (m.capacity() * 8 / 7).next_power_of_two()
+        (capacity * 8 / 7).next_power_of_two()
     };
-    buckets * (std::mem::size_of::<(u64, V)>() + 1)
+    buckets * (entry + 1)
+}
+
+/// Bytes a [`Map`] holds.
+pub(super) fn map_bytes<V>(m: &Map<V>) -> usize {
+    table_bytes(m.capacity(), std::mem::size_of::<(u64, V)>())
 }

@@ -3,7 +3,6 @@
 
 use kvroute_core::feed::{LearnedBatch, Tier};
 
-use super::blocks::{adjust, TierCounts};
 use super::feed_log::Sink;
 use super::Index;
 
@@ -11,12 +10,9 @@ impl Index {
     /// True when some pod reports `hash` through KV events (any tier but
     /// learned): such a hash is a token-domain block, never a byte chunk.
     pub fn reported_by_a_pod(&self, hash: u64) -> bool {
-        self.pods.values().any(|p| {
-            p.blocks
-                .get(&hash)
-                .and_then(TierCounts::best)
-                .is_some_and(|t| t != Tier::Learned)
-        })
+        self.blocks
+            .holders(hash)
+            .any(|(_, best)| best != Tier::Learned)
     }
 
     /// Applies a proxy's learned batch; hashes of unknown pods are rejected.
@@ -46,7 +42,9 @@ impl Index {
                 };
                 if pod.learned.insert(h, expiry).is_none() {
                     self.learned_total += 1;
-                    adjust(&mut pod.blocks, &mut sink, key, h, Tier::Learned, true);
+                    let held = &mut pod.held;
+                    self.blocks
+                        .adjust_kv(&mut sink, held, key, h, Tier::Learned, true);
                 }
                 self.learned_fifo.push_back((expiry, key, h));
                 accepted += 1;
@@ -79,7 +77,8 @@ impl Index {
             }
             pod.learned.remove(&h);
             self.learned_total = self.learned_total.saturating_sub(1);
-            adjust(&mut pod.blocks, sink, key, h, Tier::Learned, false);
+            self.blocks
+                .adjust_kv(sink, &mut pod.held, key, h, Tier::Learned, false);
             if exp > now_ms {
                 self.metrics.learned_evicted.inc();
                 force = force.saturating_sub(1);

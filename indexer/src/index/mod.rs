@@ -21,6 +21,7 @@ use std::hash::Hasher;
 
 use crate::metrics::Metrics;
 
+use blocks::Blocks;
 use feed_log::LogOp;
 pub use hashing::{BuildMix, MixHasher};
 use pods::Pod;
@@ -137,6 +138,8 @@ pub struct Index {
     metrics: Metrics,
     epoch: u64,
     pods: BTreeMap<u64, Pod>,
+    /// Every (kvroute hash, pod) the feed serves, each hash stored once.
+    blocks: Blocks,
     by_address: HashMap<String, u64>,
     next_pod_key: u64,
     next_replay_id: u64,
@@ -157,6 +160,7 @@ impl Index {
             metrics,
             epoch,
             pods: BTreeMap::new(),
+            blocks: Blocks::default(),
             by_address: HashMap::new(),
             next_pod_key: 1,
             next_replay_id: 1,
@@ -185,12 +189,13 @@ impl Index {
 
     // -------------------------------------------------------------- stats
 
-    /// Estimated bytes held: maps by capacity, the delta log, learned records.
+    /// Estimated bytes held: the block map, the pods' vLLM hash tables by
+    /// capacity, the delta log, learned records.
     pub fn memory_bytes(&self) -> usize {
         let pods: usize = self.pods.values().map(Pod::memory_bytes).sum();
         let log = self.log.capacity() * std::mem::size_of::<LogOp>() + self.log_hashes * 8;
         let fifo = self.learned_fifo.capacity() * 24;
-        pods + log + fifo
+        self.blocks.memory_bytes() + pods + log + fifo
     }
 
     /// (vLLM block, pod, rank) entries.
@@ -198,9 +203,15 @@ impl Index {
         self.pods.values().map(|p| p.source_blocks).sum()
     }
 
+    /// Distinct kvroute hashes some pod holds (each stored once, however many
+    /// pods hold it).
+    pub fn distinct_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
     /// (kvroute hash, pod) entries served in the feed.
     pub fn pod_blocks(&self) -> usize {
-        self.pods.values().map(|p| p.blocks.len()).sum()
+        self.pods.values().map(|p| p.held.total()).sum()
     }
 
     /// Refreshes the size gauges (a walk over the pods: called by housekeeping,

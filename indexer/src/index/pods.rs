@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use kvroute_core::feed::Tier;
 
-use super::blocks::TierCounts;
+use super::blocks::{Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
 use super::sequence::Source;
@@ -41,8 +41,8 @@ pub(super) struct Pod {
     pub(super) load: Load,
     pub(super) last_seen_ms: u64,
     pub(super) sources: BTreeMap<i64, Source>,
-    /// kvroute hash → tier counts, what the feed serves.
-    pub(super) blocks: Map<TierCounts>,
+    /// The pod's (kvroute hash, pod) entries in the block map, by best tier.
+    pub(super) held: Held,
     /// Learned kvroute hash → expiry (ms).
     pub(super) learned: Map<u64>,
     pub(super) source_blocks: usize,
@@ -58,21 +58,38 @@ impl Pod {
             load: Load::default(),
             last_seen_ms: now_ms,
             sources: BTreeMap::new(),
-            blocks: Map::default(),
+            held: Held::default(),
             learned: Map::default(),
             source_blocks: 0,
         }
     }
 
     pub(super) fn memory_bytes(&self) -> usize {
-        map_bytes(&self.blocks)
-            + map_bytes(&self.learned)
+        map_bytes(&self.learned)
             + self
                 .sources
                 .values()
                 .flat_map(|s| s.groups.values())
                 .map(Group::memory_bytes)
                 .sum::<usize>()
+    }
+
+    /// Takes everything the pod holds out of the block map: its sources'
+    /// blocks and its learned entries. Their ops are moot (the caller records
+    /// one `Cleared`). Returns how many learned entries went.
+    pub(super) fn release_blocks(&mut self, blocks: &mut Blocks, key: u64) -> usize {
+        let mut moot = Sink::default();
+        for source in self.sources.values_mut() {
+            for group in source.groups.values_mut() {
+                group.drain_into(blocks, &mut moot, &mut self.held, key);
+            }
+        }
+        self.source_blocks = 0;
+        let learned = std::mem::take(&mut self.learned);
+        for h in learned.keys() {
+            blocks.adjust_kv(&mut moot, &mut self.held, key, *h, Tier::Learned, false);
+        }
+        learned.len()
     }
 }
 
@@ -143,9 +160,10 @@ impl Index {
 
     fn drop_pod(&mut self, key: u64) {
         let mut sink = Sink::default();
-        if let Some(pod) = self.pods.remove(&key) {
+        if let Some(mut pod) = self.pods.remove(&key) {
             self.by_address.remove(&pod.address);
-            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
+            let learned = pod.release_blocks(&mut self.blocks, key);
+            self.learned_total = self.learned_total.saturating_sub(learned);
             sink.cleared(key);
         }
         self.commit(sink);
@@ -162,6 +180,7 @@ impl Index {
             pod.last_seen_ms = now_ms;
         }
     }
+
     /// Expires learned entries and drops silent pods.
     pub fn expire(&mut self, now_ms: u64) {
         let mut sink = Sink::default();
@@ -173,7 +192,7 @@ impl Index {
                 .iter()
                 .filter(|(_, p)| now_ms.saturating_sub(p.last_seen_ms) > self.cfg.pod_timeout_ms)
                 .filter(|(_, p)| {
-                    p.origins == origin::EVENTS || !p.blocks.is_empty() || !p.sources.is_empty()
+                    p.origins == origin::EVENTS || p.held.total() > 0 || !p.sources.is_empty()
                 })
                 .map(|(k, p)| (*k, p.origins))
                 .collect();
@@ -193,30 +212,31 @@ impl Index {
     fn reset_pod(&mut self, key: u64) {
         let mut sink = Sink::default();
         if let Some(pod) = self.pods.get_mut(&key) {
-            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
+            let learned = pod.release_blocks(&mut self.blocks, key);
+            self.learned_total = self.learned_total.saturating_sub(learned);
             pod.learned = Map::default();
-            pod.blocks = Map::default();
             pod.sources.clear();
-            pod.source_blocks = 0;
             sink.cleared(key);
         }
         self.commit(sink);
     }
+
     /// Pods for `GET /v1/debug/pods`.
     pub fn debug_pods(&self, now_ms: u64) -> Vec<PodDebug> {
         self.pods
             .values()
             .map(|p| {
                 let mut by_tier = BTreeMap::new();
-                for c in p.blocks.values() {
-                    let name = match c.best() {
-                        Some(Tier::Gpu) => "gpu",
-                        Some(Tier::Cpu) => "cpu",
-                        Some(Tier::Disk) => "disk",
-                        Some(Tier::Learned) => "learned",
-                        None => continue,
-                    };
-                    *by_tier.entry(name).or_insert(0) += 1;
+                for (tier, name) in [
+                    (Tier::Gpu, "gpu"),
+                    (Tier::Cpu, "cpu"),
+                    (Tier::Disk, "disk"),
+                    (Tier::Learned, "learned"),
+                ] {
+                    let n = p.held.by_tier(tier);
+                    if n > 0 {
+                        by_tier.insert(name, n);
+                    }
                 }
                 let mut origins = Vec::new();
                 for (bit, name) in [
@@ -233,7 +253,7 @@ impl Index {
                     address: p.address.clone(),
                     models: p.models.clone(),
                     origins,
-                    blocks: p.blocks.len(),
+                    blocks: p.held.total(),
                     blocks_by_tier: by_tier,
                     learned: p.learned.len(),
                     sources: p

@@ -2,8 +2,8 @@
 //! hash), placeholders, BlockRemoved and AllBlocksCleared, applied to its
 //! KV-cache groups and, through them, to the pod's block map.
 
-use std::collections::hash_map::Entry;
-
+use hashbrown::hash_table::Entry;
+use hashbrown::HashTable;
 use kvroute_core::feed::Tier;
 use kvroute_core::hash::{
     extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
@@ -11,9 +11,9 @@ use kvroute_core::hash::{
 
 use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 
-use super::blocks::{adjust_block, tier_bit, TierCounts};
+use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held};
 use super::feed_log::Sink;
-use super::hashing::{map_bytes, Map};
+use super::hashing::{map_bytes, mix, table_bytes, Map};
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -27,12 +27,15 @@ pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
     )
 }
 
-/// A vLLM block held by one publisher (pod, rank).
+/// A vLLM block held by one publisher (pod, rank): 13 bytes, packed.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, packed)]
 pub(super) struct SourceEntry {
-    /// kvroute hash of the block (of its last kvroute-sized part when it
-    /// spans several: the parent of the next block).
-    pub(super) kv: u64,
+    /// vLLM hash (the key).
+    pub(super) vh: u64,
+    /// Record of the block's kvroute hash (of its last kvroute-sized part
+    /// when it spans several: the parent of the next block).
+    pub(super) block: BlockId,
     /// Bit per tier (GPU, CPU, disk).
     pub(super) tiers: u8,
 }
@@ -43,32 +46,75 @@ pub(super) struct SourceEntry {
 #[derive(Default)]
 pub(super) struct Group {
     /// vLLM hash → entry.
-    pub(super) blocks: Map<SourceEntry>,
-    /// vLLM hash → kvroute hashes of the parts before the entry's `kv`, for
+    pub(super) blocks: HashTable<SourceEntry>,
+    /// vLLM hash → records of the parts before the entry's `block`, for
     /// blocks of a multiple of the configured block size (kept apart so the
     /// common entry stays small).
-    pub(super) heads: Map<Box<[u64]>>,
+    pub(super) heads: Map<Box<[BlockId]>>,
 }
 
 impl Group {
-    pub(super) fn memory_bytes(&self) -> usize {
-        map_bytes(&self.blocks)
-            + map_bytes(&self.heads)
-            + self.heads.values().map(|h| h.len() * 8).sum::<usize>()
+    fn find(&self, vh: u64) -> Option<&SourceEntry> {
+        self.blocks.find(mix(vh), |e| { e.vh } == vh)
     }
+
+    pub(super) fn memory_bytes(&self) -> usize {
+        table_bytes(self.blocks.capacity(), std::mem::size_of::<SourceEntry>())
+            + map_bytes(&self.heads)
+            + self
+                .heads
+                .values()
+                .map(|h| std::mem::size_of_val::<[BlockId]>(h))
+                .sum::<usize>()
+    }
+
+    /// Takes every block out of the group and the block map.
+    pub(super) fn drain_into(
+        &mut self,
+        blocks: &mut Blocks,
+        sink: &mut Sink,
+        held: &mut Held,
+        pod: u64,
+    ) -> usize {
+        let drained = self.blocks.len();
+        for entry in self.blocks.drain() {
+            let head = self.heads.remove(&{ entry.vh });
+            drop_block(blocks, sink, held, pod, entry, head.as_deref());
+        }
+        drained
+    }
+}
+
+/// The records of a vLLM block's kvroute parts (head, last), added to the
+/// block map when new; `None` when the map has no id left.
+fn acquire_parts(
+    blocks: &mut Blocks,
+    kv: u64,
+    head: Option<&[u64]>,
+) -> Option<(BlockId, Option<Box<[BlockId]>>)> {
+    let head = match head {
+        Some(h) => Some(
+            h.iter()
+                .map(|&part| blocks.acquire(part))
+                .collect::<Option<Box<[BlockId]>>>()?,
+        ),
+        None => None,
+    };
+    Some((blocks.acquire(kv)?, head))
 }
 
 /// Drops every tier count a block holds.
 pub(super) fn drop_block(
-    blocks: &mut Map<TierCounts>,
+    blocks: &mut Blocks,
     sink: &mut Sink,
+    held: &mut Held,
     pod: u64,
     entry: SourceEntry,
-    head: Option<&[u64]>,
+    head: Option<&[BlockId]>,
 ) {
     for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
         if entry.tiers & tier_bit(t) != 0 {
-            adjust_block(blocks, sink, pod, entry.kv, head, t, false);
+            adjust_block(blocks, sink, held, pod, entry.block, head, t, false);
         }
     }
 }
@@ -179,8 +225,8 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match group.blocks.get(&p) {
-                Some(entry) => entry.kv,
+            Some(p) => match group.find(p) {
+                Some(entry) => self.blocks.kv(entry.block),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
                     return;
@@ -201,27 +247,44 @@ impl Index {
             keyed_token_block_hashes(parent_kv, &e.token_ids[..need], bs / span, n * span, &extra);
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
+        let blocks = &mut self.blocks;
+        let held = &mut pod.held;
         let mut applied = 0u64;
         for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
             };
             let head = (!head.is_empty()).then_some(head);
-            match group.blocks.entry(vh) {
+            match group
+                .blocks
+                .entry(mix(vh), |e| { e.vh } == vh, |e| mix(e.vh))
+            {
                 Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
-                    if entry.kv != kv {
+                    if blocks.kv(entry.block) != kv {
                         // Same vLLM hash, other content (e.g. other LoRA scope): replace.
+                        // The old block goes first: its records may be freed.
                         let old = group.heads.remove(&vh);
-                        drop_block(&mut pod.blocks, sink, key, *entry, old.as_deref());
-                        *entry = SourceEntry { kv, tiers: 0 };
-                        if let Some(head) = head {
-                            group.heads.insert(vh, head.into());
+                        drop_block(blocks, sink, held, key, *entry, old.as_deref());
+                        let Some((id, head_ids)) = acquire_parts(blocks, kv, head) else {
+                            o.remove();
+                            pod.source_blocks = pod.source_blocks.saturating_sub(1);
+                            self.metrics.blocks_refused_capacity.inc();
+                            break;
+                        };
+                        *entry = SourceEntry {
+                            vh,
+                            block: id,
+                            tiers: 0,
+                        };
+                        if let Some(head_ids) = head_ids {
+                            group.heads.insert(vh, head_ids);
                         }
                     }
                     if entry.tiers & bit == 0 {
                         entry.tiers |= bit;
-                        adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
+                        let head_ids = group.heads.get(&vh).map(|h| &h[..]);
+                        adjust_block(blocks, sink, held, key, entry.block, head_ids, tier, true);
                     }
                 }
                 Entry::Vacant(v) => {
@@ -229,12 +292,20 @@ impl Index {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
                     }
-                    v.insert(SourceEntry { kv, tiers: bit });
-                    if let Some(head) = head {
-                        group.heads.insert(vh, head.into());
-                    }
+                    let Some((id, head_ids)) = acquire_parts(blocks, kv, head) else {
+                        self.metrics.blocks_refused_capacity.inc();
+                        break;
+                    };
+                    v.insert(SourceEntry {
+                        vh,
+                        block: id,
+                        tiers: bit,
+                    });
                     pod.source_blocks += 1;
-                    adjust_block(&mut pod.blocks, sink, key, kv, head, tier, true);
+                    adjust_block(blocks, sink, held, key, id, head_ids.as_deref(), tier, true);
+                    if let Some(head_ids) = head_ids {
+                        group.heads.insert(vh, head_ids);
+                    }
                 }
             }
             applied += 1;
@@ -261,15 +332,25 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
-        for vh in &e.block_hashes {
-            let Some(entry) = group.blocks.get_mut(vh) else {
+        for &vh in &e.block_hashes {
+            let Some(entry) = group.blocks.find_mut(mix(vh), |e| { e.vh } == vh) else {
                 unknown += 1;
                 continue;
             };
             if entry.tiers & bit == 0 {
                 entry.tiers |= bit;
-                let head = group.heads.get(vh).map(|h| &h[..]);
-                adjust_block(&mut pod.blocks, sink, key, entry.kv, head, tier, true);
+                let head = group.heads.get(&vh).map(|h| &h[..]);
+                let id = entry.block;
+                adjust_block(
+                    &mut self.blocks,
+                    sink,
+                    &mut pod.held,
+                    key,
+                    id,
+                    head,
+                    tier,
+                    true,
+                );
             }
             applied += 1;
         }
@@ -298,8 +379,8 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
-        for vh in &e.block_hashes {
-            let Entry::Occupied(mut o) = group.blocks.entry(*vh) else {
+        for &vh in &e.block_hashes {
+            let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| { e.vh } == vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
@@ -309,18 +390,28 @@ impl Index {
                 continue;
             }
             entry.tiers &= !bit;
-            let kv = entry.kv;
+            let id = entry.block;
             let gone = entry.tiers == 0;
             if gone {
                 o.remove();
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
             }
             let head = if gone {
-                group.heads.remove(vh)
+                group.heads.remove(&vh)
             } else {
-                group.heads.get(vh).cloned()
+                group.heads.get(&vh).cloned()
             };
-            adjust_block(&mut pod.blocks, sink, key, kv, head.as_deref(), tier, false);
+            let held = &mut pod.held;
+            adjust_block(
+                &mut self.blocks,
+                sink,
+                held,
+                key,
+                id,
+                head.as_deref(),
+                tier,
+                false,
+            );
             removed += 1;
         }
         self.metrics.blocks_removed.inc_by(removed);
@@ -343,24 +434,24 @@ impl Index {
             .sources
             .iter()
             .any(|(r, s)| *r != rank && s.groups.values().any(|g| !g.blocks.is_empty()));
-        let Some(source) = pod.sources.get_mut(&rank) else {
+        if !pod.sources.contains_key(&rank) {
             return;
-        };
+        }
         if !others {
-            pod.source_blocks = 0;
-            source.groups.clear();
-            self.learned_total = self.learned_total.saturating_sub(pod.learned.len());
-            pod.learned.clear();
-            pod.blocks.clear();
+            let learned = pod.release_blocks(&mut self.blocks, key);
+            self.learned_total = self.learned_total.saturating_sub(learned);
+            if let Some(source) = pod.sources.get_mut(&rank) {
+                source.groups.clear();
+            }
             sink.cleared(key);
             return;
         }
+        let Some(source) = pod.sources.get_mut(&rank) else {
+            return;
+        };
         for (_, mut group) in std::mem::take(&mut source.groups) {
-            for (vh, entry) in group.blocks.drain() {
-                pod.source_blocks = pod.source_blocks.saturating_sub(1);
-                let head = group.heads.remove(&vh);
-                drop_block(&mut pod.blocks, sink, key, entry, head.as_deref());
-            }
+            let drained = group.drain_into(&mut self.blocks, sink, &mut pod.held, key);
+            pod.source_blocks = pod.source_blocks.saturating_sub(drained);
         }
     }
 }
