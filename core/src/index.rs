@@ -433,7 +433,7 @@ fn key_of(hash: u64) -> u64 {
 
 /// Length of the longest prefix of 0..n for which `hit` holds, assuming hits
 /// form a prefix: gallop 1, 2, 4, … then bisect.
-fn prefix_len(n: usize, hit: impl Fn(usize) -> bool) -> usize {
+pub(crate) fn prefix_len(n: usize, hit: impl Fn(usize) -> bool) -> usize {
     if n == 0 || !hit(0) {
         return 0;
     }

@@ -1397,6 +1397,23 @@ impl Index {
 
     // -------------------------------------------------------------- stats
 
+    /// Calls `visit` with the address, load and best-tier probe (what the
+    /// feed serves of a hash) of every pod serving `model`; a pod that names
+    /// no model serves every model. The read side of `POST /v1/lookup`.
+    pub fn visit_pods_serving<'a>(
+        &'a self,
+        model: &str,
+        mut visit: impl FnMut(&'a str, &'a Load, &dyn Fn(u64) -> Option<Tier>),
+    ) {
+        for pod in self.pods.values() {
+            if pod.models.is_empty() || pod.models.iter().any(|m| m == model) {
+                visit(&pod.address, &pod.load, &|h| {
+                    pod.blocks.get(&h).and_then(TierCounts::best)
+                });
+            }
+        }
+    }
+
     /// Estimated bytes held: maps by capacity, the delta log, learned records.
     pub fn memory_bytes(&self) -> usize {
         let pods: usize = self.pods.values().map(Pod::memory_bytes).sum();
