@@ -79,6 +79,9 @@ pub struct FilterMetrics {
     pub tokenizer_ok: Metric,
     pub tokenizer_failed: Metric,
     pub tokenizer_us: Metric,
+    pub remote_lookup_answered: Metric,
+    pub remote_lookup_failed: Metric,
+    pub remote_lookup_us: Metric,
     fallback: Vec<Metric>,
     /// Responses by verdict on the decision: confirmed, refused, failed, rerouted.
     outcomes: [Metric; 4],
@@ -100,6 +103,9 @@ impl FilterMetrics {
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
             tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
+            remote_lookup_answered: Metric::counter("kvroute.remote_lookup.answered"),
+            remote_lookup_failed: Metric::counter("kvroute.remote_lookup.failed"),
+            remote_lookup_us: Metric::histogram("kvroute.remote_lookup_us"),
             fallback: FailOpen::ALL
                 .iter()
                 .map(|c| Metric::counter(&format!("kvroute.fallback.{}", c.name())))

@@ -116,7 +116,16 @@ pub enum LookupError {
 }
 
 impl LookupError {
-    /// Short name for the decision header and logs.
+    /// Why, briefly, for the decision header: the name, and the status when
+    /// there is one (Envoy answers 503 itself when the indexer is unreachable).
+    pub fn brief(&self) -> Cow<'static, str> {
+        match self {
+            LookupError::Status(s) => Cow::Owned(format!("status {s}")),
+            other => Cow::Borrowed(other.name()),
+        }
+    }
+
+    /// Short name of the kind of failure.
     pub fn name(&self) -> &'static str {
         match self {
             LookupError::NotSent => "not_sent",
@@ -395,6 +404,8 @@ mod tests {
             decode_answer(br#"{"candidates":[]}"#, 4),
             Err(LookupError::NoCandidates)
         );
+        assert_eq!(LookupError::Status(503).brief(), "status 503");
+        assert_eq!(LookupError::NoAnswer.brief(), "no_answer");
         let mut bad = candidate("10.0.0.1:8000", 3);
         bad.held.gpu_blocks = 4;
         assert_eq!(
