@@ -11,7 +11,9 @@ as token-id completions, so both placements route on token blocks without a toke
 
 - gateway: one Envoy in precise mode (envoy/gateway-precise.yaml: the singleton polls the feed),
 - sidecars: the same requests spread round-robin over N Envoys that hold no index and no
-  endpoint list; each looks every prompt up at the indexer (`remote_index`).
+  endpoint list; each looks every prompt up at the indexer (`remote_index`),
+- plain (with --arms …,plain): one Envoy without kvroute (least-request), the cache-blind
+  baseline of hit rate and of an Envoy's memory.
 
 It prints and writes (--out) per arm: the pods' prefix-cache hit rate (Δ vllm:prefix_cache_hits
 / Δ queries, all requests and after the warm-up), requests failed, each Envoy's RSS, and the bytes
@@ -163,11 +165,14 @@ def run_arm(name: str, sidecars: int, time_scale: float, prompts, times) -> dict
         plugin = {"weights": WEIGHTS, "default_capacity_blocks": GPU_BLOCKS}
         if name == "gateway":
             configs = [render_gateway(addresses, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)]
+        elif name == "plain":
+            configs = [render_gateway(addresses, kvroute=False)]
         else:
             configs = [render_sidecar(addresses, indexer.address, plugin) for _ in range(sidecars)]
         envoys = [stack.enter_context(EnvoyProcess(c)) for c in configs]
         for e in envoys:
-            e.wait_for_peers()
+            if name != "plain":
+                e.wait_for_peers()
         time.sleep(1.0)  # the gateway's first feed poll
         rx_before = [indexer_rx_bytes(e) for e in envoys]
         t = time.monotonic()
