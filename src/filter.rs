@@ -190,18 +190,16 @@ impl RequestFilter {
         let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
             return;
         };
-        let seed = self
-            .worker
-            .try_borrow_mut()
-            .map_or(0, |mut w| w.next_tie_seed());
-        let decision = match remote::decide(&config, &pending, num_headers, body_size, seed) {
+        let answer = remote::answer(
+            &self.worker,
+            &config,
+            &pending,
+            num_headers,
+            body_size,
+            answered,
+        );
+        let decision = match answer {
             Ok(d) => {
-                if let Ok(w) = self.worker.try_borrow() {
-                    w.metrics.remote_lookup_answered.inc();
-                    w.metrics
-                        .remote_lookup_us
-                        .record(answered.saturating_sub(pending.started_us));
-                }
                 self.looked_up = true;
                 self.lookup_note = Some("lookup=remote".into());
                 Ok(d)
@@ -212,28 +210,12 @@ impl RequestFilter {
             }
         };
         // decision_us: the work after the answer (the wait is remote_lookup_us).
-        self.apply(
-            &config,
-            &pending.request,
-            pending.prompt,
-            decision,
-            answered,
-        );
+        let (request, prompt) = (pending.request, pending.prompt);
+        self.apply(&config, &request, prompt, decision, answered);
     }
 
-    /// Counts and logs a lookup that gave no usable answer.
     fn lookup_failed(&mut self, e: &LookupError) {
-        if let Ok(w) = self.worker.try_borrow() {
-            w.metrics.remote_lookup_failed.inc();
-        }
-        host::log(
-            LogLevel::Debug,
-            &format!(
-                "kvroute: request {}: remote lookup failed ({e}); deciding locally",
-                self.request_id
-            ),
-        );
-        self.lookup_note = Some(format!("lookup=local ({})", e.brief()));
+        self.lookup_note = Some(remote::failed(&self.worker, &self.request_id, e));
     }
 
     /// Sets the destination of a decision and counts it.

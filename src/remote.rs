@@ -4,10 +4,12 @@
 //! back on: this module only sends, reads and counts.
 
 use crate::host;
+use crate::worker::SharedWorker;
 use kvroute_core::config::Config;
 use kvroute_core::lookup::{self, InFlight, LookupError};
 use kvroute_core::request::PromptRequest;
 use kvroute_core::router::{Decision, HashedPrompt, NoRoute};
+use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
 
 thread_local! {
@@ -49,19 +51,42 @@ pub fn start(config: &Config, prompt: &HashedPrompt) -> Result<u32, LookupError>
 }
 
 /// Ranks the answer to `pending` (a call response of `num_headers` headers
-/// and `body_size` bytes) with this VM's in-flight counts.
-pub fn decide(
+/// and `body_size` bytes) with this VM's in-flight counts; counts it
+/// answered when it gives a decision.
+pub fn answer(
+    worker: &SharedWorker,
     config: &Config,
     pending: &PendingLookup,
     num_headers: usize,
     body_size: usize,
-    tie_seed: u64,
+    now_us: u64,
 ) -> Result<Decision, LookupError> {
     let candidates = read_answer(pending, num_headers, body_size)?;
-    IN_FLIGHT.with(|f| {
-        lookup::decide(config, &pending.prompt, &candidates, &f.borrow(), tie_seed)
+    let seed = worker.try_borrow_mut().map_or(0, |mut w| w.next_tie_seed());
+    let decision = IN_FLIGHT.with(|f| {
+        lookup::decide(config, &pending.prompt, &candidates, &f.borrow(), seed)
             .map_err(|_: NoRoute| LookupError::NoCandidates)
-    })
+    })?;
+    if let Ok(w) = worker.try_borrow() {
+        w.metrics.remote_lookup_answered.inc();
+        w.metrics
+            .remote_lookup_us
+            .record(now_us.saturating_sub(pending.started_us));
+    }
+    Ok(decision)
+}
+
+/// Counts and logs (debug, with the request id) a lookup that gave no usable
+/// answer; the note for the decision header.
+pub fn failed(worker: &SharedWorker, request_id: &str, e: &LookupError) -> String {
+    if let Ok(w) = worker.try_borrow() {
+        w.metrics.remote_lookup_failed.inc();
+    }
+    host::log(
+        LogLevel::Debug,
+        &format!("kvroute: request {request_id}: remote lookup failed ({e}); deciding locally"),
+    );
+    format!("lookup=local ({})", e.brief())
 }
 
 fn read_answer(
