@@ -5,7 +5,7 @@ FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=N runs each target N executions instead of FUZZ_SECONDS (the README's figures: 10M).
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
-FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire
+FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire lookup_decode
 GOLDEN_FRAMES := testdata/vllm-golden/frames
 
 .PHONY: indexer indexer-lint indexer-test indexer-bench fuzz fuzz-build
@@ -35,6 +35,7 @@ fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS (or FUZZ_RUNS execu
 	cp $(GOLDEN_FRAMES)/*.payload.msgpack fuzz/corpus/events_decode/
 	cp fuzz/seeds/feed_decode/* fuzz/corpus/feed_decode/
 	cp fuzz/seeds/request_parse/* fuzz/corpus/request_parse/
+	cp fuzz/seeds/lookup_decode/* fuzz/corpus/lookup_decode/
 	set -e; for t in $(FUZZ_TARGETS); do \
 	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$t corpus/$$t -- $(FUZZ_LIMIT) -rss_limit_mb=2048); \
 	done

@@ -18,3 +18,9 @@ test-mesh: venv ## the tests/mesh suite: schemas, CRDs, kustomize, envoy --mode 
 .PHONY: istio-render
 istio-render: ## print the rendered manifests of OVERLAY=gateway|sidecar (kubectl kustomize)
 	kubectl kustomize istio/overlays/$(OVERLAY)
+
+MESH_LOOKUP_OUT ?= build/mesh-lookup
+.PHONY: mesh-lookup
+mesh-lookup: venv indexer ## gateway (full index) vs 4 sidecars (remote lookup): pod prefix-cache hit rate, Envoy RSS, bytes from the indexer (quick profile shape; MESH_LOOKUP_OUT)
+	@test -f $(WASM) || $(MAKE) build
+	KVROUTE_INDEXER_BIN=$(INDEXER_BIN) $(PY) integration/mesh_lookup.py --out $(MESH_LOOKUP_OUT)

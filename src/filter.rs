@@ -4,14 +4,16 @@
 
 use crate::host;
 use crate::metrics::FailOpen;
+use crate::remote::{self, PendingLookup};
 use crate::worker::{RoutedRequest, SharedWorker};
 use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
 use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::Domain;
+use kvroute_core::lookup::LookupError;
 use kvroute_core::outcome::{judge, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
-use kvroute_core::router::hash_prompt;
+use kvroute_core::router::{hash_prompt, Decision, HashedPrompt, NoRoute};
 use kvroute_core::wire::PeerMessage;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
@@ -35,6 +37,13 @@ pub struct RequestFilter {
     fallback: Option<FailOpen>,
     /// Pending tokenizer call-out: (token, the request, start in µs).
     tokenizing: Option<(u32, PromptRequest, u64)>,
+    /// Pending remote lookup (`remote_index`).
+    looking_up: Option<PendingLookup>,
+    /// The decision came from a remote lookup: its pod's load is counted
+    /// in `remote`, not in the VM's cluster.
+    looked_up: bool,
+    /// How the remote lookup went, for the decision header.
+    lookup_note: Option<String>,
 }
 
 impl RequestFilter {
@@ -50,6 +59,9 @@ impl RequestFilter {
             explanation: None,
             fallback: None,
             tokenizing: None,
+            looking_up: None,
+            looked_up: false,
+            lookup_note: None,
         }
     }
 
@@ -109,7 +121,7 @@ impl RequestFilter {
                 return true;
             }
         }
-        self.route(&request)
+        self.route(request)
     }
 
     /// Sends a chat body to the configured `/tokenize`, when there is one.
@@ -140,18 +152,98 @@ impl RequestFilter {
         }
     }
 
-    /// Routes the request; true when it was shed instead (answered 429 by
-    /// the proxy: the stream must not resume).
-    fn route(&mut self, request: &PromptRequest) -> bool {
+    /// Hashes the prompt and decides: locally, or after a remote lookup
+    /// (`remote_index`). Returns true when the request must stay paused: for
+    /// the lookup, or because it was shed (answered 429 by the proxy).
+    fn route(&mut self, request: PromptRequest) -> bool {
         let started = micros();
+        let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
+            return false;
+        };
+        let hashed = hash_prompt(&config, &request);
+        if remote::wanted(&config, &hashed) {
+            match remote::start(&config, &hashed) {
+                Ok(token) => {
+                    self.looking_up = Some(PendingLookup {
+                        token,
+                        request,
+                        prompt: hashed,
+                        started_us: started,
+                    });
+                    return true;
+                }
+                Err(e) => self.lookup_failed(&e),
+            }
+        } else if config.remote_index.is_some() {
+            self.lookup_note = Some("lookup=local (below min_blocks)".into());
+        }
+        let decision = self.decide_locally(&config, &hashed);
+        self.apply(&config, &request, hashed, decision, started)
+    }
+
+    fn decide_locally(&self, config: &Config, hashed: &HashedPrompt) -> Result<Decision, NoRoute> {
+        let Ok(mut w) = self.worker.try_borrow_mut() else {
+            return Err(NoRoute::NoEndpoints);
+        };
+        let seed = w.next_tie_seed();
+        w.cluster.decide(config, hashed, host::now().0, seed)
+    }
+
+    /// The lookup's answer arrived: rank it, or decide locally if it is no use.
+    /// True when the request was shed (it must not resume).
+    fn on_lookup_answer(
+        &mut self,
+        pending: PendingLookup,
+        num_headers: usize,
+        body_size: usize,
+    ) -> bool {
+        let answered = micros();
+        let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
+            return false;
+        };
+        let answer = remote::answer(
+            &self.worker,
+            &config,
+            &pending,
+            num_headers,
+            body_size,
+            answered,
+        );
+        let decision = match answer {
+            Ok(d) => {
+                self.looked_up = true;
+                self.lookup_note = Some("lookup=remote".into());
+                Ok(d)
+            }
+            Err(e) => {
+                self.lookup_failed(&e);
+                self.decide_locally(&config, &pending.prompt)
+            }
+        };
+        // decision_us: the work after the answer (the wait is remote_lookup_us).
+        let (request, prompt) = (pending.request, pending.prompt);
+        self.apply(&config, &request, prompt, decision, answered)
+    }
+
+    fn lookup_failed(&mut self, e: &LookupError) {
+        self.lookup_note = Some(remote::failed(&self.worker, &self.request_id, e));
+    }
+
+    /// Sets the destination of a decision and counts it; true when the
+    /// request was shed instead (answered 429 by the proxy).
+    fn apply(
+        &mut self,
+        config: &Config,
+        request: &PromptRequest,
+        hashed: HashedPrompt,
+        decision: Result<Decision, NoRoute>,
+        started: u64,
+    ) -> bool {
         let Ok(mut w) = self.worker.try_borrow_mut() else {
             return false;
         };
-        let config = w.config.clone();
-        let hashed = hash_prompt(&config, request);
         let (now_s, _) = host::now();
-        let seed = w.next_tie_seed();
-        let decision = match w.cluster.decide(&config, &hashed, now_s, seed) {
+        let decision = match decision {
             Ok(d) => d,
             Err(e) => {
                 self.fallback = Some(FailOpen::from(e));
@@ -167,7 +259,7 @@ impl RequestFilter {
             w.metrics.saturated.inc();
         }
         if sheds(self.admission, decision.saturation) {
-            return self.shed(&w, &config, &decision.explain());
+            return self.shed(&w, config, &decision.explain());
         }
         if let Err(status) =
             host::set_request_header(&config.destination_header, Some(&decision.destination()))
@@ -204,13 +296,17 @@ impl RequestFilter {
                 .client_allowance(&decision.pod, client_key(salt), new, now_s);
             hashes.truncate(decision.matched_blocks + allowed);
         }
-        w.cluster
-            .record_routed(&decision.pod, prompt_blocks, &hashes, now_s);
-        w.tell_peers(PeerMessage::Routed {
-            pod: decision.pod.clone(),
-            prompt_blocks,
-            hashes: hashes.clone(),
-        });
+        if self.looked_up {
+            remote::routed(&decision.pod, prompt_blocks);
+        } else {
+            w.cluster
+                .record_routed(&decision.pod, prompt_blocks, &hashes, now_s);
+            w.tell_peers(PeerMessage::Routed {
+                pod: decision.pod.clone(),
+                prompt_blocks,
+                hashes: hashes.clone(),
+            });
+        }
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
             m.decision_prefix.inc()
@@ -301,7 +397,9 @@ impl RequestFilter {
             return;
         }
         let blocks = std::mem::take(prompt_blocks);
-        if let Ok(mut w) = self.worker.try_borrow_mut() {
+        if self.looked_up {
+            remote::prefill_done(pod, blocks);
+        } else if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.cluster.record_prefill_done(pod, blocks);
             w.tell_peers(PeerMessage::PrefillDone {
                 pod: pod.clone(),
@@ -312,7 +410,9 @@ impl RequestFilter {
 
     fn release(&mut self) {
         if let Some((pod, prompt_blocks, routed_blocks)) = self.in_flight.take() {
-            if let Ok(mut w) = self.worker.try_borrow_mut() {
+            if self.looked_up {
+                remote::finished(&pod, prompt_blocks);
+            } else if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cluster.record_finished(&pod, prompt_blocks);
                 w.cluster.record_released(&pod, routed_blocks);
                 w.tell_peers(PeerMessage::Finished {
@@ -357,6 +457,16 @@ impl Context for RequestFilter {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if let Some(pending) = self.looking_up.take() {
+            if pending.token == token_id {
+                if !self.on_lookup_answer(pending, num_headers, body_size) {
+                    host::resume_request();
+                }
+            } else {
+                self.looking_up = Some(pending);
+            }
+            return;
+        }
         let Some((token, request, started)) = self.tokenizing.take() else {
             return;
         };
@@ -400,7 +510,7 @@ impl Context for RequestFilter {
                 request
             }
         };
-        if !self.route(&request) {
+        if !self.route(request) {
             host::resume_request();
         }
     }
@@ -495,7 +605,11 @@ impl HttpContext for RequestFilter {
         let explanation = self
             .explanation
             .take()
-            .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())));
+            .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())))
+            .map(|text| match self.lookup_note.take() {
+                Some(note) => format!("{text}; {note}"),
+                None => text,
+            });
         if let Ok(w) = self.worker.try_borrow() {
             if let Some(text) = explanation.filter(|_| !w.config.decision_header.is_empty()) {
                 host::add_response_header(&w.config.decision_header, &text);

@@ -9,6 +9,7 @@ mod filter;
 mod host;
 mod metrics;
 mod peers;
+mod remote;
 mod singleton;
 mod worker;
 

@@ -85,6 +85,9 @@ pub struct FilterMetrics {
     pub saturated: Metric,
     /// Sheddable requests answered 429 at saturation.
     pub shed: Metric,
+    pub remote_lookup_answered: Metric,
+    pub remote_lookup_failed: Metric,
+    pub remote_lookup_us: Metric,
     fallback: Vec<Metric>,
     /// Responses by verdict on the decision: confirmed, refused, failed, rerouted.
     outcomes: [Metric; 4],
@@ -110,6 +113,9 @@ impl FilterMetrics {
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
             saturated: Metric::counter("kvroute.saturated"),
             shed: Metric::counter("kvroute.shed"),
+            remote_lookup_answered: Metric::counter("kvroute.remote_lookup.answered"),
+            remote_lookup_failed: Metric::counter("kvroute.remote_lookup.failed"),
+            remote_lookup_us: Metric::histogram("kvroute.remote_lookup_us"),
             fallback: FailOpen::ALL
                 .iter()
                 .map(|c| Metric::counter(&format!("kvroute.fallback.{}", c.name())))

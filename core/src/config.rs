@@ -306,6 +306,37 @@ impl TokenizerSettings {
     }
 }
 
+/// Remote lookup at the indexer (`POST /v1/lookup`), for proxies that hold
+/// no index (mesh sidecars): see `lookup`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteIndexSettings {
+    pub cluster: String,
+    #[serde(default = "IndexerSettings::default_authority")]
+    pub authority: String,
+    #[serde(default = "RemoteIndexSettings::default_path")]
+    pub path: String,
+    /// The request waits this long for the answer, then is decided locally.
+    #[serde(default = "RemoteIndexSettings::default_timeout_ms")]
+    pub timeout_ms: u32,
+    /// Prompts of fewer blocks are decided locally: a call-out (≈ 0.4 ms)
+    /// cannot pay off on a prefill that short.
+    #[serde(default = "RemoteIndexSettings::default_min_blocks")]
+    pub min_blocks: usize,
+}
+
+impl RemoteIndexSettings {
+    fn default_path() -> String {
+        "/v1/lookup".into()
+    }
+    fn default_timeout_ms() -> u32 {
+        50
+    }
+    fn default_min_blocks() -> usize {
+        4
+    }
+}
+
 /// The plugin configuration as written by the operator.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -344,6 +375,7 @@ pub struct Config {
     pub priority: Option<PrioritySettings>,
     pub indexer: Option<IndexerSettings>,
     pub tokenizer: Option<TokenizerSettings>,
+    pub remote_index: Option<RemoteIndexSettings>,
 }
 
 impl Default for Config {
@@ -371,6 +403,7 @@ impl Default for Config {
             priority: None,
             indexer: None,
             tokenizer: None,
+            remote_index: None,
         }
     }
 }
@@ -563,6 +596,18 @@ impl Config {
             check_callout("tokenizer", &tokenizer.cluster, tokenizer.timeout_ms)?;
             if !tokenizer.path.starts_with('/') {
                 return Err(invalid("tokenizer.path", "must start with '/'"));
+            }
+        }
+        if let Some(remote) = &self.remote_index {
+            check_callout("remote_index", &remote.cluster, remote.timeout_ms)?;
+            if !remote.path.starts_with('/') {
+                return Err(invalid("remote_index.path", "must start with '/'"));
+            }
+            if remote.min_blocks == 0 || remote.min_blocks > self.max_blocks {
+                return Err(invalid(
+                    "remote_index.min_blocks",
+                    "must be between 1 and max_blocks",
+                ));
             }
         }
         Ok(())
@@ -832,6 +877,46 @@ mod tests {
             .unwrap();
         assert_eq!(plain.admission_of(None), Admission::Critical);
         assert_eq!(plain.admission_of(Some("sheddable")), Admission::Sheddable);
+    }
+
+    #[test]
+    fn remote_index_defaults_and_errors_name_the_field() {
+        let remote = Config::from_json(br#"{"remote_index":{"cluster":"idx"}}"#)
+            .unwrap()
+            .remote_index
+            .unwrap();
+        assert_eq!(
+            (
+                remote.authority.as_str(),
+                remote.path.as_str(),
+                remote.timeout_ms,
+                remote.min_blocks
+            ),
+            ("kvroute-indexer", "/v1/lookup", 50, 4)
+        );
+        for (json, field) in [
+            (r#"{"remote_index":{}}"#, "cluster"),
+            (r#"{"remote_index":{"cluster":""}}"#, "remote_index.cluster"),
+            (
+                r#"{"remote_index":{"cluster":"i","timeout_ms":0}}"#,
+                "remote_index.timeout_ms",
+            ),
+            (
+                r#"{"remote_index":{"cluster":"i","path":"v1/lookup"}}"#,
+                "remote_index.path",
+            ),
+            (
+                r#"{"remote_index":{"cluster":"i","min_blocks":0}}"#,
+                "remote_index.min_blocks",
+            ),
+            (
+                r#"{"max_blocks":8,"remote_index":{"cluster":"i","min_blocks":9}}"#,
+                "remote_index.min_blocks",
+            ),
+            (r#"{"remote_index":{"cluster":"i","timeout":5}}"#, "timeout"),
+        ] {
+            assert_eq!(err(json).field, field, "{json}");
+        }
     }
 
     #[test]

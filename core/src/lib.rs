@@ -7,6 +7,7 @@ pub mod config;
 pub mod feed;
 pub mod hash;
 pub mod index;
+pub mod lookup;
 pub mod outcome;
 pub mod request;
 pub mod router;

@@ -261,6 +261,53 @@ impl Decision {
     }
 }
 
+/// The pods a decision ranks: address, prompt blocks matched and signals of
+/// each, index-aligned.
+pub struct Candidates<'a> {
+    pub addresses: &'a [&'a str],
+    pub matched: &'a [usize],
+    pub signals: &'a [PodSignals],
+}
+
+/// Ranks candidates with the cost model and states the decision: the best
+/// pod, its fallbacks, and (with `priority`) whether every candidate is
+/// saturated. Shared by the local index and the remote lookup.
+pub fn decide_among(
+    config: &Config,
+    prompt: &HashedPrompt,
+    candidates: &Candidates,
+    tie_seed: u64,
+    lookup: LookupCost,
+) -> Result<Decision, NoRoute> {
+    let signals = candidates.signals;
+    let ranked = rank(prompt.hashes.len(), signals, &config.weights, tie_seed);
+    let saturation = config
+        .priority
+        .as_ref()
+        .and_then(|p| all_saturated(signals, &p.saturation));
+    let Some(&(best, terms)) = ranked.first() else {
+        return Err(NoRoute::NoEndpointForModel);
+    };
+    let address = |c: usize| candidates.addresses[c].to_owned();
+    Ok(Decision {
+        pod: address(best),
+        fallbacks: ranked
+            .iter()
+            .skip(1)
+            .take(config.fallback_endpoints)
+            .map(|&(c, _)| address(c))
+            .collect(),
+        matched_blocks: candidates.matched[best],
+        total_blocks: prompt.hashes.len(),
+        domain: prompt.domain,
+        terms,
+        signals: signals[best],
+        candidates: signals.len(),
+        saturation,
+        lookup,
+    })
+}
+
 /// The pods one VM routes to, their load, and the block index.
 #[derive(Debug, Clone)]
 pub struct Cluster {
@@ -474,32 +521,17 @@ impl Cluster {
                 }
             })
             .collect();
-        let ranked = rank(prompt.hashes.len(), &signals, &config.weights, tie_seed);
-        let saturation = config
-            .priority
-            .as_ref()
-            .and_then(|p| all_saturated(&signals, &p.saturation));
-        let Some(&(best, terms)) = ranked.first() else {
-            return Err(NoRoute::NoEndpointForModel);
+        let addresses: Vec<&str> = candidates
+            .iter()
+            .map(|&(i, ..)| self.pods[i].spec.address.as_str())
+            .collect();
+        let matched: Vec<usize> = candidates.iter().map(|&(_, blocks, _)| blocks).collect();
+        let ranking = Candidates {
+            addresses: &addresses,
+            matched: &matched,
+            signals: &signals,
         };
-        let address = |c: usize| self.pods[candidates[c].0].spec.address.clone();
-        Ok(Decision {
-            pod: address(best),
-            fallbacks: ranked
-                .iter()
-                .skip(1)
-                .take(config.fallback_endpoints)
-                .map(|&(c, _)| address(c))
-                .collect(),
-            matched_blocks: candidates[best].1,
-            total_blocks: prompt.hashes.len(),
-            domain: prompt.domain,
-            terms,
-            signals: signals[best],
-            candidates: candidates.len(),
-            saturation,
-            lookup,
-        })
+        decide_among(config, prompt, &ranking, tie_seed, lookup)
     }
 
     /// A request went to `address`: count its load and learn its blocks

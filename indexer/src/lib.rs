@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod config;
 pub mod index;
+pub mod lookup;
 pub mod metrics;
 pub mod scrape;
 pub mod service;

@@ -20,6 +20,9 @@ pub struct Metrics {
     dropped: Family<Labels, Counter>,
     replays: Family<Labels, Counter>,
     feed_requests: Family<Labels, Counter>,
+    lookups: Family<Labels, Counter>,
+    /// Time to answer a `POST /v1/lookup` (decode, lookup, encode).
+    pub lookup_seconds: Histogram,
     /// Messages received from ZMQ (before queueing).
     pub messages_received: Counter,
     /// Blocks stored (per block of every BlockStored applied).
@@ -100,6 +103,7 @@ impl Metrics {
         let feed_requests = Family::<Labels, Counter>::default();
         let apply_lag_seconds = Histogram::new(exponential_buckets(0.000_01, 4.0, 10));
         let feed_response_bytes = Histogram::new(exponential_buckets(64.0, 4.0, 12));
+        let lookup_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
         let m = Metrics {
             events,
             decode_errors,
@@ -109,6 +113,8 @@ impl Metrics {
             dropped,
             replays,
             feed_requests,
+            lookups: Family::<Labels, Counter>::default(),
+            lookup_seconds: lookup_seconds.clone(),
             messages_received: Counter::default(),
             blocks_stored: Counter::default(),
             blocks_removed: Counter::default(),
@@ -187,6 +193,16 @@ impl Metrics {
             "feed_requests",
             "Feed requests served, by kind",
             m.feed_requests
+        );
+        add!(
+            "lookups",
+            "POST /v1/lookup requests, by result (answered, bad_request)",
+            m.lookups
+        );
+        add!(
+            "lookup_seconds",
+            "Time to answer a POST /v1/lookup",
+            m.lookup_seconds
         );
         add!(
             "messages_received",
@@ -396,6 +412,11 @@ impl Metrics {
         Self::inc(&self.feed_requests, "kind", kind, 1);
     }
 
+    /// A `POST /v1/lookup` ended with `result`.
+    pub fn lookup(&self, result: &'static str) {
+        Self::inc(&self.lookups, "result", result, 1);
+    }
+
     /// A POST /v1/learned was refused for `reason`.
     pub fn learned_unauthorized(&self, reason: &'static str) {
         Self::inc(&self.learned_unauthorized, "reason", reason, 1);
@@ -411,6 +432,7 @@ impl Metrics {
             "rejected" => (&self.rejected, "reason"),
             "dropped" => (&self.dropped, "reason"),
             "replays" => (&self.replays, "result"),
+            "lookups" => (&self.lookups, "result"),
             "learned_unauthorized" => (&self.learned_unauthorized, "reason"),
             _ => return 0,
         };

@@ -23,6 +23,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 use crate::auth::{Refusal, TokenFile, WriteAccess};
 use crate::config::{bind_endpoint, split_connect, split_pod, Args};
 use crate::index::{new_epoch, origin, Incoming, Index, ReplayRequest};
+use crate::lookup;
 use crate::metrics::Metrics;
 use crate::scrape::parse_vllm_metrics;
 use crate::vllm_wire::decode_seq;
@@ -560,6 +561,7 @@ async fn route(req: Request<Body>, shared: Shared, peer: SocketAddr) -> Response
             respond(StatusCode::OK, "application/octet-stream", body)
         }
         (&Method::POST, "/v1/learned") => post_learned(req, &shared, peer).await,
+        (&Method::POST, "/v1/lookup") => post_lookup(req, &shared).await,
         (&Method::GET, "/healthz") => respond(StatusCode::OK, "text/plain", "ok\n"),
         (&Method::GET, "/metrics") => {
             {
@@ -585,12 +587,58 @@ async fn route(req: Request<Body>, shared: Shared, peer: SocketAddr) -> Response
                 ),
             }
         }
-        (_, "/v1/feed" | "/v1/learned" | "/healthz" | "/metrics" | "/v1/debug/pods") => respond(
+        (
+            _,
+            "/v1/feed" | "/v1/learned" | "/v1/lookup" | "/healthz" | "/metrics" | "/v1/debug/pods",
+        ) => respond(
             StatusCode::METHOD_NOT_ALLOWED,
             "text/plain",
             "method not allowed",
         ),
         _ => respond(StatusCode::NOT_FOUND, "text/plain", "not found"),
+    }
+}
+
+/// `POST /v1/lookup`: the candidate pods for a prompt's block hashes (see
+/// [`crate::lookup`]). Read-only, so open to any proxy, like the feed.
+async fn post_lookup(req: Request<Body>, shared: &Shared) -> Response<Full<Bytes>> {
+    let body = match Limited::new(req.into_body(), lookup::MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            shared.metrics.lookup("bad_request");
+            return respond(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "text/plain",
+                "body too large",
+            );
+        }
+    };
+    let started = Instant::now();
+    let request = match lookup::parse_request(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            shared.metrics.lookup("bad_request");
+            return respond(StatusCode::BAD_REQUEST, "text/plain", e);
+        }
+    };
+    let answer = lookup::lookup(&shared.lock(), &request);
+    match serde_json::to_vec(&answer) {
+        Ok(b) => {
+            shared.metrics.lookup("answered");
+            shared
+                .metrics
+                .lookup_seconds
+                .observe(started.elapsed().as_secs_f64());
+            respond(StatusCode::OK, "application/json", b)
+        }
+        Err(e) => respond(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "text/plain",
+            e.to_string(),
+        ),
     }
 }
 

@@ -29,14 +29,19 @@ def envoyfilter_patches(objs):
     return ef, {p["applyTo"]: p for p in ef["spec"]["configPatches"]}
 
 
-def wasm_configs(objs):
-    """(filter PluginConfig, singleton PluginConfig) of an overlay."""
+def filter_config(objs):
+    """The filter's PluginConfig of an overlay."""
     _, patches = envoyfilter_patches(objs)
-    filt = patches["HTTP_FILTER"]["patch"]["value"]["typed_config"]["config"]
+    return patches["HTTP_FILTER"]["patch"]["value"]["typed_config"]["config"]
+
+
+def wasm_configs(objs):
+    """(filter PluginConfig, singleton PluginConfig, bootstrap override) of the gateway overlay
+    (sidecars have no singleton: they look prompts up, see test_sidecars_hold_no_index)."""
     (cm,) = find(objs, "ConfigMap", "kvroute-bootstrap")
     boot = json.loads(cm["data"]["custom_bootstrap.json"])
     (ext,) = boot["bootstrap_extensions"]
-    return filt, ext["typed_config"], boot
+    return filter_config(objs), ext["typed_config"], boot
 
 
 def plugin_json(plugin_config):
@@ -134,16 +139,16 @@ def test_overlay_contents(overlay):
         ("AuthorizationPolicy", "kvroute-indexer-feed"),
         ("NetworkPolicy", "kvroute-indexer-events"),
         ("NetworkPolicy", "kvroute-indexer-feed"),
-        ("ConfigMap", "kvroute-bootstrap"),
         ("EnvoyFilter", f"kvroute-{overlay}"),
         ("DestinationRule", "vllm-kvroute"),
     ]:
         assert (kind, name) in names, (kind, name)
+    # the singleton's bootstrap override: only gateways hold an index fed by the indexer
+    assert (("ConfigMap", "kvroute-bootstrap") in names) == (overlay == "gateway")
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_filter_and_singleton_share_vm_and_module(overlay):
-    filt, svc, boot = wasm_configs(rendered(overlay))
+def test_filter_and_singleton_share_vm_and_module():
+    filt, svc, boot = wasm_configs(rendered("gateway"))
     assert svc["singleton"] is True
     sing = svc["config"]
     assert filt["vm_config"]["vm_id"] == sing["vm_config"]["vm_id"] == "kvroute"
@@ -155,6 +160,28 @@ def test_filter_and_singleton_share_vm_and_module(overlay):
     assert plugin_json(sing)["role"] == "singleton"
     assert plugin_json(filt)["block_size"] == plugin_json(sing)["block_size"]
     assert set(boot) == {"bootstrap_extensions"}, "the override should only add the singleton"
+
+
+def test_sidecars_hold_no_index():
+    """Issue 10: a sidecar needs no endpoint list and no feed; it looks prompts up at the
+    indexer (remote_index) after getting their token ids from a pod (tokenizer), fail open."""
+    filt = filter_config(rendered("sidecar"))
+    assert filt["allow_on_headers_stop_iteration"] is True
+    assert filt["failure_policy"] == "FAIL_OPEN"
+    assert filt["vm_config"]["code"] == {"local": {"filename": WASM_FILE}}
+    cfg = plugin_json(filt)
+    assert cfg.get("role", "filter") == "filter"
+    assert "indexer" not in cfg and not cfg.get("endpoints")
+    remote = cfg["remote_index"]
+    assert 1 <= remote["timeout_ms"] <= 100, "a short wait: a late answer is decided locally"
+    assert remote["min_blocks"] >= 1
+    _, patches = envoyfilter_patches(rendered("sidecar"))
+    vllm = patches["CLUSTER"]["match"]["cluster"]
+    assert cfg["tokenizer"]["cluster"] == f"outbound|{vllm['portNumber']}||{vllm['service']}"
+    assert cfg["tokenizer"]["authority"] == f"{vllm['service']}:{vllm['portNumber']}"
+    spec, proxy = istio_proxy_patch("sidecar")
+    assert "env" not in proxy, "no bootstrap override: no singleton"
+    assert [v["name"] for v in spec["volumes"]] == ["kvroute-wasm"]
 
 
 MERGE_KEYS = {"containers": "name", "volumes": "name", "env": "name", "volumeMounts": "mountPath"}
@@ -193,14 +220,16 @@ def test_module_and_bootstrap_mounted_where_the_configs_load_them(overlay):
     wasm_mount = mounts["kvroute-wasm"]
     assert wasm_mount["mountPath"].rstrip("/") + "/plugin.wasm" == WASM_FILE and wasm_mount["readOnly"]
     assert volumes["kvroute-wasm"]["image"]["reference"].endswith("-compat")
-    # the singleton: ISTIO_BOOTSTRAP_OVERRIDE names custom_bootstrap.json of the generated ConfigMap
-    env = {e["name"]: e.get("value") for e in proxy["env"]}
-    (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
-    assert volumes["kvroute-bootstrap"]["configMap"]["name"] == cm["metadata"]["name"]
-    assert env["ISTIO_BOOTSTRAP_OVERRIDE"] == mounts["kvroute-bootstrap"]["mountPath"] + "/custom_bootstrap.json"
-    assert "custom_bootstrap.json" in cm["data"]
-    ef, _ = envoyfilter_patches(rendered(overlay))
-    assert cm["metadata"]["namespace"] == ef["metadata"]["namespace"], "ConfigMap beside the patched pods"
+    # the singleton (gateways): ISTIO_BOOTSTRAP_OVERRIDE names custom_bootstrap.json of the
+    # generated ConfigMap
+    if overlay == "gateway":
+        env = {e["name"]: e.get("value") for e in proxy["env"]}
+        (cm,) = find(rendered(overlay), "ConfigMap", "kvroute-bootstrap")
+        assert volumes["kvroute-bootstrap"]["configMap"]["name"] == cm["metadata"]["name"]
+        assert env["ISTIO_BOOTSTRAP_OVERRIDE"] == mounts["kvroute-bootstrap"]["mountPath"] + "/custom_bootstrap.json"
+        assert "custom_bootstrap.json" in cm["data"]
+        ef, _ = envoyfilter_patches(rendered(overlay))
+        assert cm["metadata"]["namespace"] == ef["metadata"]["namespace"], "ConfigMap beside the patched pods"
     # kvroute's stats are exported by the Istio proxy
     ann = pod_patch(overlay)["spec"]["template"]["metadata"]["annotations"]
     proxy_config = json.loads(ann["proxy.istio.io/config"])
@@ -232,8 +261,9 @@ def test_pod_patch_merges_into_a_valid_deployment(overlay):
         names = [c["name"] for c in pod["containers"]]
         assert names.count("istio-proxy") == 1 and names[0] == containers[0]["name"]
         (proxy,) = [c for c in pod["containers"] if c["name"] == "istio-proxy"]
-        assert {m["name"] for m in proxy["volumeMounts"]} >= {"kvroute-wasm", "kvroute-bootstrap"}
-        assert {v["name"] for v in pod["volumes"]} >= {"kvroute-wasm", "kvroute-bootstrap", "workload-socket"}
+        ours = {"kvroute-wasm", "kvroute-bootstrap"} if overlay == "gateway" else {"kvroute-wasm"}
+        assert {m["name"] for m in proxy["volumeMounts"]} >= ours
+        assert {v["name"] for v in pod["volumes"]} >= ours | {"workload-socket"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -289,7 +319,7 @@ def test_cluster_patch_targets_the_vllm_service(overlay):
     (pol,) = value["load_balancing_policy"]["policies"]
     oh = pol["typed_extension_config"]
     assert oh["name"] == "envoy.load_balancing_policies.override_host"
-    filt, _, _ = wasm_configs(rendered(overlay))
+    filt = filter_config(rendered(overlay))
     header = plugin_json(filt).get("destination_header", "x-gateway-destination-endpoint")
     assert oh["typed_config"]["override_host_sources"] == [{"header": header}]
     (fb,) = oh["typed_config"]["fallback_policy"]["policies"]
@@ -309,10 +339,14 @@ def test_plugin_configs_name_the_indexer_service(overlay):
     (svc,) = find(objs, "Service", "kvroute-indexer")
     feed_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http-feed")
     fqdn = f"kvroute-indexer.{svc['metadata']['namespace']}.svc.cluster.local"
-    filt, svc_cfg, _ = wasm_configs(objs)
-    for cfg in (plugin_json(filt), plugin_json(svc_cfg["config"])):
-        assert cfg["indexer"]["cluster"] == f"outbound|{feed_port}||{fqdn}"  # Istio's cluster name
-        assert cfg["indexer"]["authority"] == f"{fqdn}:{feed_port}"
+    if overlay == "gateway":
+        filt, svc_cfg, _ = wasm_configs(objs)
+        targets = [plugin_json(filt)["indexer"], plugin_json(svc_cfg["config"])["indexer"]]
+    else:
+        targets = [plugin_json(filter_config(objs))["remote_index"]]
+    for target in targets:
+        assert target["cluster"] == f"outbound|{feed_port}||{fqdn}"  # Istio's cluster name
+        assert target["authority"] == f"{fqdn}:{feed_port}"
 
 
 def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
@@ -346,7 +380,7 @@ def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
     assert arg_value(iargs, "--listen") == f"0.0.0.0:{isvc_feed['port']}"
     assert arg_value(iargs, "--zmq-bind") == f"tcp://*:{zmq_port}"
     # block size: vLLM == indexer == filter
-    filt, _, _ = wasm_configs(objs)
+    filt = filter_config(objs)
     assert arg_value(c["args"], "--block-size") == arg_value(iargs, "--block-size") == str(plugin_json(filt)["block_size"])
     # the headless Service selects the vLLM pods, as the vllm Service does
     (vsvc,) = find(vllm_objects(), "Service", "vllm")
@@ -377,8 +411,9 @@ def test_lockdown_only_vllm_publishes_only_proxies_read(overlay):
     # who may reach the zmq port: exactly the vLLM service account
     zmq = [r for r in rules if any(str(ports["tcp-zmq"]) in t["operation"].get("ports", []) for t in r["to"])]
     assert [s["source"] for r in zmq for s in r["from"]] == [{"principals": [f"cluster.local/ns/{ns}/sa/{vllm_sa}"]}]
-    # who may read the feed: the proxies' principals only
-    feed = [r for r in rules if any("/v1/feed" in t["operation"].get("paths", []) for t in r["to"])]
+    # who may read the index (gateways: the feed; sidecars: lookups): the proxies' principals only
+    read = "/v1/feed" if overlay == "gateway" else "/v1/lookup"
+    feed = [r for r in rules if any(read in t["operation"].get("paths", []) for t in r["to"])]
     principals = [p for r in feed for s in r["from"] for p in s["source"]["principals"]]
     if overlay == "gateway":
         assert principals == ["cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account"]
@@ -388,13 +423,13 @@ def test_lockdown_only_vllm_publishes_only_proxies_read(overlay):
         assert principals == [f"cluster.local/ns/{ef['metadata']['namespace']}/sa/{sa}"]
     for r in feed:
         assert all(set(s["source"]) == {"principals"} for s in r["from"])
-    # nothing else may write: POST only on /v1/learned
+    # nothing else may write: POST only on /v1/learned (and the read-only /v1/lookup)
     for r in rules:
         for t in r["to"]:
             op = t["operation"]
             assert "methods" in op or op.get("ports") == [str(ports["tcp-zmq"])], op
             if "POST" in op.get("methods", []):
-                assert op["paths"] == ["/v1/learned"]
+                assert op["paths"] in (["/v1/learned"], ["/v1/lookup"])
 
     # NetworkPolicy: L4 equivalent
     nps = find(objs, "NetworkPolicy")
@@ -418,7 +453,8 @@ def test_reads_and_the_learned_write_are_apart(overlay):
     only read (any client could otherwise steer everyone) and do not report; the indexer requires
     the token that only the gateway pod gets (Secret -> env -> singleton VM)."""
     objs = rendered(overlay)
-    reads = {"/v1/feed", "/healthz", "/metrics", "/v1/debug/*"}
+    proxy_read = {"gateway": ("/v1/feed", "GET"), "sidecar": ("/v1/lookup", "POST")}[overlay]
+    reads = {proxy_read[0]: proxy_read[1], "/healthz": "GET", "/metrics": "GET", "/v1/debug/*": "GET"}
     writers, readers = [], {}
     for ap in find(objs, "AuthorizationPolicy"):
         for rule in ap["spec"]["rules"]:
@@ -428,12 +464,11 @@ def test_reads_and_the_learned_write_are_apart(overlay):
                 assert paths == {"/v1/learned"} and all(op["methods"] == ["POST"] for op in ops), ap
                 assert ap["metadata"]["name"] == "kvroute-indexer-learned"
                 writers += [s["source"] for s in rule["from"]]
-            for path in paths & reads:
-                assert all(op["methods"] == ["GET"] for op in ops if path in op.get("paths", [])), ap
+            for path in paths & set(reads):
+                assert all(op["methods"] == [reads[path]] for op in ops if path in op.get("paths", [])), ap
                 readers.setdefault(path, []).extend(s["source"] for s in rule["from"])
-    assert set(readers) == reads
-    filt, singleton, _ = wasm_configs(objs)
-    indexer_cfg = plugin_json(singleton["config"])["indexer"]
+    assert set(readers) == set(reads)
+    filt = filter_config(objs)
     (idx,) = find(objs, "Deployment", "kvroute-indexer")
     pod = idx["spec"]["template"]["spec"]
     token_file = arg_value(pod["containers"][0]["args"], "--learned-token-file")
@@ -442,6 +477,8 @@ def test_reads_and_the_learned_write_are_apart(overlay):
     secret = volume["secret"]["secretName"]
     assert token_file == f"{mount['mountPath']}/token" and mount["readOnly"]
     if overlay == "gateway":
+        _, singleton, _ = wasm_configs(objs)
+        indexer_cfg = plugin_json(singleton["config"])["indexer"]
         assert writers == [{"principals": ["cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account"]}]
         assert readers["/v1/feed"] == writers
         assert indexer_cfg.get("share_learned", True) is True
@@ -450,20 +487,20 @@ def test_reads_and_the_learned_write_are_apart(overlay):
         _, proxy = istio_proxy_patch(overlay)
         (env,) = [e for e in proxy["env"] if e["name"] == variable]
         assert env["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "token"}
+        # the filters never hold the token either
+        assert "token_env" not in plugin_json(filt)["indexer"]
     else:
+        # sidecars hold no index, so they have nothing to report (no singleton, no indexer feed)
         assert writers == []
-        assert indexer_cfg["share_learned"] is False
-        assert "token_env" not in indexer_cfg
+        assert "indexer" not in plugin_json(filt)
         _, proxy = istio_proxy_patch(overlay)
         assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in proxy.get("env", []))
-    # the filters never hold the token either
-    assert "token_env" not in plugin_json(filt)["indexer"]
 
 
 def test_plugin_configs_in_istio_are_valid():
     found = [(w, c) for w, c in meshlib.example_plugin_configs() if w.startswith("istio/")]
     roles = sorted(c.get("role", "filter") for _, c in found)
-    assert roles == ["filter", "filter", "singleton", "singleton"], found
+    assert roles == ["filter", "filter", "singleton"], found  # the sidecars have no singleton
     for where, cfg in found:
         assert meshlib.plugin_config_errors(cfg) == [], where
 

@@ -137,14 +137,17 @@ def test_reproduction_equals_patched_istio_config(overlay):
     mesh = meshlib.load_yaml_docs(meshlib.ENVOY_DIR / f"mesh-{overlay}.yaml")[0]
     objs = meshlib.kustomize_objects(meshlib.ISTIO_DIR / "overlays" / overlay)
     (ef,) = [o for o in objs if o["kind"] == "EnvoyFilter"]
-    (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvroute-bootstrap"]
+    # the singleton's bootstrap override: gateways only (sidecars hold no index)
+    boots = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvroute-bootstrap"]
+    assert len(boots) == (overlay == "gateway")
 
     base = strip_kvroute(mesh)
     assert base != mesh
     patched, applied = apply_envoyfilter(base, ef)
     # every patch matched exactly one object of the reproduction
     assert applied == {"HTTP_FILTER": 1, "LISTENER": 1, "HTTP_ROUTE": 1, "CLUSTER": 1}, applied
-    patched = proto_merge(patched, json.loads(cm["data"]["custom_bootstrap.json"]))
+    for cm in boots:
+        patched = proto_merge(patched, json.loads(cm["data"]["custom_bootstrap.json"]))
     assert normalise_module(patched) == parse_plugin_json(mesh)
 
 

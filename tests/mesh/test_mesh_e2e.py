@@ -1,11 +1,12 @@
 """End to end: the Envoy config the Istio overlays produce (envoy/mesh-*.yaml), run for real.
 
 Simulated vLLM pods (integration/simcluster.py) publish KV events to the real kvroute-indexer,
-the kvroute singleton in Envoy polls it through the cluster Istio would generate
-(outbound|8080||kvroute-indexer...), and the filter routes through the override_host policy of
+which Envoy reaches through the cluster Istio would generate (outbound|8080||kvroute-indexer...):
+in the gateway the kvroute singleton polls its feed; in the sidecar the filter looks each prompt
+up (POST /v1/lookup) and holds no index. The filter routes through the override_host policy of
 outbound|8000||vllm.... Only addresses and ports are rewritten (free ports on 127.0.0.1) and the
 module path made absolute; the plugin configurations are used exactly as committed, so the pods
-are known only from the indexer feed, as in the mesh.
+are known only from the indexer, as in the mesh.
 
 Needs target/wasm32-wasip1/release/kvroute.wasm (skips outside CI when absent, fails in CI) and
 builds vllm-sim / kvroute-indexer with cargo when missing.
@@ -57,7 +58,8 @@ def render_mesh(name, pods, indexer_port):
     idx = clusters["outbound|8080||kvroute-indexer.llm.svc.cluster.local"]
     idx["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = indexer_port
     text = yaml.safe_dump(cfg, sort_keys=False)
-    assert text.count("target/wasm32-wasip1/release/kvroute.wasm") == 2  # filter and singleton
+    modules = {"mesh-gateway.yaml": 2, "mesh-sidecar.yaml": 1}[name]  # filter (and singleton)
+    assert text.count("target/wasm32-wasip1/release/kvroute.wasm") == modules
     return text.replace("target/wasm32-wasip1/release/kvroute.wasm", str(meshlib.WASM_PATH))
 
 
@@ -90,8 +92,9 @@ def mesh(request):
         # flags as in istio/base/indexer.yaml
         with IndexerProcess(sims.addresses, "--block-size=16", model=MODEL, zmq_port=zmq_port) as indexer:
             with EnvoyProcess(render_mesh(request.param, sims.addresses, indexer.http_port)) as envoy:
-                # pods come only from the feed: wait until the singleton has delivered them
-                wait_for(lambda: stat(envoy, "kvroute.feed.pods") == PODS, 30, "feed with every pod")
+                if request.param == "mesh-gateway.yaml":
+                    # pods come only from the feed: wait until the singleton has delivered them
+                    wait_for(lambda: stat(envoy, "kvroute.feed.pods") == PODS, 30, "feed with every pod")
                 yield {"envoy": envoy, "indexer": indexer, "sims": sims, "name": request.param}
 
 
@@ -117,8 +120,9 @@ def test_precise_routing_from_vllm_kv_events(mesh):
     r = completion(sims.urls[1], tokens)  # straight to the pod, not through Envoy
     assert r.status_code == 200, r.text
     wait_for(lambda: indexer.blocks(target) >= before + len(tokens) // 16, 10, "the pod's KV events indexed")
-    polls = stat(envoy, "kvroute.feed.ok")
-    wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= polls + 3, 10, "feed polls after indexing")
+    if mesh["name"] == "mesh-gateway.yaml":
+        polls = stat(envoy, "kvroute.feed.ok")
+        wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= polls + 3, 10, "feed polls after indexing")
     r = completion(envoy.url, tokens + prompt(seed + 1000, 64))
     assert r.status_code == 200, r.text
     d = parse_decision(r.headers[DECISION])
@@ -138,14 +142,20 @@ def test_every_documented_metric_is_exported(mesh):
     served = set(re.findall(r"^# TYPE (kvroute_[a-z0-9_]+) (\w+)", text, re.M))
     served_names = {n for n, _ in served}
     for name, kind in guide_metrics().items():
+        if mesh["name"] == "mesh-sidecar.yaml" and name.startswith("kvroute_feed_"):
+            continue  # the singleton's: sidecars have none
         assert name in served_names, f"{name} (guide) not served; served: {sorted(served_names)}"
         assert (name, kind) in served, f"{name} is not a {kind}"
 
 
 def test_index_memory_follows_the_sizing_rule(mesh):
     """docs/operator-guide.md, Sizing: the index holds the pods' blocks within
-    index.budget_bytes (192 MiB by default), whatever the pods' capacity."""
+    index.budget_bytes (192 MiB by default), whatever the pods' capacity; a
+    sidecar with remote lookup holds none."""
     envoy = mesh["envoy"]
+    if mesh["name"] == "mesh-sidecar.yaml":
+        sidecar_holds_no_index(envoy)
+        return
     wait_for(lambda: stat(envoy, "kvroute.index.blocks") > 0, 10, "index gauge")
     assert 0 < stat(envoy, "kvroute.index.bytes") <= 192 * 2**20
     # VMs taking per-request updates, this one included: the 2 workers (--concurrency 2), plus
@@ -153,9 +163,31 @@ def test_index_memory_follows_the_sizing_rule(mesh):
     assert 2 <= stat(envoy, "kvroute.peers") <= 4
 
 
+def sidecar_holds_no_index(envoy):
+    """Issue 10: what the sidecar routed stays out of its memory (it is the indexer's to know),
+    and every routed prompt was looked up."""
+    completion(envoy.url, prompt(4))
+    wait_for(lambda: stat(envoy, "kvroute.peers") >= 1, 10, "the workers' gauges")
+    assert stat(envoy, "kvroute.index.blocks") == 0
+    assert stat(envoy, "kvroute.remote_lookup.answered") >= 1
+    assert stat(envoy, "kvroute.remote_lookup.failed") == 0
+
+
+def indexer_rx_bytes(envoy) -> int:
+    name = "cluster.outbound|8080||kvroute-indexer.llm.svc.cluster.local.upstream_cx_rx_bytes_total"
+    return envoy.stats(name).get(name, 0)
+
+
 def test_idle_feed_cost_per_poll(mesh):
-    """docs/operator-guide.md, Sizing: an idle poll costs a header plus about 60 bytes per pod."""
+    """docs/operator-guide.md, Sizing: an idle poll costs a header plus about 60 bytes per pod;
+    an idle sidecar receives nothing at all (it polls no feed)."""
     envoy = mesh["envoy"]
+    if mesh["name"] == "mesh-sidecar.yaml":
+        before = indexer_rx_bytes(envoy)
+        time.sleep(1.0)
+        assert indexer_rx_bytes(envoy) == before
+        assert stat(envoy, "kvroute.feed.ok") == 0
+        return
     time.sleep(0.5)  # let earlier deltas drain
     b0, n0 = stat(envoy, "kvroute.feed.bytes"), stat(envoy, "kvroute.feed.ok")
     wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= n0 + 10, 10, "ten polls")
@@ -190,8 +222,19 @@ def test_other_paths_pass_untouched(mesh):
 
 
 def test_indexer_down_keeps_routing(mesh):
-    """Last: stop the indexer. Requests keep being served and routed on the index the proxy has."""
+    """Last: stop the indexer. Requests keep being served: the gateway routes on the index it
+    has, the sidecar (no index) decides locally, i.e. leaves them to Envoy's least-request LB."""
     envoy, indexer = mesh["envoy"], mesh["indexer"]
+    if mesh["name"] == "mesh-sidecar.yaml":
+        failed = stat(envoy, "kvroute.remote_lookup.failed")
+        indexer.stop()
+        for i in range(3):
+            r = completion(envoy.url, prompt(3100 + i))
+            assert r.status_code == 200, r.text
+            assert r.headers[POD] in mesh["sims"].addresses
+            assert r.headers[DECISION].startswith("fallback=no_endpoints; lookup=local ("), r.headers[DECISION]
+        assert stat(envoy, "kvroute.remote_lookup.failed") == failed + 3
+        return
     tokens = prompt({"mesh-gateway.yaml": 21, "mesh-sidecar.yaml": 22}[mesh["name"]])
     first = completion(envoy.url, tokens)
     assert first.status_code == 200

@@ -6,11 +6,13 @@
 //! One concern per file: `pods` (discovery, load, liveness), `sequence`
 //! (per-publisher ordering and replay), `sources` (a publisher's blocks and
 //! the events applied to them), `blocks` (the block → pod map), `learned`
-//! (proxy-reported entries), `feed_log` (the delta log and [`Index::feed`]).
+//! (proxy-reported entries), `feed_log` (the delta log and [`Index::feed`]),
+//! `held` (what each pod holds of one prompt, for `POST /v1/lookup`).
 
 mod blocks;
 mod feed_log;
 mod hashing;
+mod held;
 mod learned;
 mod pods;
 mod sequence;
