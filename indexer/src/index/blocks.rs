@@ -13,6 +13,10 @@ use super::hashing::{mix, table_bytes};
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
 
+/// Records the map can hold: ids fit in 29 bits, so that a source entry
+/// keeps its tier bits beside one (536 M blocks, 6.4 GB of records).
+pub(super) const MAX_BLOCKS: usize = 1 << 29;
+
 /// Per-tier reference counts of one kvroute hash on one pod.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub(super) struct TierCounts([u16; 4]);
@@ -226,16 +230,17 @@ impl Slab {
         self.get(id).map_or(0, |r| r.kv)
     }
 
-    /// A new record of `kv` with no holder; `None` when every id is taken.
+    /// A new record of `kv` with no holder; `None` at [`MAX_BLOCKS`].
     fn alloc(&mut self, kv: u64) -> Option<BlockId> {
         let id = if self.free_head != NO_FREE {
             let id = self.free_head;
             self.free_head = self.get(id).map_or(NO_FREE, |r| r.kv as BlockId);
             id
         } else {
-            let id = BlockId::try_from(self.allocated)
-                .ok()
-                .filter(|&id| id != NO_FREE)?;
+            if self.allocated >= MAX_BLOCKS {
+                return None;
+            }
+            let id = BlockId::try_from(self.allocated).ok()?;
             if self.allocated == self.chunks.len() * CHUNK {
                 let free = Record {
                     kv: u64::from(NO_FREE),
@@ -304,7 +309,7 @@ impl Blocks {
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
-    /// one at once); `None` only when every 32-bit id is taken.
+    /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
         let slab = &mut self.slab;
         match self
