@@ -54,10 +54,12 @@ impl Held {
 
     fn moved(&mut self, before: Option<Tier>, after: Option<Tier>) {
         if let Some(t) = before {
-            self.0[t.code() as usize] -= 1;
+            let n = &mut self.0[t.code() as usize];
+            *n = n.saturating_sub(1);
         }
         if let Some(t) = after {
-            self.0[t.code() as usize] += 1;
+            let n = &mut self.0[t.code() as usize];
+            *n = n.saturating_add(1);
         }
     }
 }
@@ -155,7 +157,7 @@ impl PodSets {
         }
         if let Some(&id) = self.ids.get(&self.scratch[..]) {
             if let Some(slot) = self.slots.get_mut(id as usize) {
-                slot.1 += 1;
+                slot.1 = slot.1.saturating_add(1);
             }
             return id;
         }
@@ -264,7 +266,7 @@ impl Slab {
                 set: FREE,
             };
             self.free_head = id;
-            self.live -= 1;
+            self.live = self.live.saturating_sub(1);
         }
     }
 }
@@ -480,4 +482,61 @@ pub(super) fn adjust_block(
         blocks.adjust(sink, held, pod, part, tier, up);
     }
     blocks.adjust(sink, held, pod, id, tier, up);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_leaves_with_its_last_holder_and_its_record_is_reused() {
+        let mut blocks = Blocks::default();
+        let mut sink = Sink::default();
+        let (mut first, mut second) = (Held::default(), Held::default());
+        let id = blocks.acquire(7).unwrap();
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
+        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, true);
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
+        let holders: Vec<_> = blocks.holders(7).collect();
+        assert_eq!(holders, [(1, Tier::Gpu), (2, Tier::Cpu)]);
+        assert_eq!(
+            (blocks.len(), first.total(), second.by_tier(Tier::Cpu)),
+            (1, 1, 1)
+        );
+
+        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, false);
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        // One pod counting once: back to a set id that needs no interning.
+        assert!(blocks.sets.ids.is_empty());
+        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(1, Tier::Gpu)]);
+
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
+        assert_eq!(blocks.find(7), None);
+        assert_eq!(blocks.acquire(9), Some(id));
+        assert_eq!(blocks.kv(id), 9);
+    }
+
+    #[test]
+    fn single_set_ids_carry_their_pod_and_tier_and_larger_pod_keys_are_interned() {
+        for pod in [0, 1, SINGLE_PODS - 1] {
+            for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Learned] {
+                let set = single(pod, tier).unwrap();
+                assert_ne!(set, FREE);
+                assert_eq!(single_parts(set), Some((pod, tier)));
+            }
+        }
+        assert_eq!(single(SINGLE_PODS, Tier::Gpu), None);
+
+        let mut blocks = Blocks::default();
+        let mut sink = Sink::default();
+        let mut held = Held::default();
+        let pod = 1 << 40;
+        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, true);
+        assert_eq!(blocks.holders(3).collect::<Vec<_>>(), [(pod, Tier::Disk)]);
+        assert_eq!(blocks.sets.ids.len(), 1);
+        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, false);
+        assert!(blocks.sets.ids.is_empty());
+        assert_eq!(blocks.len(), 0);
+    }
 }
