@@ -64,15 +64,36 @@ def _http_filters(cfg: dict) -> list:
     return hcm["http_filters"]
 
 
+# Indexer replicas (docs/operator-guide.md, "Two indexer replicas"): one priority per replica,
+# so the singleton polls one of them (its feed cursor belongs to that replica's epoch) and fails
+# over when it stops answering: a TCP health check marks it down within a second, and an outlier
+# ejection takes it out at its first failed polls.
+INDEXER_REPLICAS = """
+health_checks:
+- timeout: 1s
+  interval: 0.5s
+  unhealthy_threshold: 1
+  healthy_threshold: 2
+  tcp_health_check: {}
+outlier_detection:
+  consecutive_5xx: 2
+  consecutive_gateway_failure: 2
+  interval: 1s
+  base_ejection_time: 5s
+  max_ejection_percent: 100
+"""
+
+
 def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener_port: int | None = None,
                    admin_port: int | None = None, kvroute: bool = True, lb_policy: str = "LEAST_REQUEST",
-                   template: Path = GATEWAY, wasm: Path = WASM, indexer: str | None = None) -> str:
+                   template: Path = GATEWAY, wasm: Path = WASM, indexer: str | list[str] | None = None) -> str:
     """Envoy config text: envoy/gateway.yaml with these pods, ports and plugin configuration.
 
     kvroute=False gives the same Envoy without the filter and with a plain `lb_policy`
     (RANDOM, ROUND_ROBIN, LEAST_REQUEST): the baseline for comparisons.
     With template=GATEWAY_PRECISE, `indexer` ("ip:port" of kvroute-indexer) fills the indexer
-    cluster, and the tokenizer cluster gets the same pods.
+    cluster, and the tokenizer cluster gets the same pods. A list of replicas fills it with
+    INDEXER_REPLICAS: one priority per replica in the order given, health-checked.
     """
     cfg = yaml.safe_load(template.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port or free_port()
@@ -83,8 +104,12 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     for extension in cfg.get("bootstrap_extensions", []):
         extension["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
     for other in cfg["static_resources"]["clusters"][1:]:
-        if other["name"] == "kvroute_indexer" and indexer:
+        if other["name"] == "kvroute_indexer" and isinstance(indexer, str):
             other["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(indexer)}]}]
+        elif other["name"] == "kvroute_indexer" and indexer:
+            other.update(yaml.safe_load(INDEXER_REPLICAS))
+            other["load_assignment"]["endpoints"] = [
+                {"priority": i, "lb_endpoints": [{"endpoint": _socket(a)}]} for i, a in enumerate(indexer)]
         if other["name"] == "vllm_tokenizer":
             other["load_assignment"]["endpoints"] = [
                 {"lb_endpoints": [{"endpoint": _socket(a)} for a in endpoints]}]

@@ -13,6 +13,10 @@ use super::hashing::{mix, table_bytes};
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
 
+/// Records the map can hold: ids fit in 29 bits, so that a source entry
+/// keeps its tier bits beside one (536 M blocks, 6.4 GB of records).
+pub(super) const MAX_BLOCKS: usize = 1 << 29;
+
 /// Per-tier reference counts of one kvroute hash on one pod.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub(super) struct TierCounts([u16; 4]);
@@ -50,10 +54,12 @@ impl Held {
 
     fn moved(&mut self, before: Option<Tier>, after: Option<Tier>) {
         if let Some(t) = before {
-            self.0[t.code() as usize] -= 1;
+            let n = &mut self.0[t.code() as usize];
+            *n = n.saturating_sub(1);
         }
         if let Some(t) = after {
-            self.0[t.code() as usize] += 1;
+            let n = &mut self.0[t.code() as usize];
+            *n = n.saturating_add(1);
         }
     }
 }
@@ -151,7 +157,7 @@ impl PodSets {
         }
         if let Some(&id) = self.ids.get(&self.scratch[..]) {
             if let Some(slot) = self.slots.get_mut(id as usize) {
-                slot.1 += 1;
+                slot.1 = slot.1.saturating_add(1);
             }
             return id;
         }
@@ -226,16 +232,17 @@ impl Slab {
         self.get(id).map_or(0, |r| r.kv)
     }
 
-    /// A new record of `kv` with no holder; `None` when every id is taken.
+    /// A new record of `kv` with no holder; `None` at [`MAX_BLOCKS`].
     fn alloc(&mut self, kv: u64) -> Option<BlockId> {
         let id = if self.free_head != NO_FREE {
             let id = self.free_head;
             self.free_head = self.get(id).map_or(NO_FREE, |r| r.kv as BlockId);
             id
         } else {
-            let id = BlockId::try_from(self.allocated)
-                .ok()
-                .filter(|&id| id != NO_FREE)?;
+            if self.allocated >= MAX_BLOCKS {
+                return None;
+            }
+            let id = BlockId::try_from(self.allocated).ok()?;
             if self.allocated == self.chunks.len() * CHUNK {
                 let free = Record {
                     kv: u64::from(NO_FREE),
@@ -259,7 +266,7 @@ impl Slab {
                 set: FREE,
             };
             self.free_head = id;
-            self.live -= 1;
+            self.live = self.live.saturating_sub(1);
         }
     }
 }
@@ -304,7 +311,7 @@ impl Blocks {
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
-    /// one at once); `None` only when every 32-bit id is taken.
+    /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
         let slab = &mut self.slab;
         match self
@@ -475,4 +482,61 @@ pub(super) fn adjust_block(
         blocks.adjust(sink, held, pod, part, tier, up);
     }
     blocks.adjust(sink, held, pod, id, tier, up);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_leaves_with_its_last_holder_and_its_record_is_reused() {
+        let mut blocks = Blocks::default();
+        let mut sink = Sink::default();
+        let (mut first, mut second) = (Held::default(), Held::default());
+        let id = blocks.acquire(7).unwrap();
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
+        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, true);
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
+        let holders: Vec<_> = blocks.holders(7).collect();
+        assert_eq!(holders, [(1, Tier::Gpu), (2, Tier::Cpu)]);
+        assert_eq!(
+            (blocks.len(), first.total(), second.by_tier(Tier::Cpu)),
+            (1, 1, 1)
+        );
+
+        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, false);
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        // One pod counting once: back to a set id that needs no interning.
+        assert!(blocks.sets.ids.is_empty());
+        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(1, Tier::Gpu)]);
+
+        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
+        assert_eq!(blocks.find(7), None);
+        assert_eq!(blocks.acquire(9), Some(id));
+        assert_eq!(blocks.kv(id), 9);
+    }
+
+    #[test]
+    fn single_set_ids_carry_their_pod_and_tier_and_larger_pod_keys_are_interned() {
+        for pod in [0, 1, SINGLE_PODS - 1] {
+            for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Learned] {
+                let set = single(pod, tier).unwrap();
+                assert_ne!(set, FREE);
+                assert_eq!(single_parts(set), Some((pod, tier)));
+            }
+        }
+        assert_eq!(single(SINGLE_PODS, Tier::Gpu), None);
+
+        let mut blocks = Blocks::default();
+        let mut sink = Sink::default();
+        let mut held = Held::default();
+        let pod = 1 << 40;
+        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, true);
+        assert_eq!(blocks.holders(3).collect::<Vec<_>>(), [(pod, Tier::Disk)]);
+        assert_eq!(blocks.sets.ids.len(), 1);
+        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, false);
+        assert!(blocks.sets.ids.is_empty());
+        assert_eq!(blocks.len(), 0);
+    }
 }

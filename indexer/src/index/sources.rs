@@ -11,7 +11,7 @@ use kvroute_core::hash::{
 
 use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 
-use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held};
+use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, mix, table_bytes, Map};
 use super::Index;
@@ -27,17 +27,51 @@ pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
     )
 }
 
-/// A vLLM block held by one publisher (pod, rank): 13 bytes, packed.
+/// A vLLM block held by one publisher (pod, rank): 12 bytes, packed.
 #[derive(Debug, Clone, Copy)]
-#[repr(C, packed)]
+#[repr(C, packed(4))]
 pub(super) struct SourceEntry {
     /// vLLM hash (the key).
-    pub(super) vh: u64,
-    /// Record of the block's kvroute hash (of its last kvroute-sized part
-    /// when it spans several: the parent of the next block).
-    pub(super) block: BlockId,
-    /// Bit per tier (GPU, CPU, disk).
-    pub(super) tiers: u8,
+    vh: u64,
+    /// The record of the block's kvroute hash (of its last kvroute-sized part
+    /// when it spans several: the parent of the next block) below
+    /// [`TIERS_SHIFT`], a bit per tier it is in (GPU, CPU, disk) above.
+    block_tiers: u32,
+}
+
+const TIERS_SHIFT: u32 = 29;
+const _: () = assert!(MAX_BLOCKS == 1 << TIERS_SHIFT);
+
+impl SourceEntry {
+    fn new(vh: u64, block: BlockId, tiers: u8) -> SourceEntry {
+        SourceEntry {
+            vh,
+            block_tiers: block | u32::from(tiers) << TIERS_SHIFT,
+        }
+    }
+
+    fn vh(&self) -> u64 {
+        self.vh
+    }
+
+    pub(super) fn block(&self) -> BlockId {
+        self.block_tiers & ((1 << TIERS_SHIFT) - 1)
+    }
+
+    /// True when the block is in the tier of `bit` ([`tier_bit`]).
+    pub(super) fn has(&self, bit: u8) -> bool {
+        self.block_tiers >> TIERS_SHIFT & u32::from(bit) != 0
+    }
+
+    fn add(&mut self, bit: u8) {
+        self.block_tiers |= u32::from(bit) << TIERS_SHIFT;
+    }
+
+    /// Drops a tier; true when the block is in none left.
+    fn remove(&mut self, bit: u8) -> bool {
+        self.block_tiers &= !(u32::from(bit) << TIERS_SHIFT);
+        self.block_tiers >> TIERS_SHIFT == 0
+    }
 }
 
 /// The blocks of one KV-cache group of a publisher. Hybrid models store
@@ -55,7 +89,7 @@ pub(super) struct Group {
 
 impl Group {
     fn find(&self, vh: u64) -> Option<&SourceEntry> {
-        self.blocks.find(mix(vh), |e| { e.vh } == vh)
+        self.blocks.find(mix(vh), |e| e.vh() == vh)
     }
 
     pub(super) fn memory_bytes(&self) -> usize {
@@ -86,7 +120,7 @@ impl Group {
 }
 
 /// The records of a vLLM block's kvroute parts (head, last), added to the
-/// block map when new; `None` when the map has no id left.
+/// block map when new; `None` when it holds [`MAX_BLOCKS`] already.
 fn acquire_parts(
     blocks: &mut Blocks,
     kv: u64,
@@ -113,8 +147,8 @@ pub(super) fn drop_block(
     head: Option<&[BlockId]>,
 ) {
     for t in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
-        if entry.tiers & tier_bit(t) != 0 {
-            adjust_block(blocks, sink, held, pod, entry.block, head, t, false);
+        if entry.has(tier_bit(t)) {
+            adjust_block(blocks, sink, held, pod, entry.block(), head, t, false);
         }
     }
 }
@@ -226,7 +260,7 @@ impl Index {
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
             Some(p) => match group.find(p) {
-                Some(entry) => self.blocks.kv(entry.block),
+                Some(entry) => self.blocks.kv(entry.block()),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
                     return;
@@ -257,11 +291,11 @@ impl Index {
             let head = (!head.is_empty()).then_some(head);
             match group
                 .blocks
-                .entry(mix(vh), |e| { e.vh } == vh, |e| mix(e.vh))
+                .entry(mix(vh), |e| e.vh() == vh, |e| mix(e.vh()))
             {
                 Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
-                    if blocks.kv(entry.block) != kv {
+                    if blocks.kv(entry.block()) != kv {
                         // Same vLLM hash, other content (e.g. other LoRA scope): replace.
                         // The old block goes first: its records may be freed.
                         let old = group.heads.remove(&vh);
@@ -272,19 +306,16 @@ impl Index {
                             self.metrics.blocks_refused_capacity.inc();
                             break;
                         };
-                        *entry = SourceEntry {
-                            vh,
-                            block: id,
-                            tiers: 0,
-                        };
+                        *entry = SourceEntry::new(vh, id, 0);
                         if let Some(head_ids) = head_ids {
                             group.heads.insert(vh, head_ids);
                         }
                     }
-                    if entry.tiers & bit == 0 {
-                        entry.tiers |= bit;
+                    if !entry.has(bit) {
+                        entry.add(bit);
                         let head_ids = group.heads.get(&vh).map(|h| &h[..]);
-                        adjust_block(blocks, sink, held, key, entry.block, head_ids, tier, true);
+                        let id = entry.block();
+                        adjust_block(blocks, sink, held, key, id, head_ids, tier, true);
                     }
                 }
                 Entry::Vacant(v) => {
@@ -296,11 +327,7 @@ impl Index {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
                     };
-                    v.insert(SourceEntry {
-                        vh,
-                        block: id,
-                        tiers: bit,
-                    });
+                    v.insert(SourceEntry::new(vh, id, bit));
                     pod.source_blocks += 1;
                     adjust_block(blocks, sink, held, key, id, head_ids.as_deref(), tier, true);
                     if let Some(head_ids) = head_ids {
@@ -333,14 +360,14 @@ impl Index {
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
         for &vh in &e.block_hashes {
-            let Some(entry) = group.blocks.find_mut(mix(vh), |e| { e.vh } == vh) else {
+            let Some(entry) = group.blocks.find_mut(mix(vh), |e| e.vh() == vh) else {
                 unknown += 1;
                 continue;
             };
-            if entry.tiers & bit == 0 {
-                entry.tiers |= bit;
+            if !entry.has(bit) {
+                entry.add(bit);
                 let head = group.heads.get(&vh).map(|h| &h[..]);
-                let id = entry.block;
+                let id = entry.block();
                 adjust_block(
                     &mut self.blocks,
                     sink,
@@ -380,18 +407,17 @@ impl Index {
         let bit = tier_bit(tier);
         let mut removed = 0u64;
         for &vh in &e.block_hashes {
-            let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| { e.vh } == vh) else {
+            let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| e.vh() == vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
             let entry = o.get_mut();
-            if entry.tiers & bit == 0 {
+            if !entry.has(bit) {
                 self.metrics.removed_unknown.inc();
                 continue;
             }
-            entry.tiers &= !bit;
-            let id = entry.block;
-            let gone = entry.tiers == 0;
+            let gone = entry.remove(bit);
+            let id = entry.block();
             if gone {
                 o.remove();
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
