@@ -2,8 +2,10 @@
 //! natively and shared by the filter, the indexer and the simulator.
 
 pub mod budget;
+pub mod codec;
 pub mod config;
 pub mod feed;
+pub mod feed_client;
 pub mod hash;
 pub mod index;
 pub mod outcome;

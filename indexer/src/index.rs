@@ -7,12 +7,14 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 
-use kvroute_core::feed::{BlockOp, FeedUpdate, LearnedBatch, PodInfo, Tier};
+use kvroute_core::feed::{LearnedBatch, Tier};
 use kvroute_core::hash::{
-    extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
+    extra_keys_digest, index_key, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
 };
 
 use crate::metrics::Metrics;
+
+mod feed;
 use crate::vllm_wire::{
     decode_batch, decode_seq, parse_topic, BlockRemoved, BlockStored, DecodedBatch, EventBatch,
     KvEvent, Medium,
@@ -91,7 +93,7 @@ pub struct IndexConfig {
     pub max_pods: usize,
     /// Hashes retained in the feed delta log.
     pub feed_log_hashes: usize,
-    /// Hashes per delta response (the client polls again for the rest).
+    /// Hashes per feed answer, a delta or a snapshot page (the client asks again for the rest).
     pub feed_max_hashes: usize,
     /// Lifetime of learned entries, milliseconds.
     pub learned_ttl_ms: u64,
@@ -115,7 +117,7 @@ impl Default for IndexConfig {
             max_blocks_per_pod: 1 << 20,
             max_pods: 1024,
             feed_log_hashes: 1 << 20,
-            feed_max_hashes: 1 << 18,
+            feed_max_hashes: 1 << 19,
             learned_ttl_ms: 600_000,
             learned_max_entries: 1 << 20,
             pod_timeout_ms: 120_000,
@@ -362,9 +364,11 @@ impl Sink {
 }
 
 /// Adds `delta` (±1) to `tier` of `kv` on a pod, emitting an op when the
-/// best tier of the hash changes.
+/// best tier of the hash changes. Counted per index key: routing compares
+/// only those bits, so two hashes that share them are one entry here too.
 fn adjust(blocks: &mut Map<TierCounts>, sink: &mut Sink, pod: u64, kv: u64, tier: Tier, up: bool) {
     let i = tier.code() as usize;
+    let kv = index_key(kv);
     match blocks.entry(kv) {
         Entry::Occupied(mut e) => {
             let before = e.get().best();
@@ -1168,10 +1172,12 @@ impl Index {
 
     /// True when some pod reports `hash` through KV events (any tier but
     /// learned): such a hash is a token-domain block, never a byte chunk.
+    /// Compared on the index key, as routing compares it: a learned hash that
+    /// differs only in the bits above cannot pass for a byte chunk.
     pub fn reported_by_a_pod(&self, hash: u64) -> bool {
         self.pods.values().any(|p| {
             p.blocks
-                .get(&hash)
+                .get(&index_key(hash))
                 .and_then(TierCounts::best)
                 .is_some_and(|t| t != Tier::Learned)
         })
@@ -1300,99 +1306,6 @@ impl Index {
             self.log_hashes -= old.op.hashes();
             self.log_start += 1;
         }
-    }
-
-    fn pod_infos(&self) -> (Vec<PodInfo>, HashMap<u64, u32>) {
-        let mut infos = Vec::with_capacity(self.pods.len());
-        let mut idx = HashMap::with_capacity(self.pods.len());
-        for (i, (k, p)) in self.pods.iter().enumerate() {
-            idx.insert(*k, i as u32);
-            infos.push(PodInfo {
-                address: p.address.clone(),
-                models: p.models.clone(),
-                capacity_blocks: p.load.capacity_blocks,
-                waiting: p.load.waiting,
-                running: p.load.running,
-                kv_usage: p.load.kv_usage,
-            });
-        }
-        (infos, idx)
-    }
-
-    /// The answer to `GET /v1/feed?epoch=&cursor=`: deltas after `cursor`
-    /// when it is in the retained log of this epoch, else a snapshot.
-    pub fn feed(&self, epoch: u64, cursor: u64) -> FeedUpdate {
-        let (pods, idx) = self.pod_infos();
-        let head = self.cursor();
-        if epoch == self.epoch && cursor >= self.log_start && cursor <= head {
-            let mut ops = Vec::new();
-            let mut hashes = 0usize;
-            let mut at = cursor;
-            let skip = usize::try_from(cursor - self.log_start).unwrap_or(usize::MAX);
-            for op in self.log.iter().skip(skip) {
-                if hashes > 0 && hashes + op.op.hashes() > self.cfg.feed_max_hashes {
-                    break;
-                }
-                at += 1;
-                let Some(&pod) = idx.get(&op.pod) else {
-                    continue; // pod gone: absent from `pods`, so dropped by the consumer
-                };
-                hashes += op.op.hashes();
-                ops.push(match &op.op {
-                    Op::Stored(t, h) => BlockOp::Stored {
-                        pod,
-                        tier: *t,
-                        hashes: h.clone(),
-                    },
-                    Op::Removed(h) => BlockOp::Removed {
-                        pod,
-                        hashes: h.clone(),
-                    },
-                    Op::Cleared => BlockOp::Cleared { pod },
-                });
-            }
-            self.metrics
-                .feed_lag_ops
-                .set(i64::try_from(head - cursor).unwrap_or(i64::MAX));
-            self.metrics.feed_request("delta");
-            return FeedUpdate {
-                epoch: self.epoch,
-                cursor: at,
-                snapshot: false,
-                pods,
-                ops,
-            };
-        }
-        self.metrics.feed_request("snapshot");
-        FeedUpdate {
-            epoch: self.epoch,
-            cursor: head,
-            snapshot: true,
-            pods,
-            ops: self.snapshot_ops(&idx),
-        }
-    }
-
-    fn snapshot_ops(&self, idx: &HashMap<u64, u32>) -> Vec<BlockOp> {
-        let mut ops = Vec::new();
-        for (k, p) in &self.pods {
-            let Some(&pod) = idx.get(k) else { continue };
-            let mut by_tier: [Vec<u64>; 4] = Default::default();
-            for (h, c) in &p.blocks {
-                if let Some(t) = c.best() {
-                    by_tier[t.code() as usize].push(*h);
-                }
-            }
-            for (i, hashes) in by_tier.into_iter().enumerate() {
-                if hashes.is_empty() {
-                    continue;
-                }
-                if let Some(tier) = Tier::from_code(i as u8) {
-                    ops.push(BlockOp::Stored { pod, tier, hashes });
-                }
-            }
-        }
-        ops
     }
 
     // -------------------------------------------------------------- stats
