@@ -242,10 +242,12 @@ impl PodTable {
     }
 
     fn home(&self, key: u64) -> usize {
-        // Keys are already uniform hashes: multiply-shift of the top 32 bits
-        // maps them onto any table size (< 2^32 slots) without a modulo or a
-        // 128-bit product, which wasm32 would emulate.
-        (((key >> 32) * self.keys.len() as u64) >> 32) as usize
+        // Keys are index keys, uniform in their low 40 bits: multiply-shift of
+        // the low 32 maps them onto any table size (< 2^32 slots) without a
+        // modulo or a 128-bit product, which wasm32 would emulate. (The top 32
+        // bits of an index key hold only 8 bits: 256 home slots, probe chains
+        // as long as the table.)
+        ((u64::from(key as u32) * self.keys.len() as u64) >> 32) as usize
     }
 
     fn next(&self, slot: usize) -> usize {
@@ -517,6 +519,19 @@ mod tests {
         assert_eq!(t.prefix_match(&full, &TRUST_ALL).blocks, 4);
         t.remove(&full[2..]);
         assert_eq!(t.prefix_match(&keys, &TRUST_ALL).blocks, 2);
+    }
+
+    /// Index keys spread over the whole table: 10,000 of them in 40,000
+    /// slots find thousands of home slots, not the 256 the top 32 bits of a
+    /// 40-bit key would give (every probe then walks a cluster).
+    #[test]
+    fn index_keys_spread_over_the_table() {
+        let t = PodTable::new(20_000);
+        let homes: std::collections::HashSet<usize> = chain(9, 10_000)
+            .iter()
+            .map(|&h| t.home(key_of(h)))
+            .collect();
+        assert!(homes.len() > 5_000, "{} home slots", homes.len());
     }
 
     #[test]
