@@ -1,14 +1,17 @@
-//! The singleton (bootstrap `wasm_service`, main thread): polls the
-//! indexer's feed on a tick and forwards each update verbatim to every
-//! worker VM's queue; collects the workers' routing decisions and reports
-//! them to the indexer, which shares them with every other proxy (with the
-//! bearer token named by `indexer.token_env`, when `indexer.share_learned`).
+//! The singleton (bootstrap `wasm_service`, main thread): makes the indexer
+//! feed calls that `kvroute_core::feed_client` asks for (a poll per tick,
+//! snapshot pages and waiting deltas at once) and passes each decoded update
+//! on to every worker VM's queue; collects the workers' routing decisions and
+//! reports them to the indexer, which shares them with every other proxy
+//! (with the bearer token named by `indexer.token_env`, when
+//! `indexer.share_learned`).
 
 use crate::host;
 use crate::metrics::FeedMetrics;
 use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
 use kvroute_core::config::{Config, IndexerSettings};
-use kvroute_core::feed::{self, LearnedBatch};
+use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
+use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::rc::Rc;
@@ -16,9 +19,6 @@ use std::rc::Rc;
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
 const MAX_PENDING_LEARNED: usize = 1 << 16;
-/// Feed bodies larger than this are refused (a snapshot of 64 pods × 64k
-/// blocks is ~34 MB; anything bigger is a misconfiguration).
-const MAX_FEED_BYTES: usize = 64 << 20;
 
 pub struct Singleton {
     indexer: Option<IndexerSettings>,
@@ -27,8 +27,8 @@ pub struct Singleton {
     metrics: FeedMetrics,
     peers: Peers,
     queue: Option<u32>,
-    epoch: u64,
-    cursor: u64,
+    feed: FeedClient,
+    /// The feed call in flight: its token and when it was sent (ms).
     feed_call: Option<(u32, u64)>,
     learned_call: Option<u32>,
     pending: LearnedBatch,
@@ -58,6 +58,7 @@ impl Singleton {
         let (now_s, _) = host::now();
         let authorization = authorization(&config)?;
         let indexer = config.indexer.clone();
+        let poll_ms = indexer.as_ref().map_or(1000, |i| i.poll_ms);
         if let Some(i) = &indexer {
             host::set_tick_period(i.poll_ms);
         } else {
@@ -72,8 +73,7 @@ impl Singleton {
             metrics: FeedMetrics::define(),
             peers: Peers::observer(vm_id, now_s),
             queue: host::queue_register(SINGLETON_QUEUE),
-            epoch: 0,
-            cursor: 0,
+            feed: FeedClient::new(poll_ms),
             feed_call: None,
             learned_call: None,
             pending: LearnedBatch::default(),
@@ -89,6 +89,7 @@ impl Singleton {
         self.indexer = config.indexer.clone();
         if let Some(i) = &self.indexer {
             host::set_tick_period(i.poll_ms);
+            self.feed.set_poll_ms(i.poll_ms);
         }
         Ok(())
     }
@@ -99,22 +100,8 @@ impl Singleton {
         let Some(indexer) = self.indexer.clone() else {
             return;
         };
-        if self.feed_call.is_none() {
-            let path = format!(
-                "{}?epoch={}&cursor={}",
-                indexer.feed_path, self.epoch, self.cursor
-            );
-            match host::http_call(
-                &indexer.cluster,
-                &indexer.authority,
-                "GET",
-                &path,
-                None,
-                indexer.timeout_ms,
-            ) {
-                Ok(token) => self.feed_call = Some((token, now_ms)),
-                Err(status) => self.failed(&format!("feed call not sent: {status:?}")),
-            }
+        if let Some(request) = self.feed.on_tick(now_ms) {
+            self.send_feed(&indexer, request, now_ms);
         }
         if self.learned_call.is_none() && !self.pending.entries.is_empty() {
             let batch = std::mem::take(&mut self.pending);
@@ -202,46 +189,72 @@ impl Singleton {
         self.metrics
             .latency_ms
             .record(now_ms.saturating_sub(started_ms));
-        match host::http_call_status(num_headers) {
-            Some(200) => {}
-            Some(status) => return self.failed(&format!("feed answered {status}")),
-            None => {
-                return self.failed(
-                    "feed call ended without a response (reset, timeout, or an answer over \
-                     Envoy's 32 MiB async-client buffer)",
-                )
+        // Envoy's async client refuses bodies above its buffer limit (no
+        // response); the indexer keeps every answer far below it (pages).
+        let body;
+        let response = match host::http_call_status(num_headers) {
+            Some(200) => {
+                body = host::http_call_body(num_headers, body_size).unwrap_or_default();
+                FeedResponse::Body(&body)
+            }
+            Some(status) => FeedResponse::Status(u32::from(status)),
+            None => FeedResponse::NoResponse,
+        };
+        match self.feed.on_response(now_ms, response) {
+            Ok(received) => {
+                self.metrics.bytes.add(body_size as u64);
+                self.received(received);
+            }
+            Err(fault) => self.failed(&fault.to_string()),
+        }
+        if let Some(request) = self.feed.follow_up(now_ms) {
+            if let Some(indexer) = self.indexer.clone() {
+                self.send_feed(&indexer, request, now_ms);
             }
         }
-        if body_size > MAX_FEED_BYTES {
-            self.failed(&format!(
-                "feed body of {body_size} bytes is over {MAX_FEED_BYTES}"
-            ));
-            return;
-        }
-        let Some(body) = host::http_call_body(num_headers, body_size) else {
-            self.failed("feed body unreadable");
-            return;
-        };
-        let update = match feed::decode(&body) {
-            Ok(u) => u,
-            Err(e) => {
-                self.failed(&format!("feed undecodable: {e}"));
-                return;
+    }
+
+    fn send_feed(&mut self, indexer: &IndexerSettings, request: FeedRequest, now_ms: u64) {
+        let path = format!("{}?{}", indexer.feed_path, request.query());
+        match host::http_call(
+            &indexer.cluster,
+            &indexer.authority,
+            "GET",
+            &path,
+            None,
+            indexer.timeout_ms,
+        ) {
+            Ok(token) => self.feed_call = Some((token, now_ms)),
+            Err(status) => {
+                let fault = self.feed.on_response(now_ms, FeedResponse::NotSent);
+                if let Err(fault) = fault {
+                    self.failed(&format!("{fault}: {status:?}"));
+                }
             }
-        };
-        self.epoch = update.epoch;
-        self.cursor = update.cursor;
+        }
+    }
+
+    /// Counts an applied feed answer and passes its update on.
+    fn received(&mut self, received: Received) {
         self.metrics.ok.inc();
-        self.metrics.bytes.add(body.len() as u64);
-        self.metrics.pods.record(update.pods.len() as u64);
-        if update.snapshot {
+        self.metrics.pods.record(received.update.pods.len() as u64);
+        if received.page.is_some() {
+            self.metrics.pages.inc();
+        }
+        if received.snapshot_complete {
             self.metrics.snapshots.inc();
         }
         if self.failing {
             self.failing = false;
             host::log(LogLevel::Info, "kvroute singleton: indexer feed is back");
         }
-        match wire::encode_batch(&[PeerMessage::Feed(body)]) {
+        self.apply(&received.update);
+    }
+
+    /// What this proxy does with one decoded feed update: every worker VM
+    /// applies it to its own index.
+    fn apply(&mut self, update: &FeedUpdate) {
+        match wire::encode_batch(&[PeerMessage::Feed(feed::encode(update))]) {
             Ok(message) => {
                 self.peers.broadcast(&message, Audience::All, false);
             }

@@ -1,70 +1,99 @@
-//! The indexer → Envoy feed: a compact little-endian binary codec.
+//! The indexer → Envoy feed, version 2: a compact little-endian binary codec
+//! (on [`crate::codec`]).
 //!
 //! Dependency-free (it is linked into the wasm filter). The decoder never
 //! panics: every count is checked against the bytes that remain before
 //! anything is allocated, and every failure is a typed [`FeedError`].
 //!
-//! Wire format of a [`FeedUpdate`] (all integers little-endian):
+//! Wire format of a [`FeedMessage`], one answer of `GET /v1/feed` (integers
+//! little-endian; `varint` = minimal unsigned LEB128; `str` = varint byte
+//! length + UTF-8; `key` = the low 5 bytes of an index key, [`crate::hash::index_key`]):
 //!
 //! ```text
 //! magic    "KVRF"                      4 bytes
-//! version  u16 = 1
-//! flags    u16                         bit 0: snapshot; other bits must be 0
-//! epoch    u64
-//! cursor   u64
-//! n_pods   u32, then n_pods × pod:
-//!     address   str                    (str = u32 byte length + UTF-8)
-//!     n_models  u32, then n_models × str
-//!     capacity_blocks u32, waiting u32, running u32, kv_usage f32 (IEEE-754 bits)
-//! n_ops    u32, then n_ops × op:
-//!     kind u8, pod u32 (index into pods, checked)
-//!     kind 0 Stored:  tier u8 (0 GPU, 1 CPU, 2 disk, 3 learned), n u32, n × u64 hash
-//!     kind 1 Removed: n u32, n × u64 hash
-//!     kind 2 Cleared: nothing more
+//! version  u16 = 2                     (version 1 is refused: UnsupportedVersion)
+//! flags    u16   bit 0 PAGE: a page of a snapshot   bit 1 PODS: the pod list follows
+//!                bit 2 LOAD: the load list follows (never with PODS)
+//!                bit 3 MORE: ask again at once (deltas: more are waiting;
+//!                            a page: the next page, whose token follows)
+//!                other bits must be 0
+//! epoch         u64
+//! cursor        u64                    delta: position after it; page: the snapshot's position
+//! pods_version  u64                    digest of the pod list's addresses, models, capacities
+//! load_version  u64                    digest of the pods' load
+//! PAGE:  page u32 (0: the first page, which replaces all state)
+//! PAGE and MORE: next page token: pod u64, has_after u8 (0 or 1), [after u64]
+//! PODS:  varint n_pods, n_pods × pod:
+//!            address str, varint n_models, n_models × str,
+//!            capacity_blocks varint, waiting varint, running varint, kv_usage u32 (f32 bits)
+//! LOAD:  varint n, n × (waiting varint, running varint, kv_usage u32), in pod-list order
+//! varint n_runs, n_runs × run:
+//!     op u8   0–3 Stored in tier 0 GPU, 1 CPU, 2 disk, 3 learned;  4 Removed;  5 Cleared
+//!     pod varint (index into the pod list)
+//!     Stored, Removed: varint n, n × key
 //! (no trailing bytes)
 //! ```
 //!
-//! A [`LearnedBatch`] (`POST /v1/learned`):
+//! A delta or idle poll carries neither list when the consumer's versions are
+//! current (a 41-byte idle poll); a page carries at most the indexer's
+//! `--feed-max-hashes` keys. [`crate::feed_client::FeedClient`] keeps the lists
+//! and the paging state and turns each message into a [`FeedUpdate`], the form
+//! routing consumes. [`encode`]/[`decode`] carry a complete [`FeedUpdate`] (pod
+//! list included) in the same format, between the VMs of one proxy.
+//!
+//! A [`LearnedBatch`] (`POST /v1/learned`), version 1 and full 64-bit hashes:
 //!
 //! ```text
 //! magic "KVRL", version u16 = 1, flags u16 = 0,
-//! n_entries u32, then n_entries × (address str, n u32, n × u64 hash)
+//! n_entries u32, then n_entries × (address: u32 length + UTF-8, n u32, n × u64 hash)
 //! ```
 //!
 //! Semantics (see docs/contracts.md): `pods` is the complete current pod set
 //! (a consumer drops every pod absent from it); `Stored` sets the tier of
-//! each (pod, hash) — the best tier the indexer holds for it, replacing any
-//! tier sent before; `Removed` drops the (pod, hash) whatever its tier;
-//! `Cleared` drops every entry of the pod. A snapshot replaces all state.
+//! each (pod, key) — the best tier the indexer holds for it, replacing any
+//! tier sent before; `Removed` drops the (pod, key) whatever its tier;
+//! `Cleared` drops every entry of the pod. The first page of a snapshot
+//! replaces all state; the following pages add to it.
 
+use crate::codec::{self, CodecError, Reader, KEY_BYTES};
+use crate::hash::index_key;
 use std::fmt;
+use xxhash_rust::xxh3::xxh3_64;
 
-/// Magic bytes of an encoded [`FeedUpdate`].
+/// Magic bytes of an encoded [`FeedMessage`].
 pub const FEED_MAGIC: [u8; 4] = *b"KVRF";
 /// Magic bytes of an encoded [`LearnedBatch`].
 pub const LEARNED_MAGIC: [u8; 4] = *b"KVRL";
-/// Wire format version written by this encoder and accepted by the decoder.
-pub const VERSION: u16 = 1;
+/// Feed format version written by this encoder and accepted by the decoder.
+pub const FEED_VERSION: u16 = 2;
+/// Learned-batch format version.
+pub const LEARNED_VERSION: u16 = 1;
 
-const FLAG_SNAPSHOT: u16 = 1;
-const OP_STORED: u8 = 0;
-const OP_REMOVED: u8 = 1;
-const OP_CLEARED: u8 = 2;
-/// Smallest encoded pod: empty address, no models, four u32-sized numbers.
-const MIN_POD_BYTES: usize = 4 + 4 + 16;
-/// Smallest encoded op: kind + pod.
-const MIN_OP_BYTES: usize = 1 + 4;
+const FLAG_PAGE: u16 = 1;
+const FLAG_PODS: u16 = 2;
+const FLAG_LOAD: u16 = 4;
+const FLAG_MORE: u16 = 8;
+const OP_REMOVED: u8 = 4;
+const OP_CLEARED: u8 = 5;
+/// Smallest encoded pod: empty address, no models, three 1-byte varints, kv_usage.
+const MIN_POD_BYTES: usize = 1 + 1 + 3 + 4;
+/// Smallest encoded load: two 1-byte varints, kv_usage.
+const MIN_LOAD_BYTES: usize = 2 + 4;
+/// Smallest encoded run: op + pod.
+const MIN_RUN_BYTES: usize = 2;
 /// Smallest encoded learned entry: empty address + empty hash list.
 const MIN_LEARNED_ENTRY_BYTES: usize = 4 + 4;
 
-/// One answer of `GET /v1/feed`.
+/// The routing state change of one feed message, with the complete pod list:
+/// what [`crate::router::Cluster::apply_feed`] consumes.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct FeedUpdate {
     /// Identifies the indexer's delta log; changes when the indexer restarts.
     pub epoch: u64,
     /// Position in the delta log after applying this update.
     pub cursor: u64,
-    /// True when this update replaces all state instead of extending it.
+    /// True when this update replaces all state instead of extending it (the
+    /// first page of a snapshot; the following pages extend it).
     pub snapshot: bool,
     /// The complete current pod set; ops refer to pods by index into it.
     pub pods: Vec<PodInfo>,
@@ -87,6 +116,30 @@ pub struct PodInfo {
     pub running: u32,
     /// `vllm:kv_cache_usage_perc`, a fraction in 0..=1.
     pub kv_usage: f32,
+}
+
+/// The load part of a [`PodInfo`], sent alone when only the load changed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PodLoad {
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f32,
+}
+
+impl PodInfo {
+    pub fn load(&self) -> PodLoad {
+        PodLoad {
+            waiting: self.waiting,
+            running: self.running,
+            kv_usage: self.kv_usage,
+        }
+    }
+
+    pub fn set_load(&mut self, load: PodLoad) {
+        self.waiting = load.waiting;
+        self.running = load.running;
+        self.kv_usage = load.kv_usage;
+    }
 }
 
 /// Where a block is held.
@@ -125,7 +178,8 @@ impl Tier {
     }
 }
 
-/// A change to the block index.
+/// A change to the block index. Hashes are index keys once decoded (the wire
+/// carries [`crate::hash::INDEX_KEY_BITS`] bits of each).
 #[derive(Debug, Clone, PartialEq)]
 pub enum BlockOp {
     /// The pod holds these kvroute block hashes in `tier` (replaces any earlier tier).
@@ -149,6 +203,58 @@ impl BlockOp {
             | BlockOp::Cleared { pod } => *pod,
         }
     }
+
+    /// Hashes the op carries.
+    pub fn hashes(&self) -> &[u64] {
+        match self {
+            BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } => hashes,
+            BlockOp::Cleared { .. } => &[],
+        }
+    }
+}
+
+/// Where the next page of a snapshot starts: opaque to the consumer, which
+/// sends it back (the indexer's pod key, and the last hash sent of that pod
+/// when the page ended inside it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PageToken {
+    pub pod: u64,
+    pub after: Option<u64>,
+}
+
+/// What kind of answer a [`FeedMessage`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeedKind {
+    /// Ops after the consumer's cursor; `more`: the indexer holds more, ask again at once.
+    Delta { more: bool },
+    /// One page of a snapshot; `next`: the token of the following page.
+    Page {
+        number: u32,
+        next: Option<PageToken>,
+    },
+}
+
+impl Default for FeedKind {
+    fn default() -> Self {
+        FeedKind::Delta { more: false }
+    }
+}
+
+/// One answer of `GET /v1/feed`, as sent.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FeedMessage {
+    pub epoch: u64,
+    pub cursor: u64,
+    /// See [`pods_version`].
+    pub pods_version: u64,
+    /// See [`load_version`].
+    pub load_version: u64,
+    pub kind: FeedKind,
+    /// The pod list, when the consumer's `pods_version` is not current.
+    pub pods: Option<Vec<PodInfo>>,
+    /// The pods' load in pod-list order, when only the load changed.
+    pub load: Option<Vec<PodLoad>>,
+    pub ops: Vec<BlockOp>,
 }
 
 /// Approximate routing decisions of one proxy (`POST /v1/learned`).
@@ -165,7 +271,7 @@ pub enum FeedError {
     BadMagic,
     /// A version this decoder does not know.
     UnsupportedVersion(u16),
-    /// Flag bits this decoder does not know.
+    /// Flag bits this decoder does not know, or a combination it refuses.
     UnknownFlags(u16),
     /// The input ended while reading `what`.
     Truncated { what: &'static str },
@@ -177,12 +283,16 @@ pub enum FeedError {
     },
     /// A string that is not UTF-8.
     BadUtf8 { what: &'static str },
+    /// A varint longer than its value needs, or too large for its field.
+    BadVarint { what: &'static str },
     /// Unknown block-op kind.
     BadOpKind(u8),
-    /// Unknown tier code.
-    BadTier(u8),
     /// An op names a pod index outside `pods`.
     PodOutOfRange { pod: u32, pods: usize },
+    /// A byte that must be 0 or 1.
+    BadBool { what: &'static str },
+    /// A complete update was expected and the message has no pod list.
+    NoPodList,
     /// Bytes left after the message.
     TrailingBytes(usize),
 }
@@ -191,7 +301,11 @@ impl fmt::Display for FeedError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             FeedError::BadMagic => write!(f, "bad magic"),
-            FeedError::UnsupportedVersion(v) => write!(f, "unsupported feed version {v}"),
+            FeedError::UnsupportedVersion(v) => write!(
+                f,
+                "unsupported feed version {v} (this filter reads version {FEED_VERSION}: \
+                 run the kvroute-indexer of the same release)"
+            ),
             FeedError::UnknownFlags(x) => write!(f, "unknown flags {x:#06x}"),
             FeedError::Truncated { what } => write!(f, "truncated while reading {what}"),
             FeedError::CountTooLarge {
@@ -200,11 +314,13 @@ impl fmt::Display for FeedError {
                 remaining,
             } => write!(f, "{what} count {count} exceeds the {remaining} bytes left"),
             FeedError::BadUtf8 { what } => write!(f, "{what} is not UTF-8"),
+            FeedError::BadVarint { what } => write!(f, "{what} is not a valid varint"),
             FeedError::BadOpKind(k) => write!(f, "unknown op kind {k}"),
-            FeedError::BadTier(t) => write!(f, "unknown tier {t}"),
             FeedError::PodOutOfRange { pod, pods } => {
                 write!(f, "op names pod {pod} of {pods}")
             }
+            FeedError::BadBool { what } => write!(f, "{what} is neither 0 nor 1"),
+            FeedError::NoPodList => write!(f, "no pod list in a complete update"),
             FeedError::TrailingBytes(n) => write!(f, "{n} trailing bytes"),
         }
     }
@@ -212,102 +328,189 @@ impl fmt::Display for FeedError {
 
 impl std::error::Error for FeedError {}
 
+impl From<CodecError> for FeedError {
+    fn from(e: CodecError) -> FeedError {
+        match e {
+            CodecError::Truncated { what } => FeedError::Truncated { what },
+            CodecError::CountTooLarge {
+                what,
+                count,
+                remaining,
+            } => FeedError::CountTooLarge {
+                what,
+                count,
+                remaining,
+            },
+            CodecError::BadUtf8 { what } => FeedError::BadUtf8 { what },
+            CodecError::BadVarint { what } => FeedError::BadVarint { what },
+        }
+    }
+}
+
+// ---------------------------------------------------------------- versions
+
+/// Digest of what identifies the pod list (addresses, models, capacities, in
+/// order): a consumer holding the list of this version is not sent it again.
+/// Never 0, which a consumer sends when it holds no list.
+pub fn pods_version(pods: &[PodInfo]) -> u64 {
+    let mut bytes = Vec::with_capacity(pods.len() * 40);
+    for pod in pods {
+        put_str(&mut bytes, &pod.address);
+        codec::put_varint(&mut bytes, pod.models.len() as u64);
+        for m in &pod.models {
+            put_str(&mut bytes, m);
+        }
+        codec::put_varint(&mut bytes, u64::from(pod.capacity_blocks));
+    }
+    xxh3_64(&bytes).max(1)
+}
+
+/// Digest of the pods' load (in order); never 0.
+pub fn load_version(pods: &[PodInfo]) -> u64 {
+    let mut bytes = Vec::with_capacity(pods.len() * 8);
+    for pod in pods {
+        put_load(&mut bytes, &pod.load());
+    }
+    xxh3_64(&bytes).max(1)
+}
+
 // ---------------------------------------------------------------- encoding
 
-fn put_u16(out: &mut Vec<u8>, v: u16) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-fn put_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-fn put_u64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-/// Length as a wire u32; inputs beyond u32::MAX elements are cut to it (the
-/// writers below then write only that many, so the output stays decodable).
-fn wire_len(len: usize) -> u32 {
-    u32::try_from(len).unwrap_or(u32::MAX)
-}
-
 fn put_str(out: &mut Vec<u8>, s: &str) {
-    let n = wire_len(s.len());
-    put_u32(out, n);
-    // A string longer than u32::MAX bytes is cut at a byte boundary that
-    // is not checked for UTF-8: such input cannot occur (addresses, model names).
-    out.extend_from_slice(s.as_bytes().get(..n as usize).unwrap_or(s.as_bytes()));
+    codec::put_varint(out, s.len() as u64);
+    out.extend_from_slice(s.as_bytes());
 }
 
-fn put_hashes(out: &mut Vec<u8>, hashes: &[u64]) {
-    let n = wire_len(hashes.len());
-    put_u32(out, n);
-    out.reserve(n as usize * 8);
-    for h in hashes.iter().take(n as usize) {
-        put_u64(out, *h);
-    }
+fn put_load(out: &mut Vec<u8>, load: &PodLoad) {
+    codec::put_varint(out, u64::from(load.waiting));
+    codec::put_varint(out, u64::from(load.running));
+    codec::put_u32(out, load.kv_usage.to_bits());
 }
 
-/// Exact size of `update` once encoded.
-pub fn encoded_len(update: &FeedUpdate) -> usize {
-    let pods: usize = update
-        .pods
-        .iter()
-        .map(|p| 4 + p.address.len() + 4 + p.models.iter().map(|m| 4 + m.len()).sum::<usize>() + 16)
-        .sum();
-    let ops: usize = update
-        .ops
-        .iter()
-        .map(|op| match op {
-            BlockOp::Stored { hashes, .. } => 5 + 1 + 4 + 8 * hashes.len(),
-            BlockOp::Removed { hashes, .. } => 5 + 4 + 8 * hashes.len(),
-            BlockOp::Cleared { .. } => 5,
+fn put_header(out: &mut Vec<u8>, magic: [u8; 4], version: u16, flags: u16) {
+    out.extend_from_slice(&magic);
+    codec::put_u16(out, version);
+    codec::put_u16(out, flags);
+}
+
+fn ops_len(ops: &[BlockOp]) -> usize {
+    ops.iter()
+        .map(|op| {
+            let n = op.hashes().len();
+            1 + codec::varint_len(u64::from(op.pod()))
+                + match op {
+                    BlockOp::Cleared { .. } => 0,
+                    _ => codec::varint_len(n as u64) + KEY_BYTES * n,
+                }
         })
-        .sum();
-    4 + 2 + 2 + 8 + 8 + 4 + pods + 4 + ops
+        .sum()
 }
 
-/// Encodes a feed update.
+/// Encodes one answer of `GET /v1/feed`. Hashes are written as their index
+/// keys (the bits above [`crate::hash::INDEX_KEY_BITS`] are not sent).
+pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
+    let lists = match (&m.pods, &m.load) {
+        (Some(pods), _) => Lists::Pods(pods),
+        (None, Some(load)) => Lists::Load(load),
+        (None, None) => Lists::None,
+    };
+    encode_parts(m, lists, &m.ops)
+}
+
+/// Encodes a complete update (pod list included), as the VMs of one proxy
+/// pass it on. Hashes are written as their index keys.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
-    let mut out = Vec::with_capacity(encoded_len(update));
-    out.extend_from_slice(&FEED_MAGIC);
-    put_u16(&mut out, VERSION);
-    put_u16(&mut out, if update.snapshot { FLAG_SNAPSHOT } else { 0 });
-    put_u64(&mut out, update.epoch);
-    put_u64(&mut out, update.cursor);
-    let n_pods = wire_len(update.pods.len());
-    put_u32(&mut out, n_pods);
-    for pod in update.pods.iter().take(n_pods as usize) {
-        put_str(&mut out, &pod.address);
-        let n_models = wire_len(pod.models.len());
-        put_u32(&mut out, n_models);
-        for m in pod.models.iter().take(n_models as usize) {
-            put_str(&mut out, m);
-        }
-        put_u32(&mut out, pod.capacity_blocks);
-        put_u32(&mut out, pod.waiting);
-        put_u32(&mut out, pod.running);
-        put_u32(&mut out, pod.kv_usage.to_bits());
+    let head = FeedMessage {
+        epoch: update.epoch,
+        cursor: update.cursor,
+        kind: if update.snapshot {
+            FeedKind::Page {
+                number: 0,
+                next: None,
+            }
+        } else {
+            FeedKind::Delta { more: false }
+        },
+        ..FeedMessage::default()
+    };
+    encode_parts(&head, Lists::Pods(&update.pods), &update.ops)
+}
+
+enum Lists<'a> {
+    Pods(&'a [PodInfo]),
+    Load(&'a [PodLoad]),
+    None,
+}
+
+/// Encodes `head`'s header fields with `lists` and `ops` (those of `head` are ignored).
+fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(48 + ops_len(ops));
+    let mut flags = match lists {
+        Lists::Pods(_) => FLAG_PODS,
+        Lists::Load(_) => FLAG_LOAD,
+        Lists::None => 0,
+    };
+    if matches!(head.kind, FeedKind::Page { .. }) {
+        flags |= FLAG_PAGE;
     }
-    let n_ops = wire_len(update.ops.len());
-    put_u32(&mut out, n_ops);
-    for op in update.ops.iter().take(n_ops as usize) {
-        match op {
-            BlockOp::Stored { pod, tier, hashes } => {
-                out.push(OP_STORED);
-                put_u32(&mut out, *pod);
-                out.push(tier.code());
-                put_hashes(&mut out, hashes);
+    if matches!(
+        head.kind,
+        FeedKind::Delta { more: true } | FeedKind::Page { next: Some(_), .. }
+    ) {
+        flags |= FLAG_MORE;
+    }
+    put_header(&mut out, FEED_MAGIC, FEED_VERSION, flags);
+    codec::put_u64(&mut out, head.epoch);
+    codec::put_u64(&mut out, head.cursor);
+    codec::put_u64(&mut out, head.pods_version);
+    codec::put_u64(&mut out, head.load_version);
+    if let FeedKind::Page { number, next } = head.kind {
+        codec::put_u32(&mut out, number);
+        if let Some(token) = next {
+            codec::put_u64(&mut out, token.pod);
+            match token.after {
+                Some(after) => {
+                    out.push(1);
+                    codec::put_u64(&mut out, after);
+                }
+                None => out.push(0),
             }
-            BlockOp::Removed { pod, hashes } => {
-                out.push(OP_REMOVED);
-                put_u32(&mut out, *pod);
-                put_hashes(&mut out, hashes);
+        }
+    }
+    match lists {
+        Lists::Pods(pods) => {
+            codec::put_varint(&mut out, pods.len() as u64);
+            for pod in pods {
+                put_str(&mut out, &pod.address);
+                codec::put_varint(&mut out, pod.models.len() as u64);
+                for model in &pod.models {
+                    put_str(&mut out, model);
+                }
+                codec::put_varint(&mut out, u64::from(pod.capacity_blocks));
+                put_load(&mut out, &pod.load());
             }
-            BlockOp::Cleared { pod } => {
-                out.push(OP_CLEARED);
-                put_u32(&mut out, *pod);
+        }
+        Lists::Load(load) => {
+            codec::put_varint(&mut out, load.len() as u64);
+            for l in load {
+                put_load(&mut out, l);
+            }
+        }
+        Lists::None => {}
+    }
+    codec::put_varint(&mut out, ops.len() as u64);
+    for op in ops {
+        let code = match op {
+            BlockOp::Stored { tier, .. } => tier.code(),
+            BlockOp::Removed { .. } => OP_REMOVED,
+            BlockOp::Cleared { .. } => OP_CLEARED,
+        };
+        out.push(code);
+        codec::put_varint(&mut out, u64::from(op.pod()));
+        if let BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } = op {
+            codec::put_varint(&mut out, hashes.len() as u64);
+            for &h in hashes {
+                codec::put_key(&mut out, index_key(h));
             }
         }
     }
@@ -323,227 +526,246 @@ pub fn encode_learned(batch: &LearnedBatch) -> Vec<u8> {
             .map(|(a, h)| 8 + a.len() + 8 * h.len())
             .sum::<usize>();
     let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&LEARNED_MAGIC);
-    put_u16(&mut out, VERSION);
-    put_u16(&mut out, 0);
-    let n = wire_len(batch.entries.len());
-    put_u32(&mut out, n);
+    put_header(&mut out, LEARNED_MAGIC, LEARNED_VERSION, 0);
+    // Lengths beyond u32 cannot occur (addresses, bounded batches); they are cut to it.
+    let len32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let n = len32(batch.entries.len());
+    codec::put_u32(&mut out, n);
     for (address, hashes) in batch.entries.iter().take(n as usize) {
-        put_str(&mut out, address);
-        put_hashes(&mut out, hashes);
+        let a = len32(address.len());
+        codec::put_u32(&mut out, a);
+        out.extend_from_slice(address.as_bytes().get(..a as usize).unwrap_or_default());
+        let h = len32(hashes.len());
+        codec::put_u32(&mut out, h);
+        for hash in hashes.iter().take(h as usize) {
+            codec::put_u64(&mut out, *hash);
+        }
     }
     out
 }
 
 // ---------------------------------------------------------------- decoding
 
-struct Reader<'a> {
-    buf: &'a [u8],
+fn header(r: &mut Reader<'_>, magic: [u8; 4], version: u16) -> Result<u16, FeedError> {
+    if r.take(4, "magic")? != magic {
+        return Err(FeedError::BadMagic);
+    }
+    let v = r.u16("version")?;
+    if v != version {
+        return Err(FeedError::UnsupportedVersion(v));
+    }
+    Ok(r.u16("flags")?)
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], FeedError> {
-        if n > self.buf.len() {
-            return Err(FeedError::Truncated { what });
-        }
-        let (head, tail) = self.buf.split_at(n);
-        self.buf = tail;
-        Ok(head)
-    }
+fn varint_u32(r: &mut Reader<'_>, what: &'static str) -> Result<u32, FeedError> {
+    u32::try_from(r.varint(what)?).map_err(|_| FeedError::BadVarint { what })
+}
 
-    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], FeedError> {
-        let bytes = self.take(N, what)?;
-        let mut a = [0u8; N];
-        a.copy_from_slice(bytes);
-        Ok(a)
-    }
+fn count(r: &mut Reader<'_>, min_item: usize, what: &'static str) -> Result<usize, FeedError> {
+    let n = r.varint(what)?;
+    Ok(r.checked_count(n, min_item, what)?)
+}
 
-    fn u8(&mut self, what: &'static str) -> Result<u8, FeedError> {
-        Ok(self.array::<1>(what)?[0])
-    }
+fn string(r: &mut Reader<'_>, what: &'static str) -> Result<String, FeedError> {
+    let n = count(r, 1, what)?;
+    Ok(r.str(n, what)?)
+}
 
-    fn u16(&mut self, what: &'static str) -> Result<u16, FeedError> {
-        Ok(u16::from_le_bytes(self.array(what)?))
-    }
+fn keys(r: &mut Reader<'_>) -> Result<Vec<u64>, FeedError> {
+    let n = count(r, KEY_BYTES, "keys")?;
+    Ok(r.keys(n, "keys")?)
+}
 
-    fn u32(&mut self, what: &'static str) -> Result<u32, FeedError> {
-        Ok(u32::from_le_bytes(self.array(what)?))
-    }
+fn load(r: &mut Reader<'_>) -> Result<PodLoad, FeedError> {
+    Ok(PodLoad {
+        waiting: varint_u32(r, "waiting")?,
+        running: varint_u32(r, "running")?,
+        kv_usage: f32::from_bits(r.u32("kv_usage")?),
+    })
+}
 
-    fn u64(&mut self, what: &'static str) -> Result<u64, FeedError> {
-        Ok(u64::from_le_bytes(self.array(what)?))
-    }
-
-    /// Reads a u32 count of items at least `min_item` bytes each, checking
-    /// that the remaining input can hold them.
-    fn count(&mut self, what: &'static str, min_item: usize) -> Result<usize, FeedError> {
-        let n = self.u32(what)?;
-        let need = (n as u64).saturating_mul(min_item as u64);
-        if need > self.buf.len() as u64 {
-            return Err(FeedError::CountTooLarge {
-                what,
-                count: u64::from(n),
-                remaining: self.buf.len(),
-            });
-        }
-        Ok(n as usize)
-    }
-
-    fn string(&mut self, what: &'static str) -> Result<String, FeedError> {
-        let n = self.count(what, 1)?;
-        let bytes = self.take(n, what)?;
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(s.to_owned()),
-            Err(_) => Err(FeedError::BadUtf8 { what }),
-        }
-    }
-
-    fn hashes(&mut self) -> Result<Vec<u64>, FeedError> {
-        let n = self.count("hashes", 8)?;
-        let bytes = self.take(n * 8, "hashes")?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(c);
-                u64::from_le_bytes(a)
-            })
-            .collect())
-    }
-
-    fn header(&mut self, magic: [u8; 4]) -> Result<u16, FeedError> {
-        let m: [u8; 4] = self.array("magic")?;
-        if m != magic {
-            return Err(FeedError::BadMagic);
-        }
-        let version = self.u16("version")?;
-        if version != VERSION {
-            return Err(FeedError::UnsupportedVersion(version));
-        }
-        self.u16("flags")
-    }
-
-    fn finish(&self) -> Result<(), FeedError> {
-        if self.buf.is_empty() {
-            Ok(())
-        } else {
-            Err(FeedError::TrailingBytes(self.buf.len()))
-        }
+fn finish(r: &Reader<'_>) -> Result<(), FeedError> {
+    if r.is_empty() {
+        Ok(())
+    } else {
+        Err(FeedError::TrailingBytes(r.remaining()))
     }
 }
 
-/// Decodes a feed update; never panics.
-pub fn decode(bytes: &[u8]) -> Result<FeedUpdate, FeedError> {
-    let mut r = Reader { buf: bytes };
-    let flags = r.header(FEED_MAGIC)?;
-    if flags & !FLAG_SNAPSHOT != 0 {
+/// Decodes one answer of `GET /v1/feed`; never panics. Op pod indices are
+/// checked here when the message has a pod list, by the consumer otherwise.
+pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
+    let mut r = Reader::new(bytes);
+    let flags = header(&mut r, FEED_MAGIC, FEED_VERSION)?;
+    let known = FLAG_PAGE | FLAG_PODS | FLAG_LOAD | FLAG_MORE;
+    if flags & !known != 0 || flags & (FLAG_PODS | FLAG_LOAD) == FLAG_PODS | FLAG_LOAD {
         return Err(FeedError::UnknownFlags(flags));
     }
     let epoch = r.u64("epoch")?;
     let cursor = r.u64("cursor")?;
-    let n_pods = r.count("pods", MIN_POD_BYTES)?;
-    let mut pods = Vec::with_capacity(n_pods);
-    for _ in 0..n_pods {
-        let address = r.string("address")?;
-        let n_models = r.count("models", 4)?;
-        let mut models = Vec::with_capacity(n_models);
-        for _ in 0..n_models {
-            models.push(r.string("model")?);
-        }
-        pods.push(PodInfo {
-            address,
-            models,
-            capacity_blocks: r.u32("capacity_blocks")?,
-            waiting: r.u32("waiting")?,
-            running: r.u32("running")?,
-            kv_usage: f32::from_bits(r.u32("kv_usage")?),
-        });
-    }
-    let n_ops = r.count("ops", MIN_OP_BYTES)?;
-    let mut ops = Vec::with_capacity(n_ops);
-    for _ in 0..n_ops {
-        let kind = r.u8("op kind")?;
-        let pod = r.u32("op pod")?;
-        if pod as usize >= pods.len() {
-            return Err(FeedError::PodOutOfRange {
-                pod,
-                pods: pods.len(),
-            });
-        }
-        let op = match kind {
-            OP_STORED => {
-                let code = r.u8("tier")?;
-                let tier = Tier::from_code(code).ok_or(FeedError::BadTier(code))?;
-                BlockOp::Stored {
-                    pod,
-                    tier,
-                    hashes: r.hashes()?,
-                }
+    let pods_version = r.u64("pods_version")?;
+    let load_version = r.u64("load_version")?;
+    let more = flags & FLAG_MORE != 0;
+    let kind = if flags & FLAG_PAGE != 0 {
+        let number = r.u32("page")?;
+        let next = if more {
+            let pod = r.u64("page token")?;
+            let after = match r.u8("page token")? {
+                0 => None,
+                1 => Some(r.u64("page token")?),
+                _ => return Err(FeedError::BadBool { what: "page token" }),
+            };
+            Some(PageToken { pod, after })
+        } else {
+            None
+        };
+        FeedKind::Page { number, next }
+    } else {
+        FeedKind::Delta { more }
+    };
+    let mut pods = None;
+    let mut loads = None;
+    if flags & FLAG_PODS != 0 {
+        let n = count(&mut r, MIN_POD_BYTES, "pods")?;
+        let mut list = Vec::with_capacity(n);
+        for _ in 0..n {
+            let address = string(&mut r, "address")?;
+            let n_models = count(&mut r, 1, "models")?;
+            let mut models = Vec::with_capacity(n_models);
+            for _ in 0..n_models {
+                models.push(string(&mut r, "model")?);
             }
+            let mut pod = PodInfo {
+                address,
+                models,
+                capacity_blocks: varint_u32(&mut r, "capacity_blocks")?,
+                ..PodInfo::default()
+            };
+            pod.set_load(load(&mut r)?);
+            list.push(pod);
+        }
+        pods = Some(list);
+    } else if flags & FLAG_LOAD != 0 {
+        let n = count(&mut r, MIN_LOAD_BYTES, "load")?;
+        let mut list = Vec::with_capacity(n);
+        for _ in 0..n {
+            list.push(load(&mut r)?);
+        }
+        loads = Some(list);
+    }
+    let n_runs = count(&mut r, MIN_RUN_BYTES, "runs")?;
+    let mut ops = Vec::with_capacity(n_runs);
+    for _ in 0..n_runs {
+        let code = r.u8("op")?;
+        let pod = varint_u32(&mut r, "op pod")?;
+        if let Some(list) = &pods {
+            if pod as usize >= list.len() {
+                return Err(FeedError::PodOutOfRange {
+                    pod,
+                    pods: list.len(),
+                });
+            }
+        }
+        ops.push(match code {
             OP_REMOVED => BlockOp::Removed {
                 pod,
-                hashes: r.hashes()?,
+                hashes: keys(&mut r)?,
             },
             OP_CLEARED => BlockOp::Cleared { pod },
-            other => return Err(FeedError::BadOpKind(other)),
-        };
-        ops.push(op);
+            code => match Tier::from_code(code) {
+                Some(tier) => BlockOp::Stored {
+                    pod,
+                    tier,
+                    hashes: keys(&mut r)?,
+                },
+                None => return Err(FeedError::BadOpKind(code)),
+            },
+        });
     }
-    r.finish()?;
-    Ok(FeedUpdate {
+    finish(&r)?;
+    Ok(FeedMessage {
         epoch,
         cursor,
-        snapshot: flags & FLAG_SNAPSHOT != 0,
+        pods_version,
+        load_version,
+        kind,
         pods,
+        load: loads,
         ops,
+    })
+}
+
+/// Decodes a complete update (see [`encode`]); never panics. A message without
+/// a pod list is refused: only a [`crate::feed_client::FeedClient`], which
+/// keeps the last list, can complete it.
+pub fn decode(bytes: &[u8]) -> Result<FeedUpdate, FeedError> {
+    let m = decode_message(bytes)?;
+    let pods = m.pods.ok_or(FeedError::NoPodList)?;
+    Ok(FeedUpdate {
+        epoch: m.epoch,
+        cursor: m.cursor,
+        snapshot: matches!(m.kind, FeedKind::Page { number: 0, .. }),
+        pods,
+        ops: m.ops,
     })
 }
 
 /// Decodes a learned batch; never panics.
 pub fn decode_learned(bytes: &[u8]) -> Result<LearnedBatch, FeedError> {
-    let mut r = Reader { buf: bytes };
-    let flags = r.header(LEARNED_MAGIC)?;
+    let mut r = Reader::new(bytes);
+    let flags = header(&mut r, LEARNED_MAGIC, LEARNED_VERSION)?;
     if flags != 0 {
         return Err(FeedError::UnknownFlags(flags));
     }
-    let n = r.count("learned entries", MIN_LEARNED_ENTRY_BYTES)?;
+    let n = r.u32("learned entries")?;
+    let n = r.checked_count(u64::from(n), MIN_LEARNED_ENTRY_BYTES, "learned entries")?;
     let mut entries = Vec::with_capacity(n);
     for _ in 0..n {
-        let address = r.string("address")?;
-        entries.push((address, r.hashes()?));
+        let len = r.u32("address")?;
+        let len = r.checked_count(u64::from(len), 1, "address")?;
+        let address = r.str(len, "address")?;
+        let n = r.u32("hashes")?;
+        entries.push((address, r.u64s(n as usize, "hashes")?));
     }
-    r.finish()?;
+    finish(&r)?;
     Ok(LearnedBatch { entries })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::INDEX_KEY_BITS;
+
+    const KEY_MAX: u64 = (1 << INDEX_KEY_BITS) - 1;
+
+    fn pods() -> Vec<PodInfo> {
+        vec![
+            PodInfo {
+                address: "10.0.0.1:8000".into(),
+                models: vec!["Qwen/Qwen3-32B".into(), "lora-a".into()],
+                capacity_blocks: 19208,
+                waiting: 3,
+                running: 17,
+                kv_usage: 0.625,
+            },
+            PodInfo {
+                address: "10.0.0.2:8000".into(),
+                ..PodInfo::default()
+            },
+        ]
+    }
 
     fn sample() -> FeedUpdate {
         FeedUpdate {
             epoch: 0xdead_beef_0000_0001,
             cursor: 42,
             snapshot: true,
-            pods: vec![
-                PodInfo {
-                    address: "10.0.0.1:8000".into(),
-                    models: vec!["Qwen/Qwen3-32B".into(), "lora-a".into()],
-                    capacity_blocks: 19208,
-                    waiting: 3,
-                    running: 17,
-                    kv_usage: 0.625,
-                },
-                PodInfo {
-                    address: "10.0.0.2:8000".into(),
-                    ..PodInfo::default()
-                },
-            ],
+            pods: pods(),
             ops: vec![
                 BlockOp::Stored {
                     pod: 0,
                     tier: Tier::Gpu,
-                    hashes: vec![1, u64::MAX, 3],
+                    hashes: vec![1, KEY_MAX, 3],
                 },
                 BlockOp::Stored {
                     pod: 1,
@@ -552,7 +774,7 @@ mod tests {
                 },
                 BlockOp::Removed {
                     pod: 0,
-                    hashes: vec![u64::MAX],
+                    hashes: vec![KEY_MAX],
                 },
                 BlockOp::Cleared { pod: 1 },
                 BlockOp::Stored {
@@ -569,69 +791,201 @@ mod tests {
         }
     }
 
-    #[test]
-    fn roundtrip_and_exact_length() {
+    fn messages() -> Vec<FeedMessage> {
         let u = sample();
-        let bytes = encode(&u);
-        assert_eq!(bytes.len(), encoded_len(&u));
-        assert_eq!(decode(&bytes), Ok(u));
+        vec![
+            FeedMessage {
+                epoch: 9,
+                cursor: 10,
+                pods_version: pods_version(&u.pods),
+                load_version: load_version(&u.pods),
+                kind: FeedKind::Page {
+                    number: 0,
+                    next: Some(PageToken {
+                        pod: 3,
+                        after: Some(u64::MAX),
+                    }),
+                },
+                pods: Some(u.pods.clone()),
+                load: None,
+                ops: u.ops.clone(),
+            },
+            FeedMessage {
+                kind: FeedKind::Page {
+                    number: 7,
+                    next: Some(PageToken {
+                        pod: 4,
+                        after: None,
+                    }),
+                },
+                ops: vec![BlockOp::Stored {
+                    pod: 300,
+                    tier: Tier::Gpu,
+                    hashes: vec![5; 200],
+                }],
+                ..FeedMessage::default()
+            },
+            FeedMessage {
+                kind: FeedKind::Page {
+                    number: 8,
+                    next: None,
+                },
+                ..FeedMessage::default()
+            },
+            FeedMessage {
+                kind: FeedKind::Delta { more: true },
+                load: Some(vec![
+                    PodLoad {
+                        waiting: 1,
+                        running: 300,
+                        kv_usage: 0.5,
+                    },
+                    PodLoad::default(),
+                ]),
+                ops: vec![BlockOp::Cleared { pod: 1 }],
+                ..FeedMessage::default()
+            },
+            FeedMessage::default(),
+        ]
+    }
+
+    #[test]
+    fn messages_roundtrip() {
+        for m in messages() {
+            assert_eq!(decode_message(&encode_message(&m)), Ok(m));
+        }
+    }
+
+    #[test]
+    fn updates_roundtrip_as_index_keys() {
+        let u = sample();
+        assert_eq!(decode(&encode(&u)), Ok(u.clone()));
         let empty = FeedUpdate::default();
-        let bytes = encode(&empty);
-        assert_eq!(bytes.len(), 32);
-        assert_eq!(decode(&bytes), Ok(empty));
+        assert_eq!(decode(&encode(&empty)), Ok(empty));
+        // Full hashes travel as their 40-bit index keys.
+        let full = FeedUpdate {
+            pods: pods(),
+            ops: vec![BlockOp::Removed {
+                pod: 0,
+                hashes: vec![0xB2B7_9674_517D_8D36],
+            }],
+            ..FeedUpdate::default()
+        };
+        let back = decode(&encode(&full)).unwrap();
+        assert_eq!(back.ops[0].hashes(), [index_key(0xB2B7_9674_517D_8D36)]);
+        // Only a message with the pod list is a complete update.
+        let idle = encode_message(&FeedMessage::default());
+        assert_eq!(decode(&idle), Err(FeedError::NoPodList));
+    }
+
+    /// An idle poll (nothing changed) is the fixed header and an empty run list.
+    #[test]
+    fn an_idle_poll_is_41_bytes() {
+        assert_eq!(encode_message(&FeedMessage::default()).len(), 41);
+    }
+
+    /// A run of n keys costs 5 bytes per key plus a 3–5 byte header.
+    #[test]
+    fn a_block_event_costs_five_bytes_and_its_share_of_the_run_header() {
+        let run = |n: usize| FeedMessage {
+            ops: vec![BlockOp::Stored {
+                pod: 999,
+                tier: Tier::Gpu,
+                hashes: vec![1; n],
+            }],
+            ..FeedMessage::default()
+        };
+        let header = encode_message(&run(0)).len();
+        assert_eq!(encode_message(&run(20)).len() - header, 100);
+        assert_eq!(header - 41, 4); // op, 2-byte pod, 1-byte count
+    }
+
+    #[test]
+    fn versions_follow_what_they_cover() {
+        let a = pods();
+        let mut b = a.clone();
+        b[0].waiting += 1;
+        assert_eq!(pods_version(&a), pods_version(&b));
+        assert_ne!(load_version(&a), load_version(&b));
+        b[1].capacity_blocks = 5;
+        assert_ne!(pods_version(&a), pods_version(&b));
+        assert_ne!(pods_version(&[]), 0);
     }
 
     /// Pins the byte layout: a change here breaks deployed filters.
     #[test]
     fn layout_vector() {
-        let u = FeedUpdate {
+        let m = FeedMessage {
             epoch: 1,
             cursor: 2,
-            snapshot: false,
-            pods: vec![PodInfo {
+            pods_version: 3,
+            load_version: 4,
+            kind: FeedKind::Page {
+                number: 1,
+                next: Some(PageToken {
+                    pod: 5,
+                    after: Some(6),
+                }),
+            },
+            pods: Some(vec![PodInfo {
                 address: "a:1".into(),
                 models: vec!["m".into()],
-                capacity_blocks: 5,
+                capacity_blocks: 300,
                 waiting: 6,
                 running: 7,
                 kv_usage: 0.5,
-            }],
+            }]),
+            load: None,
             ops: vec![
                 BlockOp::Stored {
                     pod: 0,
                     tier: Tier::Cpu,
-                    hashes: vec![0x0102_0304_0506_0708],
+                    hashes: vec![0x01_0203_0405],
+                },
+                BlockOp::Removed {
+                    pod: 0,
+                    hashes: vec![0x0a],
                 },
                 BlockOp::Cleared { pod: 0 },
             ],
         };
-        let hex: String = encode(&u).iter().map(|b| format!("{b:02x}")).collect();
+        let hex: String = encode_message(&m)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         assert_eq!(
             hex,
             concat!(
                 "4b565246",
-                "0100",
-                "0000",
+                "0200",
+                "0b00",
                 "0100000000000000",
                 "0200000000000000",
+                "0300000000000000",
+                "0400000000000000",
                 "01000000",
-                "03000000",
-                "613a31",
-                "01000000",
-                "01000000",
-                "6d",
-                "05000000",
-                "06000000",
-                "07000000",
-                "0000003f",
-                "02000000",
-                "00",
-                "00000000",
+                "0500000000000000",
                 "01",
-                "01000000",
-                "0807060504030201",
-                "02",
-                "00000000"
+                "0600000000000000",
+                "01",
+                "03613a31",
+                "01",
+                "016d",
+                "ac02",
+                "06",
+                "07",
+                "0000003f",
+                "03",
+                "01",
+                "00",
+                "01",
+                "0504030201",
+                "04",
+                "00",
+                "01",
+                "0a00000000",
+                "05",
+                "00"
             )
         );
         let learned = LearnedBatch {
@@ -660,7 +1014,7 @@ mod tests {
     fn learned_roundtrip() {
         let b = LearnedBatch {
             entries: vec![
-                ("10.0.0.1:8000".into(), vec![1, 2, 3]),
+                ("10.0.0.1:8000".into(), vec![1, 2, u64::MAX]),
                 ("10.0.0.2:8000".into(), vec![]),
             ],
         };
@@ -671,9 +1025,11 @@ mod tests {
 
     #[test]
     fn every_truncation_is_an_error() {
-        let bytes = encode(&sample());
-        for n in 0..bytes.len() {
-            assert!(decode(&bytes[..n]).is_err(), "prefix of {n} bytes decoded");
+        for m in messages() {
+            let bytes = encode_message(&m);
+            for n in 0..bytes.len() {
+                assert!(decode_message(&bytes[..n]).is_err(), "prefix of {n} bytes");
+            }
         }
         let learned = encode_learned(&LearnedBatch {
             entries: vec![("x:1".into(), vec![1, 2])],
@@ -689,18 +1045,27 @@ mod tests {
         let mut b = good.clone();
         b[0] = b'X';
         assert_eq!(decode(&b), Err(FeedError::BadMagic));
+        // Version 1 (8-byte hashes, the pod list in every answer) is refused by name.
         let mut b = good.clone();
-        b[4] = 2;
-        assert_eq!(decode(&b), Err(FeedError::UnsupportedVersion(2)));
+        b[4] = 1;
+        assert_eq!(decode(&b), Err(FeedError::UnsupportedVersion(1)));
+        assert!(FeedError::UnsupportedVersion(1)
+            .to_string()
+            .contains("reads version 2"));
         let mut b = good.clone();
-        b[6] = 0x81;
-        assert_eq!(decode(&b), Err(FeedError::UnknownFlags(0x81)));
+        b[6] = 0x13;
+        assert_eq!(decode(&b), Err(FeedError::UnknownFlags(0x13)));
+        // The pod list and the load list exclude each other.
+        let mut b = good.clone();
+        b[6] |= 0x04;
+        assert!(matches!(decode(&b), Err(FeedError::UnknownFlags(_))));
         let mut b = good.clone();
         b.push(0);
         assert_eq!(decode(&b), Err(FeedError::TrailingBytes(1)));
         // A huge pod count must be refused before allocating.
-        let mut b = good[..24].to_vec();
-        b.extend_from_slice(&u32::MAX.to_le_bytes());
+        let mut b = encode(&FeedUpdate::default());
+        b.truncate(b.len() - 2); // the empty pod list and run list
+        b.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
         assert!(matches!(
             decode(&b),
             Err(FeedError::CountTooLarge { what: "pods", .. })
@@ -713,27 +1078,19 @@ mod tests {
         };
         let mut b = encode(&one_op);
         let n = b.len();
-        b[n - 4] = 1;
+        b[n - 1] = 1;
         assert_eq!(
             decode(&b),
             Err(FeedError::PodOutOfRange { pod: 1, pods: 1 })
         );
-        b[n - 4] = 0;
-        b[n - 5] = 9;
+        b[n - 1] = 0;
+        b[n - 2] = 9;
         assert_eq!(decode(&b), Err(FeedError::BadOpKind(9)));
-        let stored = FeedUpdate {
-            pods: vec![PodInfo::default()],
-            ops: vec![BlockOp::Stored {
-                pod: 0,
-                tier: Tier::Gpu,
-                hashes: vec![],
-            }],
-            ..FeedUpdate::default()
-        };
-        let mut b = encode(&stored);
-        let n = b.len();
-        b[n - 5] = 4;
-        assert_eq!(decode(&b), Err(FeedError::BadTier(4)));
+        // A non-minimal varint (pod 0 in two bytes).
+        b[n - 2] = OP_CLEARED;
+        b[n - 1] = 0x80;
+        b.push(0);
+        assert_eq!(decode(&b), Err(FeedError::BadVarint { what: "op pod" }));
         let bad_utf8 = FeedUpdate {
             pods: vec![PodInfo {
                 address: "ab".into(),
@@ -742,8 +1099,14 @@ mod tests {
             ..FeedUpdate::default()
         };
         let mut b = encode(&bad_utf8);
-        b[32] = 0xff;
+        b[43] = 0xff;
         assert_eq!(decode(&b), Err(FeedError::BadUtf8 { what: "address" }));
+        let mut token = encode_message(&messages()[1]);
+        token[52] = 2;
+        assert_eq!(
+            decode_message(&token),
+            Err(FeedError::BadBool { what: "page token" })
+        );
         assert_eq!(decode_learned(&good), Err(FeedError::BadMagic));
     }
 
@@ -751,7 +1114,8 @@ mod tests {
     /// messages must give an error or a value that re-encodes to the input.
     #[test]
     fn mutations_never_panic_and_roundtrip() {
-        let seeds = [encode(&sample()), encode(&FeedUpdate::default())];
+        let mut seeds: Vec<Vec<u8>> = messages().iter().map(encode_message).collect();
+        seeds.push(encode(&sample()));
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move || {
             rng ^= rng << 13;
@@ -787,9 +1151,13 @@ mod tests {
                     }
                 }
             }
-            if let Ok(u) = decode(&b) {
+            if let Ok(m) = decode_message(&b) {
                 decoded_ok += 1;
-                assert_eq!(encode(&u), b, "decoded value must re-encode to its input");
+                assert_eq!(
+                    encode_message(&m),
+                    b,
+                    "decoded value must re-encode to its input"
+                );
             }
             let _ = decode_learned(&b);
         }

@@ -3,8 +3,10 @@
 
 pub mod admission;
 pub mod budget;
+pub mod codec;
 pub mod config;
 pub mod feed;
+pub mod feed_client;
 pub mod hash;
 pub mod index;
 pub mod lookup;

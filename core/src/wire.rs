@@ -1,6 +1,6 @@
 //! Messages between the VMs of one proxy (worker ↔ worker, singleton →
-//! worker) over Envoy shared queues. Little-endian, length-checked; the
-//! decoder never panics.
+//! worker) over Envoy shared queues. Little-endian on [`crate::codec`],
+//! length-checked; the decoder never panics.
 //!
 //! ```text
 //! batch   := u32 count, count × message
@@ -17,6 +17,7 @@
 //! str     := u16 len, UTF-8
 //! ```
 
+use crate::codec::{self, CodecError, Reader};
 use std::fmt;
 
 /// One event a VM tells its peers.
@@ -81,7 +82,7 @@ const FEED: u8 = b'D';
 
 pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
     let mut out = Vec::with_capacity(64);
-    put_u32(&mut out, len_u32(messages.len())?);
+    codec::put_u32(&mut out, len_u32(messages.len())?);
     for message in messages {
         match message {
             PeerMessage::Routed {
@@ -91,7 +92,7 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
             } => {
                 out.push(ROUTED);
                 put_str(&mut out, pod)?;
-                put_u32(&mut out, *prompt_blocks);
+                codec::put_u32(&mut out, *prompt_blocks);
                 put_hashes(&mut out, hashes)?;
             }
             PeerMessage::Learned { pod, hashes } => {
@@ -111,21 +112,21 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
                 out.push(PREFILL_DONE);
                 put_str(&mut out, pod)?;
-                put_u32(&mut out, *prompt_blocks);
+                codec::put_u32(&mut out, *prompt_blocks);
             }
             PeerMessage::Finished { pod, prompt_blocks } => {
                 out.push(FINISHED);
                 put_str(&mut out, pod)?;
-                put_u32(&mut out, *prompt_blocks);
+                codec::put_u32(&mut out, *prompt_blocks);
             }
             PeerMessage::Released { pod, prompt_blocks } => {
                 out.push(RELEASED);
                 put_str(&mut out, pod)?;
-                put_u32(&mut out, *prompt_blocks);
+                codec::put_u32(&mut out, *prompt_blocks);
             }
             PeerMessage::Feed(bytes) => {
                 out.push(FEED);
-                put_u32(&mut out, len_u32(bytes.len())?);
+                codec::put_u32(&mut out, len_u32(bytes.len())?);
                 out.extend_from_slice(bytes);
             }
         }
@@ -134,47 +135,47 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
 }
 
 pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
-    let mut r = Reader { rest: bytes };
-    let count = r.u32()? as usize;
+    let mut r = Reader::new(bytes);
+    let count = r.u32("count")? as usize;
     // Each message takes at least 3 bytes: never trust the count for allocation.
     let mut messages = Vec::with_capacity(count.min(bytes.len() / 3));
     for _ in 0..count {
-        let message = match r.u8()? {
+        let message = match r.u8("tag")? {
             ROUTED => PeerMessage::Routed {
-                pod: r.str()?,
-                prompt_blocks: r.u32()?,
-                hashes: r.hashes()?,
+                pod: pod(&mut r)?,
+                prompt_blocks: r.u32("prompt_blocks")?,
+                hashes: hashes(&mut r)?,
             },
             LEARNED => PeerMessage::Learned {
-                pod: r.str()?,
-                hashes: r.hashes()?,
+                pod: pod(&mut r)?,
+                hashes: hashes(&mut r)?,
             },
             UNLEARNED => PeerMessage::Unlearned {
-                pod: r.str()?,
-                hashes: r.hashes()?,
+                pod: pod(&mut r)?,
+                hashes: hashes(&mut r)?,
             },
-            FAILED => PeerMessage::Failed { pod: r.str()? },
+            FAILED => PeerMessage::Failed { pod: pod(&mut r)? },
             PREFILL_DONE => PeerMessage::PrefillDone {
-                pod: r.str()?,
-                prompt_blocks: r.u32()?,
+                pod: pod(&mut r)?,
+                prompt_blocks: r.u32("prompt_blocks")?,
             },
             FINISHED => PeerMessage::Finished {
-                pod: r.str()?,
-                prompt_blocks: r.u32()?,
+                pod: pod(&mut r)?,
+                prompt_blocks: r.u32("prompt_blocks")?,
             },
             RELEASED => PeerMessage::Released {
-                pod: r.str()?,
-                prompt_blocks: r.u32()?,
+                pod: pod(&mut r)?,
+                prompt_blocks: r.u32("prompt_blocks")?,
             },
             FEED => {
-                let n = r.u32()? as usize;
-                PeerMessage::Feed(r.take(n)?.to_vec())
+                let n = r.u32("feed")? as usize;
+                PeerMessage::Feed(r.take(n, "feed")?.to_vec())
             }
             tag => return Err(WireError::UnknownTag(tag)),
         };
         messages.push(message);
     }
-    if !r.rest.is_empty() {
+    if !r.is_empty() {
         return Err(WireError::TrailingBytes);
     }
     Ok(messages)
@@ -184,69 +185,41 @@ fn len_u32(n: usize) -> Result<u32, WireError> {
     u32::try_from(n).map_err(|_| WireError::TooLong)
 }
 
-fn put_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
 fn put_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> Result<(), WireError> {
-    put_u32(out, len_u32(hashes.len())?);
+    codec::put_u32(out, len_u32(hashes.len())?);
     out.reserve(hashes.len() * 8);
     for hash in hashes {
-        out.extend_from_slice(&hash.to_le_bytes());
+        codec::put_u64(out, *hash);
     }
     Ok(())
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), WireError> {
     let len = u16::try_from(s.len()).map_err(|_| WireError::TooLong)?;
-    out.extend_from_slice(&len.to_le_bytes());
+    codec::put_u16(out, len);
     out.extend_from_slice(s.as_bytes());
     Ok(())
 }
 
-struct Reader<'a> {
-    rest: &'a [u8],
+impl From<CodecError> for WireError {
+    fn from(e: CodecError) -> WireError {
+        match e {
+            CodecError::BadUtf8 { .. } => WireError::BadUtf8,
+            CodecError::Truncated { .. }
+            | CodecError::CountTooLarge { .. }
+            | CodecError::BadVarint { .. } => WireError::Truncated,
+        }
+    }
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
-        if n > self.rest.len() {
-            return Err(WireError::Truncated);
-        }
-        let (head, tail) = self.rest.split_at(n);
-        self.rest = tail;
-        Ok(head)
-    }
+fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>, WireError> {
+    let n = r.u32("hashes")?;
+    Ok(r.u64s(n as usize, "hashes")?)
+}
 
-    fn u8(&mut self) -> Result<u8, WireError> {
-        Ok(self.take(1)?[0])
-    }
-
-    fn u32(&mut self) -> Result<u32, WireError> {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn hashes(&mut self) -> Result<Vec<u64>, WireError> {
-        let n = self.u32()? as usize;
-        let raw = self.take(n.checked_mul(8).ok_or(WireError::Truncated)?)?;
-        Ok(raw
-            .chunks_exact(8)
-            .map(|c| {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(c);
-                u64::from_le_bytes(b)
-            })
-            .collect())
-    }
-
-    fn str(&mut self) -> Result<String, WireError> {
-        let mut b = [0u8; 2];
-        b.copy_from_slice(self.take(2)?);
-        let raw = self.take(u16::from_le_bytes(b) as usize)?;
-        String::from_utf8(raw.to_vec()).map_err(|_| WireError::BadUtf8)
-    }
+fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
+    let len = r.u16("pod")?;
+    Ok(r.str(usize::from(len), "pod")?)
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvroute_core::feed;
+use kvroute_core::feed::{self, FeedKind};
+use kvroute_core::feed_client::FeedRequest;
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig};
 use kvroute_indexer::metrics::Metrics;
 use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
@@ -429,16 +430,41 @@ fn main() {
         ix.handle(m, 0);
     }
 
-    // 3. Feed sizes: snapshot of the working set, and one 100 ms tick of churn.
-    let snap = feed::encode(&ix.feed(0, 0));
+    // 3. Feed sizes: the snapshot of the working set in pages, and one 100 ms tick of churn.
+    let mut pages = 0usize;
+    let mut snap_bytes = 0usize;
+    let mut largest_page = 0usize;
+    let mut request = FeedRequest::default();
+    loop {
+        let m = ix.feed(&request);
+        let len = feed::encode_message(&m).len();
+        pages += 1;
+        snap_bytes += len;
+        largest_page = largest_page.max(len);
+        if let FeedKind::Page { number: 0, .. } = m.kind {
+            request.epoch = m.epoch;
+            request.cursor = m.cursor;
+            request.pods_version = m.pods_version;
+            request.load_version = m.load_version;
+        }
+        match m.kind {
+            FeedKind::Page {
+                number,
+                next: Some(token),
+            } => request.page = Some((number + 1, token)),
+            _ => break,
+        }
+    }
+    request.page = None;
     println!(
-        "feed snapshot at the working set: {:.2} MB ({:.2} bytes per (block, pod))",
-        snap.len() as f64 / 1e6,
-        snap.len() as f64 / total_blocks as f64
+        "feed snapshot at the working set: {:.2} MB in {pages} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
+        snap_bytes as f64 / 1e6,
+        largest_page as f64 / 1e6,
+        snap_bytes as f64 / total_blocks as f64
     );
     // A tick at the benchmark's peak (60 QPS, ~140 new prompt+output blocks per
     // request, as many evicted once full): 6 requests per 100 ms.
-    let tick_cursor = ix.cursor();
+    request.cursor = ix.cursor();
     let mut seqs2 = [(fill.len() / PODS) as u64; PODS];
     let mut held2 = held;
     for r in 0..6usize {
@@ -467,30 +493,16 @@ fn main() {
             seqs2[p] += 1;
         }
     }
-    let delta = ix.feed(ix.epoch(), tick_cursor);
-    let bytes = feed::encode(&delta);
-    let hashes: usize = delta
-        .ops
-        .iter()
-        .map(|o| match o {
-            feed::BlockOp::Stored { hashes, .. } | feed::BlockOp::Removed { hashes, .. } => {
-                hashes.len()
-            }
-            feed::BlockOp::Cleared { .. } => 0,
-        })
-        .sum();
+    let delta = ix.feed(&request);
+    let bytes = feed::encode_message(&delta).len();
+    let hashes: usize = delta.ops.iter().map(|o| o.hashes().len()).sum();
     println!(
-        "feed delta for one 100 ms tick at 60 QPS (6 requests x 128 stored + 128 removed blocks): {} bytes, {} ops, {} hashes (of which {} bytes are the pod list)",
-        bytes.len(),
+        "feed delta for one 100 ms tick at 60 QPS (6 requests x 128 stored + 128 removed blocks): {bytes} bytes, {} runs, {hashes} hashes ({:.2} bytes per hash)",
         delta.ops.len(),
-        hashes,
-        feed::encode(&feed::FeedUpdate {
-            ops: Vec::new(),
-            ..delta.clone()
-        })
-        .len()
+        bytes as f64 / hashes.max(1) as f64
     );
-    let idle = feed::encode(&ix.feed(ix.epoch(), ix.cursor()));
+    request.cursor = ix.cursor();
+    let idle = feed::encode_message(&ix.feed(&request));
     println!("feed delta of an idle tick: {} bytes", idle.len());
 }
 

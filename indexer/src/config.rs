@@ -102,8 +102,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1 << 20)]
     pub feed_log_hashes: usize,
 
-    /// Hashes per delta response (the client polls again for the rest).
-    #[arg(long, default_value_t = 1 << 18)]
+    /// Hashes per feed answer, a delta or a snapshot page (5 bytes each on the
+    /// wire: the default keeps a page near 2.6 MB); the client asks again at once for the rest.
+    #[arg(long, default_value_t = 1 << 19)]
     pub feed_max_hashes: usize,
 
     /// Lifetime of learned entries (POST /v1/learned), in seconds.

@@ -16,6 +16,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvroute_core::feed::{self, LearnedBatch};
+use kvroute_core::feed_client::FeedRequest;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -525,34 +526,17 @@ fn respond(
     r
 }
 
-fn query_u64(query: Option<&str>, key: &str) -> Result<u64, String> {
-    let Some(q) = query else { return Ok(0) };
-    for pair in q.split('&') {
-        if let Some((k, v)) = pair.split_once('=') {
-            if k == key {
-                return v.parse().map_err(|_| format!("bad {key}: {v:?}"));
-            }
-        }
-    }
-    Ok(0)
-}
-
 async fn route(req: Request<Body>, shared: Shared, peer: SocketAddr) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
     let query = req.uri().query().map(str::to_owned);
     match (req.method(), path.as_str()) {
         (&Method::GET, "/v1/feed") => {
-            let (epoch, cursor) = match (
-                query_u64(query.as_deref(), "epoch"),
-                query_u64(query.as_deref(), "cursor"),
-            ) {
-                (Ok(e), Ok(c)) => (e, c),
-                (Err(e), _) | (_, Err(e)) => {
-                    return respond(StatusCode::BAD_REQUEST, "text/plain", e)
-                }
+            let request = match FeedRequest::parse(query.as_deref()) {
+                Ok(r) => r,
+                Err(e) => return respond(StatusCode::BAD_REQUEST, "text/plain", e),
             };
-            let update = shared.lock().feed(epoch, cursor);
-            let body = feed::encode(&update);
+            let message = shared.lock().feed(&request);
+            let body = feed::encode_message(&message);
             shared.metrics.feed_bytes.inc_by(body.len() as u64);
             shared
                 .metrics

@@ -21,8 +21,9 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
   snapshot size, idle poll size, delta bytes per second while every pod stores and removes
   200 blocks/s (fewer when that exceeds --max-churn-blocks-s, then extrapolated); then per
-  `--concurrency`: time for a new Envoy to route an 8k-token prompt on the full index (first
-  fully matched decision on the pod holding it, or the failure as the result), its RSS,
+  `--concurrency`: time for a new Envoy to route an 8k-token prompt on the full index (from its
+  start to the first fully matched decision on one of the last pods, which the snapshot's last
+  page brings, or the failure as the result), its RSS,
   `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
   CPU per chat request including the tokenizer call-out.
 Every reading is checked (verify()): decisions fully matched on the right pod, histogram
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import http.client
+import itertools
 import json
 import os
 import platform
@@ -445,10 +447,76 @@ class KvEventSource:
         self.ctx.term()
 
 
-def feed_get(indexer: IndexerProcess, epoch: int, cursor: int) -> tuple[bytes, int, int]:
-    body = indexer.get(f"/v1/feed?epoch={epoch}&cursor={cursor}")
-    new_epoch, new_cursor = struct.unpack_from("<QQ", body, 8)
-    return body, new_epoch, new_cursor
+class FeedPoller:
+    """A byte-counting feed consumer (feed version 2, docs/contracts.md): it sends back the
+    versions each answer states, follows snapshot pages to the last, and counts the keys of the
+    runs it receives without keeping them (13 M entries would not fit a Python dict cheaply)."""
+
+    def __init__(self, indexer: IndexerProcess):
+        self.indexer = indexer
+        self.epoch = self.cursor = self.pods_version = self.load_version = 0
+
+    def get(self, page: tuple[int, int, int | None] | None = None) -> dict:
+        q = f"epoch={self.epoch}&cursor={self.cursor}&pods={self.pods_version}&load={self.load_version}"
+        if page:
+            q += f"&page={page[0]}&page_pod={page[1]}" + (f"&page_after={page[2]}" if page[2] is not None else "")
+        body = self.indexer.get(f"/v1/feed?{q}")
+        assert body[:6] == b"KVRF\x02\x00", "feed version 2"
+        flags = struct.unpack_from("<H", body, 6)[0]
+        self.epoch, self.cursor, self.pods_version, self.load_version = struct.unpack_from("<QQQQ", body, 8)
+        at, answer = 40, {"bytes": len(body), "page": None, "next": None, "more": bool(flags & 8),
+                          "pods_listed": bool(flags & 2), "keys": None}
+        if flags & 1:
+            answer["page"] = struct.unpack_from("<I", body, at)[0]
+            at += 4
+            if flags & 8:
+                pod, has_after = struct.unpack_from("<QB", body, at)
+                at += 9
+                after = struct.unpack_from("<Q", body, at)[0] if has_after else None
+                at += 8 if has_after else 0
+                answer["next"] = (answer["page"] + 1, pod, after)
+        if not flags & 6:  # no list in front of the runs: count their keys
+            answer["keys"] = _run_keys(body, at)
+        return answer
+
+    def snapshot(self) -> dict:
+        """The whole snapshot, page by page: bytes, pages, the largest page, seconds."""
+        self.epoch = self.cursor = self.pods_version = self.load_version = 0
+        t0 = time.monotonic()
+        first = self.get()
+        assert first["page"] == 0, "a fresh consumer gets a snapshot"
+        answers = [first]
+        while answers[-1]["next"]:
+            answers.append(self.get(answers[-1]["next"]))
+        return {"snapshot_bytes": sum(a["bytes"] for a in answers), "snapshot_pages": len(answers),
+                "snapshot_largest_page_bytes": max(a["bytes"] for a in answers),
+                "snapshot_s": round(time.monotonic() - t0, 2)}
+
+
+def _varint(body: bytes, at: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        b = body[at]
+        at += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, at
+
+
+def _run_keys(body: bytes, at: int) -> int:
+    """Keys in the runs from `at` (run: op u8, pod varint, then for stored/removed n varint, n x 5 bytes)."""
+    runs, at = _varint(body, at)
+    keys = 0
+    for _ in range(runs):
+        op = body[at]
+        _, at = _varint(body, at + 1)
+        if op != 5:
+            n, at = _varint(body, at)
+            keys += n
+            at += 5 * n
+    assert at == len(body), "runs end the message"
+    return keys
 
 
 def fill(indexer: IndexerProcess, source: KvEventSource, pods: int) -> dict[str, Any]:
@@ -463,35 +531,41 @@ def fill(indexer: IndexerProcess, source: KvEventSource, pods: int) -> dict[str,
     expected = per_pod * pods
 
     def indexed() -> int:
-        return sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
+        """(block, pod) entries, counted per publisher (the feed's keys can be fewer: see index_keys)."""
+        return sum(s.get("blocks", 0) for p in indexer.pods_debug().values() for s in p.get("sources", []))
 
     held = wait_for(lambda: (n := indexed()) >= expected and n, 600, interval=1.0) or indexed()
+    # Distinct 40-bit index keys per pod, what the feed serves: two blocks of one pod may share one.
+    keys = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
     return {"blocks_per_pod": per_pod, "sequences_per_pod": full_sequences, "expected_entries": expected,
-            "indexed_entries": held, "send_s": round(sent, 1), "indexed_s": round(time.monotonic() - t0, 1),
+            "indexed_entries": held, "index_keys": keys, "send_s": round(sent, 1),
+            "indexed_s": round(time.monotonic() - t0, 1),
             "indexer_rss_mb": round(indexer.rss_bytes() / 2**20, 1),
             "indexer_rss_bytes_per_entry": round(indexer.rss_bytes() / max(1, held), 1)}
 
 
 def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: int, seconds: float) -> dict:
-    """Snapshot and idle poll sizes, then delta bytes/s while every pod stores and removes
-    `rate` blocks/s (in 20-block messages), polled every 100 ms as the singleton does."""
-    t0 = time.monotonic()
-    snapshot, epoch, cursor = feed_get(indexer, 0, 0)
-    snapshot_s = time.monotonic() - t0
-    idle, epoch, cursor = feed_get(indexer, epoch, cursor)
-    polled = {"bytes": 0, "polls": 0, "epoch": epoch, "cursor": cursor, "snapshots": 0}
+    """Snapshot (in pages) and idle poll sizes, then delta bytes/s while every pod stores and
+    removes `rate` blocks/s (in 20-block messages), polled every 100 ms as the singleton does."""
+    poller = FeedPoller(indexer)
+    snapshot = poller.snapshot()
+    idle = poller.get()
+    assert idle["page"] is None and idle["keys"] == 0, "an idle poll after the snapshot"
+    polled = {"bytes": 0, "polls": 0, "keys": 0, "snapshots": 0, "lists": 0}
     stop = threading.Event()
 
-    def poller() -> None:
+    def poller_loop() -> None:
         while not stop.is_set():
-            body, e, c = feed_get(indexer, polled["epoch"], polled["cursor"])
-            polled["bytes"] += len(body)
+            answer = poller.get()
+            polled["bytes"] += answer["bytes"]
             polled["polls"] += 1
-            polled["snapshots"] += body[6] & 1
-            polled["epoch"], polled["cursor"] = e, c
-            stop.wait(0.1)
+            polled["keys"] += answer["keys"] or 0
+            polled["snapshots"] += answer["page"] == 0
+            polled["lists"] += answer["keys"] is None
+            if not answer["more"]:
+                stop.wait(0.1)
 
-    thread = threading.Thread(target=poller, daemon=True)
+    thread = threading.Thread(target=poller_loop, daemon=True)
     chunk = 20
     churn: list[list[int]] = [[] for _ in range(pods)]
     messages = rate * pods // chunk  # per second
@@ -503,8 +577,9 @@ def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: 
     while time.monotonic() - t0 < seconds:
         pod = i % pods
         tokens = sequence_tokens(pod, 10_000 + i // pods, chunk)
+        removing = len(churn[pod])
         churn[pod] = source.store_and_remove(pod, tokens, churn[pod])
-        sent_blocks += 2 * chunk
+        sent_blocks += chunk + removing
         i += 1
         lag = t0 + i * interval - time.monotonic()
         if lag > 0:
@@ -514,18 +589,20 @@ def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: 
     stop.set()
     thread.join()
     elapsed_with_tail = time.monotonic() - t0
-    # Every poll carries the pod list (the idle poll's size); the rest grows with the events.
     polls_per_s = polled["polls"] / elapsed_with_tail
-    event_bytes = polled["bytes"] - polled["polls"] * len(idle)
-    bytes_per_event = event_bytes / max(1, sent_blocks)
+    # Without lists, an answer is the 41-byte idle poll plus its runs: what grows with the events.
+    event_bytes = polled["bytes"] - polled["polls"] * idle["bytes"]
+    bytes_per_event = event_bytes / max(1, polled["keys"])
     target = 2 * 200 * pods  # 200 stored + 200 removed blocks/s per pod
-    return {"snapshot_bytes": len(snapshot), "snapshot_s": round(snapshot_s, 2), "idle_poll_bytes": len(idle),
+    return {**snapshot, "idle_poll_bytes": idle["bytes"],
             "churn_blocks_per_pod_s": rate, "churn_seconds": round(elapsed, 1),
             "block_events_sent": sent_blocks, "block_events_per_s": round(sent_blocks / elapsed),
+            "block_events_polled": polled["keys"], "answers_with_lists": polled["lists"],
             "polls": polled["polls"], "polls_per_s": round(polls_per_s, 2), "delta_snapshots": polled["snapshots"],
             "delta_bytes_per_s": round(polled["bytes"] / elapsed_with_tail),
             "bytes_per_block_event": round(bytes_per_event, 2),
-            "delta_bytes_per_s_at_200_per_pod": round(len(idle) * polls_per_s + bytes_per_event * target),
+            "bytes_per_block_event_all_in": round(polled["bytes"] / max(1, polled["keys"]), 2),
+            "delta_bytes_per_s_at_200_per_pod": round(idle["bytes"] * 10 + bytes_per_event * target),
             "extrapolated": rate < 200}
 
 
@@ -538,8 +615,13 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
     plugin = {"default_capacity_blocks": CAPACITY_BLOCKS, "tokenizer": {"timeout_ms": 1000}}
     config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
     rng = random.Random(concurrency)
-    # distinct probes (a probe teaches its own decision locally, so never repeat one)
-    order = [(rng.randrange(len(pods)), rng.randrange(sequences)) for _ in range(args.probes + 2000)]
+    # The index is complete once the snapshot's last page is applied: pages go in pod order, so
+    # "routes on the full index" is a full match on one of the last pods. Those probes are kept
+    # apart from the measured ones (a probe teaches its own decision locally, so a measured one
+    # is never repeated; a repeated check can only fail, never pass wrongly).
+    last = max(2, len(pods) // 25)
+    checks = itertools.cycle([(p, q) for q in range(sequences) for p in range(len(pods) - last, len(pods))])
+    order = [(rng.randrange(len(pods) - last), rng.randrange(sequences)) for _ in range(args.probes)]
     probes = iter(order)
     t0 = time.monotonic()
     result: dict[str, Any] = {}
@@ -551,7 +633,7 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
 
         def routed() -> bool:
             nonlocal tries
-            pod, seq = next(probes)
+            pod, seq = next(checks)
             tries += 1
             status, header = client.post(token_request(sequence_tokens(pod, seq)))
             d = parse_decision(header)
@@ -605,7 +687,7 @@ def precise(fleet: StubFleet, baselines: dict[int, dict], args) -> dict[str, Any
             result["feed"] = feed_bytes(indexer, source, len(pods), rate, args.churn_seconds)
             log(f"precise N={len(pods)}: feed {result['feed']}")
             result["fill_after_churn"] = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
-            for c in args.concurrency:
+            for c in ([] if args.no_envoy else args.concurrency):
                 log(f"precise N={len(pods)} c{c}: Envoy")
                 result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"],
                                                 baselines.get(c, {}), args)
@@ -658,6 +740,12 @@ def verify(results: dict) -> dict[str, Any]:
                 fill = runs["fill"]
                 checks.append((f"precise N={n}: indexer holds every entry sent",
                                fill["indexed_entries"] == fill["expected_entries"]))
+            if mode == "precise" and "feed" in runs:
+                f = runs["feed"]
+                checks.append((f"precise N={n}: every block event sent reached the poller",
+                               f["block_events_polled"] == f["block_events_sent"]))
+                checks.append((f"precise N={n}: deltas needed no snapshot and no pod list",
+                               f["delta_snapshots"] == 0 and f["answers_with_lists"] == 0))
     failed = [name for name, ok in checks if not ok]
     return {"made": len(checks), "failed": failed}
 
@@ -717,17 +805,20 @@ def render(results: dict) -> str:
                     dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
                            f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
                 cpu = r.get("cpu", {})
-                cpu_s = " / ".join(f"+{cpu[k].get('added_cpu_us_per_request')} "
-                                   f"({cpu[k].get('without_kvroute_cpu_us_per_request')})"
+                cpu_s = " / ".join((f"+{cpu[k].get('added_cpu_us_per_request')} "
+                                    f"({cpu[k].get('without_kvroute_cpu_us_per_request')})")
+                                   if "added_cpu_us_per_request" in cpu[k]
+                                   else f"{cpu[k].get('cpu_us_per_request')} (with kvroute, no baseline run)"
                                    for k in ("30KB", "128KB") if k in cpu) or "—"
                 rss = r.get("rss_after_start_mb", r.get("rss_mb"))
                 index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
                 when = (f"{r.get('startup_s')}" if mode == "approximate" else
                         f"{r.get('startup_s')} / {fmt(r.get('time_to_route_s'))}")
                 rows.append(f"| {mode} | {n} | {c} | {rss} | {index_mb} | {when} | {dec} | {cpu_s} |")
-    feed = ["| pods | indexed / expected entries | indexer RSS MB (B/entry) | snapshot bytes | idle poll bytes |"
-            " churn blocks/s sent (per pod) | delta B/s measured | B per block event | delta B/s per poller at 200+200 blocks/s/pod |",
-            "|---:|---|---|---:|---:|---|---:|---:|---|"]
+    feed = ["| pods | indexed / expected entries | indexer RSS MB (B/entry) | snapshot bytes in pages (largest page) |"
+            " idle poll bytes | churn blocks/s sent (per pod) | delta B/s measured | B per block event (all in) |"
+            " delta B/s per poller at 200+200 blocks/s/pod |",
+            "|---:|---|---|---|---:|---|---:|---:|---|"]
     for n, by_mode in results["fleets"].items():
         p = by_mode.get("precise")
         if not p or "feed" not in p:
@@ -735,10 +826,11 @@ def render(results: dict) -> str:
         f, fl = p["feed"], p["fill"]
         extrapolated = " (extrapolated)" if f["extrapolated"] else " (measured rate)"
         feed.append(f"| {n} | {fl['indexed_entries']} / {fl['expected_entries']} |"
-                    f" {fl['indexer_rss_mb']} ({fl['indexer_rss_bytes_per_entry']}) | {f['snapshot_bytes']} |"
+                    f" {fl['indexer_rss_mb']} ({fl['indexer_rss_bytes_per_entry']}) | {f['snapshot_bytes']} in"
+                    f" {f['snapshot_pages']} ({f['snapshot_largest_page_bytes']}) |"
                     f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
-                    f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']} |"
-                    f" {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
+                    f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']}"
+                    f" ({f['bytes_per_block_event_all_in']}) | {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
     return "\n".join(rows) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
         "\n".join(feed) + "\n"
 
@@ -756,6 +848,11 @@ def main() -> None:
     ap.add_argument("--churn-seconds", type=float, default=None)
     ap.add_argument("--max-churn-blocks-s", type=int, default=20_000,
                     help="cap on generated stored blocks/s over the fleet (above: a lower per-pod rate, extrapolated)")
+    ap.add_argument("--precise-only", action="store_true",
+                    help="skip approximate mode for the --pods fleets (precise mode then reports Envoy CPU per "
+                         "request without the added-by-kvroute difference)")
+    ap.add_argument("--no-envoy", action="store_true",
+                    help="precise mode: fill the indexer and measure the feed only, start no Envoy")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
     ap.add_argument("--results-dir", default=None)
@@ -780,12 +877,12 @@ def main() -> None:
         runs: dict[str, Any] = {"approximate": {}}
         results["fleets"][str(n)] = runs
         with StubFleet(n) as fleet:
-            for c in ([2] if n in big else args.concurrency):
+            for c in ([] if args.precise_only and n not in big else [2] if n in big else args.concurrency):
                 log(f"approximate N={n} c{c}")
                 runs["approximate"][f"c{c}"] = approximate(fleet, c, args)
                 log(f"approximate N={n} c{c}: {summary(runs['approximate'][f'c{c}'])}")
             if n not in big:
-                baselines = {c: runs["approximate"][f"c{c}"].get("envoy_without_kvroute", {}).get("cpu", {})
+                baselines = {c: runs["approximate"].get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
                              for c in args.concurrency}
                 runs["precise"] = precise(fleet, baselines, args)
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -30,6 +30,16 @@ TOKENS_0_63_QWEN = [0xB2B79674517D8D36, 0xA8E1D591ABB22B2D, 0xEBE25CDFBC418710, 
 
 TIERS = {0: "gpu", 1: "cpu", 2: "disk", 3: "learned"}
 
+# The feed carries each hash's index key: its low 40 bits (core/src/hash.rs index_key).
+KEY_MASK = (1 << 40) - 1
+
+
+def key(h: int) -> int:
+    return h & KEY_MASK
+
+
+KEYS_0_63_QWEN = [key(x) for x in TOKENS_0_63_QWEN]
+
 
 # ----------------------------------------------------------------- feed codec
 
@@ -60,35 +70,60 @@ class Reader:
     def f32(self):
         return struct.unpack("<f", self.take(4))[0]
 
-    def s(self):
-        return self.take(self.u32()).decode()
+    def varint(self):
+        v, shift = 0, 0
+        while True:
+            b = self.u8()
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return v
 
-    def hashes(self):
-        n = self.u32()
-        return list(struct.unpack(f"<{n}Q", self.take(8 * n)))
+    def s(self):
+        return self.take(self.varint()).decode()
+
+    def keys(self):
+        n = self.varint()
+        raw = self.take(5 * n)
+        return [int.from_bytes(raw[i:i + 5], "little") for i in range(0, 5 * n, 5)]
+
+    def load(self):
+        return {"waiting": self.varint(), "running": self.varint(), "kv_usage": self.f32()}
 
 
 def decode_feed(b: bytes) -> dict:
+    """One answer of GET /v1/feed, version 2 (docs/contracts.md)."""
     r = Reader(b)
     assert r.take(4) == b"KVRF", "magic"
-    assert r.u16() == 1, "version"
+    assert r.u16() == 2, "version"
     flags = r.u16()
-    out = {"snapshot": bool(flags & 1), "epoch": r.u64(), "cursor": r.u64(), "pods": [], "ops": []}
-    for _ in range(r.u32()):
-        addr = r.s()
-        models = [r.s() for _ in range(r.u32())]
-        out["pods"].append({"address": addr, "models": models, "capacity_blocks": r.u32(), "waiting": r.u32(),
-                            "running": r.u32(), "kv_usage": r.f32()})
-    for _ in range(r.u32()):
-        kind, pod = r.u8(), r.u32()
-        if kind == 0:
-            out["ops"].append(("stored", pod, TIERS[r.u8()], r.hashes()))
-        elif kind == 1:
-            out["ops"].append(("removed", pod, None, r.hashes()))
-        elif kind == 2:
+    page, pods, load, more = flags & 1, flags & 2, flags & 4, flags & 8
+    out = {"epoch": r.u64(), "cursor": r.u64(), "pods_version": r.u64(), "load_version": r.u64(),
+           "page": None, "next": None, "more": bool(more), "pods": None, "load": None, "ops": []}
+    if page:
+        out["page"] = r.u32()
+        if more:
+            pod = r.u64()
+            out["next"] = (pod, r.u64() if r.u8() else None)
+    out["snapshot"] = out["page"] == 0
+    if pods:
+        out["pods"] = []
+        for _ in range(r.varint()):
+            addr = r.s()
+            models = [r.s() for _ in range(r.varint())]
+            out["pods"].append({"address": addr, "models": models, "capacity_blocks": r.varint(), **r.load()})
+    elif load:
+        out["load"] = [r.load() for _ in range(r.varint())]
+    for _ in range(r.varint()):
+        op, pod = r.u8(), r.varint()
+        if op <= 3:
+            out["ops"].append(("stored", pod, TIERS[op], r.keys()))
+        elif op == 4:
+            out["ops"].append(("removed", pod, None, r.keys()))
+        elif op == 5:
             out["ops"].append(("cleared", pod, None, []))
         else:
-            raise ValueError(f"op kind {kind}")
+            raise ValueError(f"op {op}")
     assert r.i == len(b), "trailing bytes"
     return out
 
@@ -102,37 +137,63 @@ def encode_learned(entries: list[tuple[str, list[int]]]) -> bytes:
 
 
 class FeedClient:
-    """A consumer that follows the feed contract (snapshot replaces, deltas apply)."""
+    """A consumer that follows the feed contract: pages of a snapshot in order (the first
+    replaces all state), deltas after them, the pod list and the load kept between answers."""
 
     def __init__(self, base: str):
         self.base, self.epoch, self.cursor = base, 0, 0
+        self.pods_version, self.load_version = 0, 0
         self.entries: dict[tuple[str, int], str] = {}
         self.pods: list[dict] = []
 
-    def poll(self) -> dict:
-        with urllib.request.urlopen(f"{self.base}/v1/feed?epoch={self.epoch}&cursor={self.cursor}", timeout=5) as r:
+    def _get(self, page: tuple[int, tuple[int, int | None]] | None) -> dict:
+        q = f"epoch={self.epoch}&cursor={self.cursor}&pods={self.pods_version}&load={self.load_version}"
+        if page:
+            number, (pod, after) = page
+            q += f"&page={number}&page_pod={pod}" + (f"&page_after={after}" if after is not None else "")
+        with urllib.request.urlopen(f"{self.base}/v1/feed?{q}", timeout=5) as r:
             assert r.headers["Content-Type"] == "application/octet-stream"
-            u = decode_feed(r.read())
+            return decode_feed(r.read())
+
+    def _apply(self, u: dict) -> None:
         if u["snapshot"]:
             self.entries.clear()
-        live = {p["address"] for p in u["pods"]}
+        if u["pods"] is not None:
+            self.pods, self.pods_version = u["pods"], u["pods_version"]
+            self.load_version = u["load_version"]
+        elif u["load"] is not None:
+            for p, load in zip(self.pods, u["load"]):
+                p.update(load)
+            self.load_version = u["load_version"]
+        assert (self.pods_version, self.load_version) == (u["pods_version"], u["load_version"]), "lists kept"
+        live = {p["address"] for p in self.pods}
         self.entries = {k: v for k, v in self.entries.items() if k[0] in live}
-        for kind, pod, tier, hashes in u["ops"]:
-            addr = u["pods"][pod]["address"]
+        for kind, pod, tier, keys in u["ops"]:
+            addr = self.pods[pod]["address"]
             if kind == "stored":
-                for h in hashes:
-                    self.entries[(addr, h)] = tier
+                for k in keys:
+                    self.entries[(addr, k)] = tier
             elif kind == "removed":
-                for h in hashes:
-                    self.entries.pop((addr, h), None)
+                for k in keys:
+                    self.entries.pop((addr, k), None)
             else:
                 self.entries = {k: v for k, v in self.entries.items() if k[0] != addr}
-        self.epoch, self.cursor, self.pods = u["epoch"], u["cursor"], u["pods"]
+        self.epoch, self.cursor = u["epoch"], u["cursor"]
+
+    def poll(self) -> dict:
+        """One poll; a snapshot is read page by page to its end."""
+        u = self._get(None)
+        self._apply(u)
+        while u["next"] is not None:
+            u = self._get((u["page"] + 1, u["next"]))
+            assert u["page"] is not None, "a snapshot goes on with its pages"
+            self._apply(u)
         return u
 
     def of(self, addr: str) -> dict[int, str]:
+        """The pod's entries: index key -> tier."""
         self.poll()
-        return {h: t for (a, h), t in self.entries.items() if a == addr}
+        return {k: t for (a, k), t in self.entries.items() if a == addr}
 
 
 # ----------------------------------------------------------------- process

@@ -32,7 +32,7 @@ def test_golden_captures_over_zmq(ctx):
                 if i == 0:
                     # The kvroute chain of tokens 0..63 for the model (vectors pinned in core/src/hash.rs).
                     got = wait_for(lambda: feed.of(pod) if len(feed.of(pod)) == 4 else None, what="4 blocks")
-                    assert got == {x: "gpu" for x in h.TOKENS_0_63_QWEN}
+                    assert got == {x: "gpu" for x in h.KEYS_0_63_QWEN}
         wait_for(lambda: ix.metric("kvroute_indexer_events_total", type="AllBlocksCleared") == 4, what="clears")
         assert feed.of(POD) == {} and feed.of(pod_b) == {}
         assert ix.metric("kvroute_indexer_decode_errors_total") == 0
@@ -53,7 +53,7 @@ def test_array_encoded_events_and_data_parallel_rank(ctx):
         old = h.msgpack.packb([1.0, [["BlockStored", [-1, -2], None, list(range(32)), 16, None]]])
         pub.send(topic(POD), 0, old)
         wait_for(lambda: len(feed.of(POD)) == 2, what="array-encoded blocks")
-        assert set(feed.of(POD)) == set(h.TOKENS_0_63_QWEN[:2])
+        assert set(feed.of(POD)) == set(h.KEYS_0_63_QWEN[:2])
         # Same pod, data-parallel rank 1 (its own sequence): the golden dp1 clear only clears rank 1.
         dp1 = h.golden_payload("int_tcp_dp1_topic_cleared")
         pub.send(topic(POD), 0, dp1)
@@ -78,7 +78,7 @@ def test_restart_drops_stale_entries(ctx):
         pub.send(topic(POD), 0, batch(stored([7], None, range(16))))
         wait_for(lambda: ix.metric("kvroute_indexer_restarts_total") == 1, what="restart detected")
         now = feed.of(POD)
-        assert now == {h.TOKENS_0_63_QWEN[0]: "gpu"}
+        assert now == {h.KEYS_0_63_QWEN[0]: "gpu"}
         assert not stale & set(now)
         pub.close()
 
@@ -124,7 +124,7 @@ def _gap_replay(ctx, old_framing: bool):
             pub.send(topic(POD), 3, msgs[3][1])
             wait_for(lambda: ix.metric("kvroute_indexer_replays_total", result="ok") == 1, what="replay")
             assert router.requests == [1]
-            assert feed.of(POD) == {x: "gpu" for x in h.TOKENS_0_63_QWEN}
+            assert feed.of(POD) == {x: "gpu" for x in h.KEYS_0_63_QWEN}
             assert ix.metric("kvroute_indexer_seq_gaps_total") == 1
             assert ix.metric("kvroute_indexer_seq_missed_total") == 2
             assert ix.metric("kvroute_indexer_replayed_messages_total") == 2
@@ -202,7 +202,7 @@ def test_connect_mode_identity_from_configuration(ctx):
                 return len(feed.of(POD)) == 1
 
             wait_for(probe, what="connected SUB receives")
-            assert feed.of(POD) == {h.TOKENS_0_63_QWEN[0]: "gpu"}
+            assert feed.of(POD) == {h.KEYS_0_63_QWEN[0]: "gpu"}
             assert ix.pods_debug()[POD]["origins"] == ["connect"]
     finally:
         pub.close()
@@ -315,7 +315,23 @@ def test_event_flood_is_bounded_and_measured(ctx):
         # Recovery: a restart at seq 0 clears and the next message applies.
         feed = ix.feed()
         pub.send(topic(POD), 0, batch(CLEARED, stored([1], None, range(16))))
-        wait_for(lambda: feed.of(POD) == {h.TOKENS_0_63_QWEN[0]: "gpu"}, what="recovery after flood")
+        wait_for(lambda: feed.of(POD) == {h.KEYS_0_63_QWEN[0]: "gpu"}, what="recovery after flood")
+        pub.close()
+
+
+def test_a_snapshot_is_served_in_pages(ctx):
+    """--feed-max-hashes bounds every answer: a snapshot of 5 blocks at 2 per answer comes
+    in 3 pages, counted in /metrics, and the consumer ends with all 5."""
+    with h.Indexer("--pod", f"{POD}@{MODEL}", "--scrape-interval-ms", "0", "--feed-max-hashes", "2") as ix:
+        pub = h.Publisher(ctx, ix.zmq_endpoint)
+        h.wait_subscribed(ix, pub)
+        pub.send(topic(POD), 0, batch(stored([1, 2, 3, 4, 5], None, range(80))))
+        wait_for(lambda: ix.metric("kvroute_indexer_blocks") == 5, what="5 blocks indexed")
+        pages_before = ix.metric("kvroute_indexer_feed_requests_total", kind="snapshot_page")
+        feed = ix.feed()
+        assert len(feed.of(POD)) == 5
+        assert ix.metric("kvroute_indexer_feed_requests_total", kind="snapshot_page") == pages_before + 2
+        assert all(len(k) <= 2 for _, _, _, k in h.decode_feed(ix.get("/v1/feed"))["ops"])
         pub.close()
 
 
@@ -333,6 +349,10 @@ def test_http_api_surface():
         assert u["snapshot"] and u["epoch"] != 0
         u2 = f.poll()
         assert not u2["snapshot"] and u2["ops"] == [] and u2["cursor"] == u["cursor"]
+        # An idle poll carries no pod list: the consumer keeps the one it has.
+        assert u2["pods"] is None and u2["load"] is None and f.pods[0]["address"] == POD
+        q = f"epoch={f.epoch}&cursor={f.cursor}&pods={f.pods_version}&load={f.load_version}"
+        assert len(ix.get(f"/v1/feed?{q}")) == 41
         # Unknown epoch -> snapshot again.
         raw = ix.get(f"/v1/feed?epoch={u['epoch'] + 1}&cursor=0")
         assert h.decode_feed(raw)["snapshot"]

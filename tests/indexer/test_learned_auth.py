@@ -100,7 +100,7 @@ def test_token_domain_hashes_are_not_taken_as_learned(ctx):
                                  ix.learned_token)
         assert status == 200
         assert json.loads(answer) == {"accepted": 1, "rejected": 0, "token_domain": 4}
-        assert feed.of(OTHER) == {byte_chunk: "learned"}
-        assert feed.of(POD) == {x: "gpu" for x in token_blocks}
+        assert feed.of(OTHER) == {h.key(byte_chunk): "learned"}
+        assert feed.of(POD) == {x: "gpu" for x in h.KEYS_0_63_QWEN}
         assert ix.metric("kvroute_indexer_learned_token_domain_total") == 4
         pub.close()

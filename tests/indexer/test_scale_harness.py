@@ -93,3 +93,27 @@ def test_verify_flags_a_decision_that_did_not_match_and_a_short_fill():
         "approximate N=8 c2: every probe fully matched on its pod",
         "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
         "precise N=8: indexer holds every entry sent"]
+
+
+def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
+    """The bench's byte-counting feed consumer against the real indexer: 5 blocks at 2 per
+    answer are 3 pages; a delta of one stored and one removed block is 2 keys in 2 runs."""
+    import indexer_harness as h
+
+    pod = "10.0.0.1:8000"
+    with h.Indexer("--pod", f"{pod}@{h.MODEL}", "--scrape-interval-ms", "0", "--feed-max-hashes", "2") as ix:
+        pub = h.Publisher(ctx, ix.zmq_endpoint)
+        h.wait_subscribed(ix, pub)
+        pub.send(h.topic(pod), 0, h.batch(h.stored([1, 2, 3, 4, 5], None, range(80))))
+        h.wait_for(lambda: ix.metric("kvroute_indexer_blocks") == 5, what="5 blocks")
+        poller = scale.FeedPoller(ix)
+        snap = poller.snapshot()
+        assert snap["snapshot_pages"] == 3 and snap["snapshot_largest_page_bytes"] < snap["snapshot_bytes"]
+        idle = poller.get()
+        assert (idle["bytes"], idle["keys"], idle["page"]) == (41, 0, None)
+        pub.send(h.topic(pod), 1, h.batch(h.stored([6], 5, range(80, 96)), h.removed([1])))
+        h.wait_for(lambda: ix.metric("kvroute_indexer_blocks") == 5 and ix.metric("kvroute_indexer_feed_cursor") == 3,
+                   what="one stored, one removed")
+        delta = poller.get()
+        assert delta["keys"] == 2 and delta["bytes"] == 41 + 2 * (3 + 5)
+        pub.close()

@@ -31,12 +31,12 @@ def test_offload_placeholders_in_the_gpu_batch(ctx):
         pub.send(topic(POD), 0, batch(stored([1, 2], None, range(32)), placeholder([1, 777]),
                                       stored([3, 4], 2, range(32, 64))))
         got = wait_for(lambda: feed.of(POD) if len(feed.of(POD)) == 4 else None, what="the batch's GPU blocks")
-        assert got == {x: "gpu" for x in h.TOKENS_0_63_QWEN}
+        assert got == {x: "gpu" for x in h.KEYS_0_63_QWEN}
         assert ix.metric("kvroute_indexer_placeholder_blocks_total", result="applied") == 1
         assert ix.metric("kvroute_indexer_placeholder_blocks_total", result="unknown") == 1
         # Evicted from the GPU, block 1 is still in CPU memory, as the placeholder said.
         pub.send(topic(POD), 1, batch(removed([1])))
-        wait_for(lambda: feed.of(POD).get(h.TOKENS_0_63_QWEN[0]) == "cpu", what="block 1 served from CPU")
+        wait_for(lambda: feed.of(POD).get(h.KEYS_0_63_QWEN[0]) == "cpu", what="block 1 served from CPU")
         for name in ("decode_errors_total", "events_skipped_total", "seq_gaps_total", "joined_midstream_total"):
             assert ix.metric(f"kvroute_indexer_{name}") == 0, name
         pub.close()
@@ -68,11 +68,11 @@ def test_cache_salt_in_extra_keys_scopes_the_rehash(ctx):
         salted["extra_keys"] = [["tenant-a"], None, None, None]
         pub.send(topic(POD), 0, batch(salted))
         got = wait_for(lambda: feed.of(POD) if len(feed.of(POD)) == 4 else None, what="salted blocks")
-        assert got == {x: "gpu" for x in TOKENS_0_63_QWEN_SALT_A}
+        assert got == {h.key(x): "gpu" for x in TOKENS_0_63_QWEN_SALT_A}
         # The same tokens without salt are other blocks (vLLM would not share them either).
         pub.send(topic(POD), 1, batch(stored([11, 12, 13, 14], None, range(64))))
         wait_for(lambda: len(feed.of(POD)) == 8, what="unsalted blocks beside them")
-        assert set(h.TOKENS_0_63_QWEN) <= set(feed.of(POD))
+        assert set(h.KEYS_0_63_QWEN) <= set(feed.of(POD))
         pub.close()
 
 
@@ -90,6 +90,6 @@ def test_hybrid_groups_evict_on_their_own_and_only_full_attention_routes(ctx):
         pub.send(topic(POD), 1, batch(removed([1]) | {"group_idx": 1}, removed([2]) | {"group_idx": 0}))
         wait_for(lambda: ix.metric("kvroute_indexer_blocks_not_routed_total") == 3, what="the window's removal")
         wait_for(lambda: len(feed.of(POD)) == 1, what="group 0's removal")
-        assert feed.of(POD) == {h.TOKENS_0_63_QWEN[0]: "gpu"}
+        assert feed.of(POD) == {h.KEYS_0_63_QWEN[0]: "gpu"}
         assert ix.metric("kvroute_indexer_removed_unknown_total") == 0
         pub.close()

@@ -45,11 +45,11 @@ def test_vllm_sim_pods_feed_the_index():
                 start = 100_000 + 200 * next(n)
                 complete(sim.urls[0], sim.model, list(range(start, start + 100)))
                 got = feed.of(pod0)
-                return all(x in got for x in h.TOKENS_0_63_QWEN)
+                return all(x in got for x in h.KEYS_0_63_QWEN)
 
             wait_for(has_prefix, timeout=20, what="prompt blocks of pod 0 in the feed")
-            assert all(feed.of(pod0)[x] == "gpu" for x in h.TOKENS_0_63_QWEN)
-            assert not any(x in feed.of(sim.addresses[1]) for x in h.TOKENS_0_63_QWEN)
+            assert all(feed.of(pod0)[x] == "gpu" for x in h.KEYS_0_63_QWEN)
+            assert not any(x in feed.of(sim.addresses[1]) for x in h.KEYS_0_63_QWEN)
             assert ix.metric("kvroute_indexer_decode_errors_total") == 0
             assert ix.metric("kvroute_indexer_stored_unknown_parent_total") == 0
             # The pre-indexer batches either reached the indexer once it bound (the PUB
@@ -96,11 +96,11 @@ def test_real_vllm_shapes_from_the_simulator_reach_the_index():
                 complete_salted(sim.urls[0], sim.model, list(range(64)) + [90000 + next(n)], "tenant-a")
                 return ix.metric("kvroute_indexer_blocks_not_routed_total") > 0 and len(feed.of(pod)) >= 4
             wait_for(salted_stored, timeout=20, what="salted blocks and window-group events")
-            assert not any(x in feed.of(pod) for x in h.TOKENS_0_63_QWEN)
+            assert not any(x in feed.of(pod) for x in h.KEYS_0_63_QWEN)
 
             def unsalted_stored():
                 complete(sim.urls[0], sim.model, list(range(64)) + [95000 + next(n)])
-                return all(x in feed.of(pod) for x in h.TOKENS_0_63_QWEN)
+                return all(x in feed.of(pod) for x in h.KEYS_0_63_QWEN)
             wait_for(unsalted_stored, timeout=20, what="unsalted prompt blocks in the feed")
 
             # Evictions under 64 GPU blocks move blocks to the CPU tier: placeholders arrive.

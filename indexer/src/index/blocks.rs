@@ -6,6 +6,7 @@
 
 use hashbrown::{hash_table, HashMap, HashTable};
 use kvroute_core::feed::Tier;
+use kvroute_core::hash::index_key;
 
 use super::feed_log::Sink;
 use super::hashing::{mix, table_bytes};
@@ -305,7 +306,11 @@ impl Blocks {
         self.slab.kv(id)
     }
 
+    /// The record of `kv`. Blocks are keyed by their index key, as routing
+    /// compares them and the feed carries them: hashes that agree on those
+    /// bits are one block here too.
     pub(super) fn find(&self, kv: u64) -> Option<BlockId> {
+        let kv = index_key(kv);
         let slab = &self.slab;
         self.index.find(mix(kv), |&id| slab.kv(id) == kv).copied()
     }
@@ -313,6 +318,7 @@ impl Blocks {
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
+        let kv = index_key(kv);
         let slab = &mut self.slab;
         match self
             .index

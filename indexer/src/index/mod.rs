@@ -6,10 +6,12 @@
 //! One concern per file: `pods` (discovery, load, liveness), `sequence`
 //! (per-publisher ordering and replay), `sources` (a publisher's blocks and
 //! the events applied to them), `blocks` (the block → pod map), `learned`
-//! (proxy-reported entries), `feed_log` (the delta log and [`Index::feed`]),
+//! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
+//! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`).
 
 mod blocks;
+mod feed;
 mod feed_log;
 mod hashing;
 mod held;
@@ -47,7 +49,7 @@ pub struct IndexConfig {
     pub max_pods: usize,
     /// Hashes retained in the feed delta log.
     pub feed_log_hashes: usize,
-    /// Hashes per delta response (the client polls again for the rest).
+    /// Hashes per feed answer, a delta or a snapshot page (the client asks again for the rest).
     pub feed_max_hashes: usize,
     /// Lifetime of learned entries, milliseconds.
     pub learned_ttl_ms: u64,
@@ -71,7 +73,7 @@ impl Default for IndexConfig {
             max_blocks_per_pod: 1 << 20,
             max_pods: 1024,
             feed_log_hashes: 1 << 20,
-            feed_max_hashes: 1 << 18,
+            feed_max_hashes: 1 << 19,
             learned_ttl_ms: 600_000,
             learned_max_entries: 1 << 20,
             pod_timeout_ms: 120_000,

@@ -1,0 +1,209 @@
+//! `GET /v1/feed`: deltas from the log, a snapshot in pages, and the pod list
+//! or the load only when the consumer's version of it is stale (wire format:
+//! `kvroute_core::feed`; the consumer: `kvroute_core::feed_client`).
+//!
+//! Pages: the pods in key order, each pod's entries whole while they fit the
+//! page's `feed_max_hashes`; a pod that does not fit is cut in ascending hash
+//! order, and the page token (pod key, last hash sent) resumes it. Entries
+//! live in one block → pod-set map, so a page is gathered in one pass over it
+//! for the pods the page covers (chosen from their entry counts). Pages are
+//! read from the live state, each at its own moment: the consumer then
+//! replays the deltas from the cursor of the first page, which brings every
+//! (pod, hash) to its latest state whatever page it came in.
+
+use std::collections::HashMap;
+
+use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
+use kvroute_core::feed_client::FeedRequest;
+
+use super::feed_log::Op;
+use super::Index;
+
+impl Index {
+    fn pod_infos(&self) -> (Vec<PodInfo>, HashMap<u64, u32>) {
+        let mut infos = Vec::with_capacity(self.pods.len());
+        let mut idx = HashMap::with_capacity(self.pods.len());
+        for (i, (k, p)) in self.pods.iter().enumerate() {
+            idx.insert(*k, i as u32);
+            infos.push(PodInfo {
+                address: p.address.clone(),
+                models: p.models.clone(),
+                capacity_blocks: p.load.capacity_blocks,
+                waiting: p.load.waiting,
+                running: p.load.running,
+                kv_usage: p.load.kv_usage,
+            });
+        }
+        (infos, idx)
+    }
+
+    /// The answer to `GET /v1/feed`: the next page of the snapshot `request`
+    /// is paging; else deltas after its cursor when that is in the retained
+    /// log of this epoch; else the first page of a new snapshot (also when
+    /// the pod list changed while paging: page numbers index into one list).
+    pub fn feed(&self, request: &FeedRequest) -> FeedMessage {
+        let (infos, idx) = self.pod_infos();
+        let pods_version = feed::pods_version(&infos);
+        let load_version = feed::load_version(&infos);
+        let head = self.cursor();
+        let in_log = request.epoch == self.epoch
+            && request.cursor >= self.log_start
+            && request.cursor <= head;
+        let (kind, cursor, ops) = match request.page {
+            Some((number, token))
+                if number > 0 && in_log && request.pods_version == pods_version =>
+            {
+                self.metrics.feed_request("snapshot_page");
+                let (ops, next) = self.snapshot_page(Some(token), &idx);
+                (FeedKind::Page { number, next }, request.cursor, ops)
+            }
+            None if in_log => {
+                let (ops, at) = self.deltas(request.cursor, &idx);
+                self.metrics
+                    .feed_lag_ops
+                    .set(i64::try_from(head - request.cursor).unwrap_or(i64::MAX));
+                self.metrics.feed_request("delta");
+                (FeedKind::Delta { more: at < head }, at, ops)
+            }
+            _ => {
+                self.metrics.feed_request("snapshot");
+                let (ops, next) = self.snapshot_page(None, &idx);
+                (FeedKind::Page { number: 0, next }, head, ops)
+            }
+        };
+        let first_page = matches!(kind, FeedKind::Page { number: 0, .. });
+        let (pods, load) = if first_page || request.pods_version != pods_version {
+            (Some(infos), None)
+        } else if request.load_version != load_version {
+            (
+                None,
+                Some(infos.iter().map(PodInfo::load).collect::<Vec<PodLoad>>()),
+            )
+        } else {
+            (None, None)
+        };
+        FeedMessage {
+            epoch: self.epoch,
+            cursor,
+            pods_version,
+            load_version,
+            kind,
+            pods,
+            load,
+            ops,
+        }
+    }
+
+    /// Ops after `cursor`, at most `feed_max_hashes` hashes (but at least one
+    /// op), and the cursor after them.
+    fn deltas(&self, cursor: u64, idx: &HashMap<u64, u32>) -> (Vec<BlockOp>, u64) {
+        let mut ops = Vec::new();
+        let mut hashes = 0usize;
+        let mut at = cursor;
+        let skip = usize::try_from(cursor - self.log_start).unwrap_or(usize::MAX);
+        for op in self.log.iter().skip(skip) {
+            if hashes > 0 && hashes + op.op.hashes() > self.cfg.feed_max_hashes {
+                break;
+            }
+            at += 1;
+            let Some(&pod) = idx.get(&op.pod) else {
+                continue; // pod gone: absent from the pod list, so dropped by the consumer
+            };
+            hashes += op.op.hashes();
+            ops.push(match &op.op {
+                Op::Stored(tier, h) => BlockOp::Stored {
+                    pod,
+                    tier: *tier,
+                    hashes: h.clone(),
+                },
+                Op::Removed(h) => BlockOp::Removed {
+                    pod,
+                    hashes: h.clone(),
+                },
+                Op::Cleared => BlockOp::Cleared { pod },
+            });
+        }
+        (ops, at)
+    }
+
+    /// One page of the snapshot from `from` (the start when None): at most
+    /// `feed_max_hashes` entries, and the token of the next page.
+    fn snapshot_page(
+        &self,
+        from: Option<PageToken>,
+        idx: &HashMap<u64, u32>,
+    ) -> (Vec<BlockOp>, Option<PageToken>) {
+        let room = self.cfg.feed_max_hashes.max(1);
+        let after_of = |key: u64| from.filter(|t| t.pod == key).and_then(|t| t.after);
+        // The pods this page may cover: in key order until their entry counts
+        // (an upper bound for a pod resumed part-way) fill the page.
+        let mut covered: HashMap<u64, Vec<(u64, Tier)>> = HashMap::new();
+        let mut order = Vec::new();
+        let mut counted = 0usize;
+        // The first pod left for the next page.
+        let mut beyond = None;
+        for (&key, p) in self.pods.range(from.map_or(0, |t| t.pod)..) {
+            let held = p.held.total();
+            if held == 0 || !idx.contains_key(&key) {
+                continue;
+            }
+            if counted >= room {
+                beyond = Some(key);
+                break;
+            }
+            counted += held;
+            covered.insert(key, Vec::new());
+            order.push(key);
+        }
+        self.blocks.for_each_held(|kv, pod, tier| {
+            if let Some(entries) = covered.get_mut(&pod) {
+                if after_of(pod).is_none_or(|a| kv > a) {
+                    entries.push((kv, tier));
+                }
+            }
+        });
+        let mut left = room;
+        let mut ops = Vec::new();
+        for key in order {
+            let (Some(&pod), Some(mut entries)) = (idx.get(&key), covered.remove(&key)) else {
+                continue;
+            };
+            if entries.is_empty() {
+                continue;
+            }
+            if left == 0 {
+                return (
+                    ops,
+                    Some(PageToken {
+                        pod: key,
+                        after: after_of(key),
+                    }),
+                );
+            }
+            let mut next = None;
+            if entries.len() > left {
+                // Cut in hash order, so that the rest is "every hash above the last sent".
+                entries.sort_unstable_by_key(|e| e.0);
+                entries.truncate(left);
+                next = entries.last().map(|e| PageToken {
+                    pod: key,
+                    after: Some(e.0),
+                });
+            }
+            left -= entries.len();
+            let mut by_tier: [Vec<u64>; 4] = Default::default();
+            for (h, t) in entries {
+                by_tier[t.code() as usize].push(h);
+            }
+            for (code, hashes) in (0u8..).zip(by_tier) {
+                if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
+                    ops.push(BlockOp::Stored { pod, tier, hashes });
+                }
+            }
+            if next.is_some() {
+                return (ops, next);
+            }
+        }
+        (ops, beyond.map(|pod| PageToken { pod, after: None }))
+    }
+}
