@@ -1346,7 +1346,8 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
         ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
     }
     let toks = tokens(0, 4);
-    let kvs = kv_chain(&toks);
+    // The feed carries index keys (feed version 2).
+    let kvs: Vec<u64> = kv_chain(&toks).into_iter().map(index_key).collect();
     let chain = [11, 12, 13, 14];
     for p in pods {
         let ev = stored(&chain, None, toks.clone(), None);

@@ -308,22 +308,26 @@ impl Blocks {
 
     /// The record of `kv`. Blocks are keyed by their index key, as routing
     /// compares them and the feed carries them: hashes that agree on those
-    /// bits are one block here too.
+    /// bits are one block here too. The record keeps the first full hash
+    /// (the parent of the chain's next block).
     pub(super) fn find(&self, kv: u64) -> Option<BlockId> {
-        let kv = index_key(kv);
+        let key = index_key(kv);
         let slab = &self.slab;
-        self.index.find(mix(kv), |&id| slab.kv(id) == kv).copied()
+        self.index
+            .find(mix(key), |&id| index_key(slab.kv(id)) == key)
+            .copied()
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
-        let kv = index_key(kv);
+        let key = index_key(kv);
         let slab = &mut self.slab;
-        match self
-            .index
-            .entry(mix(kv), |&id| slab.kv(id) == kv, |&id| mix(slab.kv(id)))
-        {
+        match self.index.entry(
+            mix(key),
+            |&id| index_key(slab.kv(id)) == key,
+            |&id| mix(index_key(slab.kv(id))),
+        ) {
             hash_table::Entry::Occupied(o) => Some(*o.get()),
             hash_table::Entry::Vacant(v) => {
                 let id = slab.alloc(kv)?;
@@ -361,7 +365,7 @@ impl Blocks {
             None => self.adjust_set(set, pod, tier, up),
         };
         if new_set == EMPTY_SET {
-            if let Ok(e) = self.index.find_entry(mix(kv), |&i| i == id) {
+            if let Ok(e) = self.index.find_entry(mix(index_key(kv)), |&i| i == id) {
                 e.remove();
             }
             self.slab.free(id);
