@@ -291,10 +291,18 @@ impl RequestFilter {
             .filter(|_| config.tenant_header.is_some())
         {
             let new = hashes.len().saturating_sub(decision.matched_blocks);
+            let client = client_key(salt);
             let allowed = w
                 .cluster
-                .client_allowance(&decision.pod, client_key(salt), new, now_s);
+                .client_allowance(&decision.pod, client, new, now_s);
             hashes.truncate(decision.matched_blocks + allowed);
+            if allowed > 0 {
+                w.tell_peers(PeerMessage::Charged {
+                    pod: decision.pod.clone(),
+                    client,
+                    blocks: u32::try_from(allowed).unwrap_or(u32::MAX),
+                });
+            }
         }
         if self.looked_up {
             remote::routed(&decision.pod, prompt_blocks);

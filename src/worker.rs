@@ -234,6 +234,13 @@ impl Worker {
             }
             PeerMessage::Unlearned { pod, hashes } => self.cluster.forget_learned(&pod, &hashes),
             PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
+            PeerMessage::Charged {
+                pod,
+                client,
+                blocks,
+            } => self
+                .cluster
+                .charge_client(&pod, client, blocks as usize, now_s),
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
                 self.cluster.record_prefill_done(&pod, prompt_blocks)
             }

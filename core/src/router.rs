@@ -572,6 +572,16 @@ impl Cluster {
             .charge(client, want, limit, now_s, policy.client_window_seconds)
     }
 
+    /// A peer VM charged `client` `blocks` of its budget on `address`: the
+    /// same charge here, so the budget holds for the whole proxy.
+    pub fn charge_client(&mut self, address: &str, client: u64, blocks: usize, now_s: u32) {
+        let window = self.policy.client_window_seconds;
+        if let Some(pod) = self.pod_mut(address) {
+            pod.client_budgets
+                .charge(client, blocks, u64::MAX, now_s, window);
+        }
+    }
+
     /// `hashes` are cached on `address` (it served a request that another
     /// pod was chosen for).
     pub fn record_learned(&mut self, address: &str, hashes: &[u64], now_s: u32) {

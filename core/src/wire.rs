@@ -9,6 +9,7 @@
 //!   'P' PrefillDone: str pod, u32 prompt_blocks
 //!   'F' Finished: str pod, u32 prompt_blocks
 //!   'A' Released: str pod, u32 prompt_blocks
+//!   'C' Charged:  str pod, u64 client, u32 blocks
 //!   'L' Learned:  str pod, hashes
 //!   'U' Unlearned: str pod, hashes
 //!   'X' Failed:   str pod
@@ -44,6 +45,13 @@ pub enum PeerMessage {
     Unlearned { pod: String, hashes: Vec<u64> },
     /// `pod` failed a request (5xx, reset, or served elsewhere).
     Failed { pod: String },
+    /// `client` taught `pod` `blocks` of its budget (`tenant_header`): peers
+    /// charge it too, so the budget holds for the whole proxy.
+    Charged {
+        pod: String,
+        client: u64,
+        blocks: u32,
+    },
     /// An indexer feed update, forwarded verbatim by the singleton.
     Feed(Vec<u8>),
 }
@@ -76,6 +84,7 @@ const PREFILL_DONE: u8 = b'P';
 const FINISHED: u8 = b'F';
 const RELEASED: u8 = b'A';
 const LEARNED: u8 = b'L';
+const CHARGED: u8 = b'C';
 const UNLEARNED: u8 = b'U';
 const FAILED: u8 = b'X';
 const FEED: u8 = b'D';
@@ -108,6 +117,16 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
             PeerMessage::Failed { pod } => {
                 out.push(FAILED);
                 put_str(&mut out, pod)?;
+            }
+            PeerMessage::Charged {
+                pod,
+                client,
+                blocks,
+            } => {
+                out.push(CHARGED);
+                put_str(&mut out, pod)?;
+                codec::put_u64(&mut out, *client);
+                codec::put_u32(&mut out, *blocks);
             }
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
                 out.push(PREFILL_DONE);
@@ -155,6 +174,11 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
                 hashes: hashes(&mut r)?,
             },
             FAILED => PeerMessage::Failed { pod: pod(&mut r)? },
+            CHARGED => PeerMessage::Charged {
+                pod: pod(&mut r)?,
+                client: r.u64("client")?,
+                blocks: r.u32("blocks")?,
+            },
             PREFILL_DONE => PeerMessage::PrefillDone {
                 pod: pod(&mut r)?,
                 prompt_blocks: r.u32("prompt_blocks")?,
@@ -241,6 +265,11 @@ mod tests {
             PeerMessage::Released {
                 pod: "10.0.0.2:8000".into(),
                 prompt_blocks: 11,
+            },
+            PeerMessage::Charged {
+                pod: "10.0.0.2:8000".into(),
+                client: u64::MAX,
+                blocks: 40,
             },
             PeerMessage::PrefillDone {
                 pod: "10.0.0.3:8000".into(),
