@@ -4,7 +4,8 @@
 //! is full and evicting, learned entries of every age). Every timed decision
 //! fully matches its prompt on one pod, with its first quarter also cached on
 //! 50 other pods; the run checks the blocks matched and the pods visited, and
-//! prints p50 / p99 of single decisions besides criterion's estimates.
+//! prints p50 / p99 of single decisions besides criterion's estimates, and
+//! what learning a routed prompt costs.
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`
 
@@ -130,6 +131,28 @@ fn percentiles(config: &Config, cluster: &Cluster, body: &[u8]) -> (f64, f64) {
     )
 }
 
+/// Mean cost of learning a routed 512-block prompt (an 8k-token chat body's
+/// chunks) on a random pod: new prompts, then the same again (a refresh), in µs.
+fn learn_cost(cluster: &mut Cluster, pods: usize) -> (f64, f64) {
+    const PROMPTS: usize = 2000;
+    let mut rng = 7u64;
+    let prompts: Vec<(String, Vec<u64>)> = (0..PROMPTS)
+        .map(|_| {
+            let pod = address((splitmix(&mut rng) >> 8) as usize % pods);
+            (pod, (0..512).map(|_| splitmix(&mut rng)).collect())
+        })
+        .collect();
+    let time = |cluster: &mut Cluster| {
+        let start = Instant::now();
+        for (pod, hashes) in &prompts {
+            cluster.record_routed(pod, 0, hashes, CHURN_SECONDS);
+        }
+        start.elapsed().as_secs_f64() * 1e6 / PROMPTS as f64
+    };
+    let new = time(cluster);
+    (new, time(cluster))
+}
+
 fn config(pods: usize) -> Config {
     let endpoints: Vec<String> = (0..pods)
         .map(|i| format!(r#"{{"address":"10.0.{}.{}:8000"}}"#, i / 256, i % 256))
@@ -149,7 +172,7 @@ fn decision(c: &mut Criterion) {
     let hot: Vec<Vec<u8>> = chats.iter().chain(&tokens).cloned().collect();
     for pods in [8usize, 1000] {
         let config = config(pods);
-        let cluster = populated(&config, pods, &hot);
+        let mut cluster = populated(&config, pods, &hot);
         let stats = cluster.index().stats();
         println!(
             "{pods} pods: after {CHURN_SECONDS} s of churn the index holds {} blocks in {} bytes ({:.1} B/block), {} pod sets; {} evicted, {} dropped",
@@ -212,6 +235,10 @@ fn decision(c: &mut Criterion) {
             }
         }
         group.finish();
+        let (new, again) = learn_cost(&mut cluster, pods);
+        println!(
+            "  {pods} pods: learning a routed 512-block prompt costs {new:.1} µs (new), {again:.1} µs (again)"
+        );
     }
 }
 

@@ -29,7 +29,15 @@
 //! and bisect only between probes whose pod sets differ. Pod sets only shrink
 //! along a chain (block i cached ⇒ blocks 0..i cached), so every point where
 //! a pod drops out or changes tier is found in O(changes × log n) probes,
-//! whatever the number of pods.
+//! whatever the number of pods. Where a pod's tier or age along a chain goes
+//! back to an earlier value (GPU, then CPU, then GPU again), the middle can be
+//! missed and its credit counted at the outer tier.
+//!
+//! Compared with the per-pod tables this replaces: a pod's entries are no
+//! longer bounded by its capacity (one budget for all, a request still teaches
+//! at most `index.max_learn_share` of a pod's capacity); ages are per slot and
+//! per epoch, so a full bucket may evict a prompt's middle block before its
+//! tail (the lookup then counts the prefix up to the probes it made).
 
 use crate::hash::index_key;
 use hashbrown::HashTable;
@@ -338,6 +346,18 @@ impl Bucket {
         }
     }
 
+    /// Re-seats every entry in `size` slots.
+    fn grow(&mut self, size: usize) {
+        let slots = std::mem::replace(&mut self.slots, vec![EMPTY; size]);
+        let ages = std::mem::replace(&mut self.ages, vec![0; size]);
+        self.len = 0;
+        for (slot, age) in slots.into_iter().zip(ages) {
+            if slot != EMPTY {
+                self.place(slot, age);
+            }
+        }
+    }
+
     fn entries(&self) -> Vec<(u64, u8)> {
         self.slots
             .iter()
@@ -531,42 +551,53 @@ impl BlockIndex {
             tier,
             if is_precise(tier) { 0 } else { epoch },
         );
+        let age = epoch as u8;
         // Consecutive blocks of a chain usually share their old set, so the
-        // new one is computed once per run.
+        // new one is computed once per run: (old set, new set).
         let mut last: Option<(Option<u32>, u32)> = None;
         for &hash in hashes {
             let key = key_of(hash);
-            let old = self
-                .find(key)
-                .map(|(b, i)| slot_set(self.buckets[b].slots[i]));
-            let new = match last {
-                Some((from, to)) if from == old => {
-                    self.sets.retain(to);
-                    Some(to)
-                }
+            let b = self.bucket_of(key);
+            let found = self.buckets[b].find(key);
+            let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
+            // The new set, and whether a reference to it is already taken.
+            let (to, owned) = match last {
+                Some((from, to)) if from == old => (to, false),
                 _ => {
                     let members = old.map_or(&[][..], |id| self.sets.get(id));
                     let merged = self.with_member(members, member, epoch);
-                    let new = if old.is_some_and(|id| self.sets.get(id) == merged.as_slice()) {
-                        old.inspect(|&id| self.sets.retain(id))
-                    } else {
-                        self.sets.intern(&merged)
-                    };
-                    if let Some(to) = new {
-                        last = Some((old, to));
+                    match old.filter(|&id| self.sets.get(id) == merged.as_slice()) {
+                        Some(id) => (id, false),
+                        None => match self.sets.intern(&merged) {
+                            Some(id) => (id, true),
+                            None => {
+                                self.dropped += 1;
+                                last = None;
+                                continue;
+                            }
+                        },
                     }
-                    new
                 }
             };
-            match new {
-                Some(to) => {
-                    if self.write(key, to, epoch).is_err() {
-                        last = None;
+            last = Some((old, to));
+            match (found, old) {
+                (Ok(i), Some(old)) => {
+                    self.buckets[b].ages[i] = age;
+                    if old != to {
+                        if !owned {
+                            self.sets.retain(to);
+                        }
+                        self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
+                        self.sets.release(old);
                     }
                 }
-                None => {
-                    self.dropped += 1;
-                    last = None;
+                _ => {
+                    if !owned {
+                        self.sets.retain(to);
+                    }
+                    if self.insert(b, key, to, epoch).is_err() {
+                        last = None;
+                    }
                 }
             }
         }
@@ -661,31 +692,18 @@ impl BlockIndex {
         self.buckets[b].find(key).ok().map(|i| (b, i))
     }
 
-    /// Points `key`'s slot at set `set` (one reference already taken for it),
-    /// releasing the set it held; evicts or grows when the bucket is full.
-    fn write(&mut self, key: u64, set: u32, epoch: u16) -> Result<(), Refused> {
-        let b = self.bucket_of(key);
-        let age = epoch as u8;
-        match self.buckets[b].find(key) {
-            Ok(i) => {
-                let bucket = &mut self.buckets[b];
-                let old = slot_set(bucket.slots[i]);
-                bucket.slots[i] = (key << REF_BITS) | u64::from(set);
-                bucket.ages[i] = age;
-                self.sets.release(old);
-                return Ok(());
-            }
-            Err(_) if self.buckets[b].is_full() || self.buckets[b].slots.is_empty() => {
-                self.make_room(b, epoch);
-            }
-            Err(_) => {}
+    /// Places `key` (absent) in bucket `b` pointing at `set` (one reference
+    /// already taken for it); evicts or grows when the bucket is full.
+    fn insert(&mut self, b: usize, key: u64, set: u32, epoch: u16) -> Result<(), Refused> {
+        if self.buckets[b].is_full() || self.buckets[b].slots.is_empty() {
+            self.make_room(b, epoch);
         }
         let bucket = &mut self.buckets[b];
         if bucket.is_full() {
             self.sets.release(set);
             return Err(Refused::BucketFull);
         }
-        bucket.place((key << REF_BITS) | u64::from(set), age);
+        bucket.place((key << REF_BITS) | u64::from(set), epoch as u8);
         self.blocks += 1;
         Ok(())
     }
@@ -695,12 +713,11 @@ impl BlockIndex {
     /// then the rest; oldest first within each.
     fn make_room(&mut self, b: usize, epoch: u16) {
         let size = self.buckets[b].slots.len();
-        let entries = self.buckets[b].entries();
         if size < BUCKET_SLOTS {
-            let grown = (size * 2).max(MIN_BUCKET_SLOTS);
-            self.buckets[b].rebuild(grown, entries);
+            self.buckets[b].grow((size * 2).max(MIN_BUCKET_SLOTS));
             return;
         }
+        let entries = self.buckets[b].entries();
         let now_age = epoch as u8;
         let mut ranked: Vec<(u16, usize)> = entries
             .iter()
