@@ -18,9 +18,11 @@
 //!   bucket at its full size fits; buckets grow on demand (8 → 512 slots), so a
 //!   small fleet holds little. Interned sets get a sixteenth of the budget; a
 //!   write that would need a new set beyond it is dropped (counted).
-//! - A full bucket evicts its worst sixteenth in one sweep: first entries no
-//!   pod can use (cleared pods, expired learned), then learned-only entries,
-//!   oldest first, then entries some pod reported (precise), oldest first.
+//! - A full bucket evicts its worst sixteenth in one sweep: first learned
+//!   entries past their TTL, then learned entries, oldest first, then entries
+//!   some pod reported (precise), oldest first. The sweep ranks by the slot's
+//!   age and a flag per set, without reading members: a cleared pod's
+//!   entries go when their slot is next written or by age.
 //!
 //! Learned entries live `index.ttl_seconds` rounded up to the next epoch
 //! (a sixteenth of the TTL): from `ttl` to `ttl × 17/16` seconds.
@@ -70,7 +72,7 @@ const EVICT_BATCH: usize = BUCKET_SLOTS / 16;
 const SET_BUDGET_DIVISOR: usize = 16;
 /// Accounted bytes of one interned set besides its members (its entry in the
 /// member, reference and lookup tables).
-const SET_OVERHEAD: usize = std::mem::size_of::<Box<[Member]>>() + 4 + 8;
+const SET_OVERHEAD: usize = std::mem::size_of::<Box<[Member]>>() + 1 + 4 + 8;
 /// Learned ages are kept in epochs of a sixteenth of the TTL.
 const EPOCHS_PER_TTL: u32 = 16;
 
@@ -185,6 +187,8 @@ fn generation_of(state: &PodState, tier: Tier) -> u32 {
 #[derive(Debug, Clone, Default)]
 struct PodSets {
     members: Vec<Box<[Member]>>,
+    /// Per set: some member is a pod's own report (eviction spares it longer).
+    precise: Vec<bool>,
     refs: Vec<u32>,
     lookup: HashTable<u32>,
     free: Vec<u32>,
@@ -228,9 +232,11 @@ impl PodSets {
         if self.bytes + cost > self.budget {
             return None;
         }
+        let precise = members.iter().any(|m| is_precise(m.tier()));
         let id = match self.free.pop() {
             Some(id) => {
                 self.members[id as usize] = members.into();
+                self.precise[id as usize] = precise;
                 self.refs[id as usize] = 1;
                 id
             }
@@ -239,6 +245,7 @@ impl PodSets {
                     return None;
                 }
                 self.members.push(members.into());
+                self.precise.push(precise);
                 self.refs.push(1);
                 (self.members.len() - 1) as u32
             }
@@ -248,6 +255,10 @@ impl PodSets {
         self.lookup
             .insert_unique(hash, id, |&i| hash_members(&all[i as usize]));
         Some(id)
+    }
+
+    fn has_precise(&self, id: u32) -> bool {
+        self.precise.get(id as usize).copied().unwrap_or(false)
     }
 
     fn retain(&mut self, id: u32) {
@@ -336,16 +347,6 @@ impl Bucket {
         self.len += 1;
     }
 
-    /// Re-seats `entries` in `size` slots.
-    fn rebuild(&mut self, size: usize, entries: Vec<(u64, u8)>) {
-        self.slots = vec![EMPTY; size];
-        self.ages = vec![0; size];
-        self.len = 0;
-        for (slot, age) in entries {
-            self.place(slot, age);
-        }
-    }
-
     /// Re-seats every entry in `size` slots.
     fn grow(&mut self, size: usize) {
         let slots = std::mem::replace(&mut self.slots, vec![EMPTY; size]);
@@ -358,13 +359,22 @@ impl Bucket {
         }
     }
 
-    fn entries(&self) -> Vec<(u64, u8)> {
-        self.slots
-            .iter()
-            .zip(&self.ages)
-            .filter(|(&s, _)| s != EMPTY)
-            .map(|(&s, &a)| (s, a))
-            .collect()
+    /// After deletions, re-inserts every entry in probe order from just past
+    /// `start`, a slot that was empty before them (so no probe chain crosses
+    /// it): each entry moves only towards its home, one pass restores every
+    /// probe chain.
+    fn reseat_from(&mut self, start: usize) {
+        let mask = self.slots.len() - 1;
+        let mut i = start;
+        for _ in 0..self.slots.len() {
+            i = (i + 1) & mask;
+            let slot = self.slots[i];
+            if slot != EMPTY {
+                self.slots[i] = EMPTY;
+                self.len -= 1;
+                self.place(slot, self.ages[i]);
+            }
+        }
     }
 
     /// Backward-shift deletion keeps probe chains intact without tombstones.
@@ -709,7 +719,7 @@ impl BlockIndex {
     }
 
     /// Grows bucket `b` (up to [`BUCKET_SLOTS`]) or, at its full size, evicts
-    /// its worst sixteenth: entries no pod can use, then learned-only ones,
+    /// its worst sixteenth: learned entries past their TTL, then learned ones,
     /// then the rest; oldest first within each.
     fn make_room(&mut self, b: usize, epoch: u16) {
         let size = self.buckets[b].slots.len();
@@ -717,44 +727,45 @@ impl BlockIndex {
             self.buckets[b].grow((size * 2).max(MIN_BUCKET_SLOTS));
             return;
         }
-        let entries = self.buckets[b].entries();
+        // Ranks come from the slot's age and a flag per set, not the sets'
+        // members: a sweep reads the bucket and one small array.
+        let ttl_epochs = self.ttl_epochs();
         let now_age = epoch as u8;
-        let mut ranked: Vec<(u16, usize)> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, &(slot, age))| {
-                let members = self.sets.get(slot_set(slot));
-                let current = members.iter().filter(|&&m| self.is_current(m, epoch));
-                let class: u16 = if current.clone().next().is_none() {
-                    2
-                } else if current.clone().all(|m| !is_precise(m.tier())) {
-                    1
-                } else {
-                    0
-                };
-                (class << 8 | u16::from(now_age.wrapping_sub(age)), i)
-            })
-            .collect();
+        let bucket = &self.buckets[b];
+        let mut ranked: Vec<(u16, u16)> = Vec::with_capacity(bucket.len);
+        for (i, (&slot, &age)) in bucket.slots.iter().zip(&bucket.ages).enumerate() {
+            if slot == EMPTY {
+                continue;
+            }
+            let old = u16::from(now_age.wrapping_sub(age));
+            let class: u16 = if self.sets.has_precise(slot_set(slot)) {
+                0
+            } else if old > ttl_epochs {
+                2
+            } else {
+                1
+            };
+            ranked.push((class << 8 | old, i as u16));
+        }
         let batch = EVICT_BATCH.min(ranked.len());
         if batch == 0 {
             return;
         }
         ranked.select_nth_unstable_by(batch - 1, |a, b| b.0.cmp(&a.0));
-        let mut evict = vec![false; entries.len()];
+        // A slot empty before the deletions: no probe chain crosses it, so
+        // re-seating may start there (the load is at most 7/8).
+        let Some(start) = bucket.slots.iter().position(|&s| s == EMPTY) else {
+            return;
+        };
         for &(_, i) in &ranked[..batch] {
-            evict[i] = true;
+            let slot = std::mem::replace(&mut self.buckets[b].slots[usize::from(i)], EMPTY);
+            self.sets.release(slot_set(slot));
         }
-        let mut kept = Vec::with_capacity(entries.len() - batch);
-        for (i, entry) in entries.into_iter().enumerate() {
-            if evict[i] {
-                self.sets.release(slot_set(entry.0));
-            } else {
-                kept.push(entry);
-            }
-        }
+        let bucket = &mut self.buckets[b];
+        bucket.len -= batch;
+        bucket.reseat_from(start);
         self.blocks -= batch;
         self.evicted += batch as u64;
-        self.buckets[b].rebuild(size, kept);
     }
 
     /// Every pod's longest cached prefix of `hashes` (pods with none left
