@@ -1,9 +1,9 @@
 //! Candidate B of the fleet-scale design spike (docs/fleet-scale-design.md), native.
 //!
 //! A synthetic fleet (`--pods` pods, each holding 70 % of 19,208 blocks as 32-block chains,
-//! every chain on `--replicas` pods) is loaded into three structures:
-//! - `per-pod`: today's design, one `kvroute_core::index::PodTable` per pod, sized from
-//!   capacity; a decision asks every pod for its longest prefix.
+//! every chain on `--replicas` pods) is loaded into two structures (a third, `per-pod`, measured
+//! the design before the redesign, one table per pod; it left with that design, and its numbers
+//! are in results/2026-11-30-9f8e528):
 //! - `exact`: an inverted block → pod-set map (hashbrown, full 64-bit keys); pod sets interned.
 //! - `fingerprint`: the same map as a fixed-size open-addressing table of 8-byte slots
 //!   (40-bit fingerprint, 24-bit pod-set reference), sized from a byte budget.
@@ -24,8 +24,6 @@
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use hashbrown::HashMap;
-use kvroute_core::feed::Tier;
-use kvroute_core::index::{MatchRules, PodTable};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::hint::black_box;
@@ -539,68 +537,6 @@ fn run_inverted<M: BlockMap>(name: &str, fleet: &Fleet, map: impl FnOnce() -> M)
     );
 }
 
-fn run_per_pod(fleet: &Fleet) {
-    let before = live();
-    let mut tables: Vec<PodTable> = (0..fleet.pods)
-        .map(|_| PodTable::new(CAPACITY_BLOCKS))
-        .collect();
-    let (chain, holders) = hot_prompt();
-    let t = Instant::now();
-    let mut entries = 0usize;
-    fleet.for_each(|c, pods| {
-        for &p in pods {
-            tables[p as usize].touch_chain(c, Tier::Gpu, 0);
-        }
-        entries += c.len() * pods.len();
-    });
-    for (pods, n) in &holders {
-        for p in pods.clone() {
-            tables[p].touch_chain(&chain[..*n], Tier::Gpu, 0);
-            entries += n;
-        }
-    }
-    let build_ns = t.elapsed().as_nanos() as f64 / entries as f64;
-    let bytes = live() - before;
-    let rules = MatchRules {
-        learned_cutoff: 0,
-        trust_precise: true,
-        cpu_credit: 0.5,
-        disk_credit: 0.25,
-    };
-    let lookup = |out: &mut Vec<(Pod, usize)>| {
-        out.clear();
-        for (p, table) in tables.iter().enumerate() {
-            let m = table.prefix_match(&chain, &rules);
-            if m.blocks > 0 {
-                out.push((p as Pod, m.blocks));
-            }
-        }
-    };
-    let mut out = Vec::new();
-    lookup(&mut out);
-    assert_eq!(
-        out,
-        expected(&holders),
-        "per-pod: lookup must find every holder"
-    );
-    let (p50, p99) = time_lookups(|| {
-        lookup(&mut out);
-        out.len()
-    });
-    println!(
-        "{:<12} pods {:>5} replicas {} | {entries:>9} (block, pod) entries | {:>6.1} MB heap, {:>5.2} B/entry | build {build_ns:>5.0} ns/entry | lookup 512 blocks: {} pods matched, {} pods visited, p50 {:.1} us, p99 {:.1} us",
-        "per-pod",
-        fleet.pods,
-        fleet.replicas,
-        bytes as f64 / 1e6,
-        bytes as f64 / entries as f64,
-        out.len(),
-        fleet.pods,
-        p50 as f64 / 1e3,
-        p99 as f64 / 1e3,
-    );
-}
-
 /// Candidate A's buckets: how many an event stream dirties per flush, and segment overflow.
 /// Events arrive as runs of 32 consecutive blocks of one chain (a request's new blocks, or a
 /// chain's evicted tail) at a random depth of a 512-block prompt; a flush rewrites every
@@ -674,10 +610,10 @@ fn main() {
                 write_amplification(1000, 400);
                 return;
             }
-            other => panic!("unknown flag {other}: --pods N,.. --replicas K,.. --structures per-pod,exact,fingerprint"),
+            other => panic!("unknown flag {other}: --pods N,.. --replicas K,.. --structures exact,fingerprint"),
         }
     }
-    let structures = structures.unwrap_or_else(|| "per-pod,exact,fingerprint".into());
+    let structures = structures.unwrap_or_else(|| "exact,fingerprint".into());
     for pods in list(pods, &[1000]) {
         for replicas in list(replicas.clone(), &[1, 4]) {
             let fleet = Fleet {
@@ -687,7 +623,6 @@ fn main() {
             };
             for s in structures.split(',') {
                 match s {
-                    "per-pod" => run_per_pod(&fleet),
                     "exact" => run_inverted("exact", &fleet, ExactMap::default),
                     "fingerprint" => {
                         // Budget: the fleet's distinct blocks at 80 % load, 8 bytes a slot.
