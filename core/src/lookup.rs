@@ -48,17 +48,22 @@ impl HeldPrefix {
     /// held). False once the pod no longer holds the chain: the prefix is
     /// then final. A block in a slower tier ends the faster tiers' runs.
     pub fn extend(&mut self, tier: Option<Tier>) -> bool {
+        self.extend_by(tier, 1)
+    }
+
+    /// [`HeldPrefix::extend`] by `blocks` consecutive blocks all held in `tier`.
+    pub fn extend_by(&mut self, tier: Option<Tier>, blocks: u32) -> bool {
         let Some(tier) = tier else {
             return false;
         };
         let at = self.blocks;
         if self.cpu_blocks == at && tier != Tier::Disk {
             if self.gpu_blocks == at && matches!(tier, Tier::Gpu | Tier::Learned) {
-                self.gpu_blocks += 1;
+                self.gpu_blocks = self.gpu_blocks.saturating_add(blocks);
             }
-            self.cpu_blocks += 1;
+            self.cpu_blocks = self.cpu_blocks.saturating_add(blocks);
         }
-        self.blocks = self.blocks.saturating_add(1);
+        self.blocks = self.blocks.saturating_add(blocks);
         true
     }
 

@@ -75,7 +75,7 @@ struct Holder {
 /// Id of a holder set. 0 is the empty set. An id with [`SINGLE`] set is
 /// not interned: it carries one pod key and the one tier that pod counts once
 /// (most blocks are held so; no lookup for them). Others are interned.
-type SetId = u32;
+pub(super) type SetId = u32;
 const EMPTY_SET: SetId = 0;
 const SINGLE: SetId = 1 << 31;
 /// Pod keys a [`SINGLE`] id carries (below 2^29, and never [`FREE`]'s bits).
@@ -441,10 +441,18 @@ impl Blocks {
 
     /// The best tier of `kv` on each pod holding it.
     pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (u64, Tier)> + '_ {
-        let set = self
-            .find(kv)
+        self.set_holders(self.set_of(kv))
+    }
+
+    /// The interned set of pods holding `kv` (equal ids: equal holders and tiers).
+    pub(super) fn set_of(&self, kv: u64) -> SetId {
+        self.find(kv)
             .and_then(|id| self.slab.get(id))
-            .map_or(EMPTY_SET, |r| r.set);
+            .map_or(EMPTY_SET, |r| r.set)
+    }
+
+    /// The best tier of each pod in `set`.
+    pub(super) fn set_holders(&self, set: SetId) -> impl Iterator<Item = (u64, Tier)> + '_ {
         self.sets
             .holders(set)
             .filter_map(|h| Some((h.pod, h.counts.best()?)))

@@ -4,6 +4,7 @@
 use kvroute_core::feed::Tier;
 use kvroute_core::lookup::HeldPrefix;
 
+use super::blocks::SetId;
 use super::hashing::Map;
 use super::{Index, Load};
 
@@ -12,10 +13,10 @@ impl Index {
     /// the feed would serve: precise tiers and learned entries) of every pod
     /// serving `model`; a pod that names no model serves every model.
     ///
-    /// Walks the chain once through the block map: the pods holding block i
-    /// are among those holding block i − 1, so the walk stops at the first
-    /// block nobody still walking holds, and its cost is the holders of the
-    /// matched blocks, not the number of pods.
+    /// The chain is cut into runs of blocks with the same interned pod set by
+    /// bisection (equal sets at both ends of a span: the span is one run, as
+    /// pods hold prefixes of a chain), then each run's holders are extended
+    /// by its length: the cost is the runs' holders, not pods × blocks.
     pub fn visit_held_prefixes<'a>(
         &'a self,
         model: &str,
@@ -24,13 +25,13 @@ impl Index {
     ) {
         let mut walking: Map<HeldPrefix> = Map::default();
         let mut held: Map<HeldPrefix> = Map::default();
-        for (i, &hash) in hashes.iter().enumerate() {
-            let tiers: Map<Tier> = self.blocks.holders(hash).collect();
+        for (i, (set, len)) in self.set_runs(hashes).into_iter().enumerate() {
+            let tiers: Map<Tier> = self.blocks.set_holders(set).collect();
             if i == 0 {
                 walking.extend(tiers.keys().map(|&pod| (pod, HeldPrefix::default())));
             }
             walking.retain(|pod, prefix| {
-                let extended = prefix.extend(tiers.get(pod).copied());
+                let extended = prefix.extend_by(tiers.get(pod).copied(), len);
                 if !extended {
                     held.insert(*pod, *prefix);
                 }
@@ -50,5 +51,34 @@ impl Index {
                 );
             }
         }
+    }
+
+    /// The chain as runs (pod set, blocks) in order, found by bisection.
+    fn set_runs(&self, hashes: &[u64]) -> Vec<(SetId, u32)> {
+        let set_at = |i: usize| self.blocks.set_of(hashes[i]);
+        let mut runs: Vec<(SetId, u32)> = Vec::new();
+        let mut push = |set: SetId, len: usize| match runs.last_mut() {
+            Some((last, n)) if *last == set => *n = n.saturating_add(len as u32),
+            _ => runs.push((set, len as u32)),
+        };
+        // Spans [lo, hi] with their end sets known, leftmost first.
+        let Some(last) = hashes.len().checked_sub(1) else {
+            return runs;
+        };
+        let mut spans = vec![(0, set_at(0), last, set_at(last))];
+        while let Some((lo, lo_set, hi, hi_set)) = spans.pop() {
+            if lo_set == hi_set {
+                push(lo_set, hi - lo + 1);
+            } else if hi == lo + 1 {
+                push(lo_set, 1);
+                push(hi_set, 1);
+            } else {
+                let mid = lo + (hi - lo) / 2;
+                // Right half first: the stack pops the left one next.
+                spans.push((mid + 1, set_at(mid + 1), hi, hi_set));
+                spans.push((lo, lo_set, mid, set_at(mid)));
+            }
+        }
+        runs
     }
 }
