@@ -1,5 +1,6 @@
 """Helpers for the end-to-end tests: requests through the gateway and reading its decisions."""
 
+import time
 import uuid
 
 import pytest
@@ -38,3 +39,13 @@ def decision(response: requests.Response) -> dict:
     total, domain = rest.split(" ")
     return {"raw": raw, "pod": fields["pod"], "matched": int(matched), "total": int(total), "domain": domain,
             "inflight_requests": int(fields["inflight"].split(" ")[0])}
+
+
+def wait_for(what: str, condition, timeout: float = 15.0) -> None:
+    """Polls `condition` every 50 ms until it holds; fails naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from e2elib import DECISION, MODEL, decision, require_wasm
+from e2elib import DECISION, MODEL, decision, require_wasm, wait_for
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from indexerctl import IndexerProcess
 from simcluster import SimCluster
@@ -30,14 +30,6 @@ PODS = 3
 BLOCKS = 20  # blocks per prompt
 CAPACITY = 1024  # blocks per pod: room for every prompt of the test
 
-
-def wait_for(what, condition, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

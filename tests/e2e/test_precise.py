@@ -13,7 +13,7 @@ import pytest
 import requests
 import zmq
 
-from e2elib import MODEL, POD, decision, require_wasm
+from e2elib import MODEL, POD, decision, require_wasm, wait_for
 from envoyctl import GATEWAY, GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from indexerctl import TOKEN_ENV, IndexerProcess
 from simcluster import SimCluster
@@ -41,14 +41,6 @@ def stack():
 def feed_ok(envoy) -> int:
     return envoy.stats("wasmcustom.kvroute.feed.ok").get("wasmcustom.kvroute.feed.ok", 0)
 
-
-def wait_for(what, condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def settle(envoy, polls=3):

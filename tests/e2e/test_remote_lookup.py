@@ -6,12 +6,11 @@ indexer gone every request is still served, by Envoy's own load balancer."""
 
 import contextlib
 import signal
-import time
 
 import pytest
 import requests
 
-from e2elib import MODEL, POD, decision, require_wasm
+from e2elib import MODEL, POD, decision, require_wasm, wait_for
 from envoyctl import EnvoyProcess
 from indexerctl import IndexerProcess
 from mesh_lookup import render_sidecar
@@ -50,14 +49,6 @@ def completion(url: str, ids: list[int]) -> requests.Response:
     assert r.status_code == 200, r.text
     return r
 
-
-def wait_for(what, condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stat(envoy, name: str) -> int:
