@@ -6,7 +6,8 @@
 //! A pod is saturated when one of its configured tests holds (0 turns a
 //! test off):
 //! - with fresh pod reports (precise mode): `waiting ≥ max_waiting`, or
-//!   `kv_usage ≥ max_kv_usage`;
+//!   `kv_usage ≥ max_kv_usage`, or running sequences ≥ `max_running` × the
+//!   pod's speed;
 //! - without (approximate mode): requests in flight ≥ `max_inflight_requests`
 //!   × the pod's speed, or the proxy's active-block estimate ≥
 //!   `max_kv_usage` × capacity.
@@ -20,6 +21,7 @@ pub enum Saturated {
     Waiting,
     KvUsage,
     InFlight,
+    Running,
 }
 
 impl Saturated {
@@ -28,6 +30,7 @@ impl Saturated {
             Saturated::Waiting => "waiting",
             Saturated::KvUsage => "kv_usage",
             Saturated::InFlight => "inflight",
+            Saturated::Running => "running",
         }
     }
 }
@@ -35,6 +38,11 @@ impl Saturated {
 /// The first test that finds `pod` saturated, if any.
 pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
     let kv_limit = test.max_kv_usage > 0.0;
+    let speed = if pod.speed.is_finite() && pod.speed > 0.0 {
+        pod.speed
+    } else {
+        1.0
+    };
     if pod.reported {
         if test.max_waiting > 0 && pod.waiting >= test.max_waiting {
             return Some(Saturated::Waiting);
@@ -43,13 +51,12 @@ pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
         if kv_limit && pod.kv_usage >= test.max_kv_usage as f32 {
             return Some(Saturated::KvUsage);
         }
+        let running_limit = f64::from(test.max_running) * speed;
+        if test.max_running > 0 && f64::from(pod.running) >= running_limit {
+            return Some(Saturated::Running);
+        }
         return None;
     }
-    let speed = if pod.speed.is_finite() && pod.speed > 0.0 {
-        pod.speed
-    } else {
-        1.0
-    };
     let inflight_limit = f64::from(test.max_inflight_requests) * speed;
     if test.max_inflight_requests > 0 && f64::from(pod.inflight_requests) >= inflight_limit {
         return Some(Saturated::InFlight);
@@ -62,18 +69,19 @@ pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
 }
 
 /// Why every candidate is saturated: the test that held on each, counted
-/// (waiting, kv_usage, inflight). `None` when some candidate has room (or
-/// there is none).
-pub fn all_saturated(pods: &[PodSignals], test: &Saturation) -> Option<[usize; 3]> {
+/// (waiting, kv_usage, inflight, running). `None` when some candidate has
+/// room (or there is none).
+pub fn all_saturated(pods: &[PodSignals], test: &Saturation) -> Option<[usize; 4]> {
     if pods.is_empty() {
         return None;
     }
-    let mut by_test = [0usize; 3];
+    let mut by_test = [0usize; 4];
     for pod in pods {
         let i = match saturated(pod, test)? {
             Saturated::Waiting => 0,
             Saturated::KvUsage => 1,
             Saturated::InFlight => 2,
+            Saturated::Running => 3,
         };
         by_test[i] += 1;
     }
@@ -82,15 +90,20 @@ pub fn all_saturated(pods: &[PodSignals], test: &Saturation) -> Option<[usize; 3
 
 /// True when a request of `admission` is shed: sheddable while every
 /// candidate is saturated (`saturation` from [`all_saturated`]).
-pub fn sheds(admission: Admission, saturation: Option<[usize; 3]>) -> bool {
+pub fn sheds(admission: Admission, saturation: Option<[usize; 4]>) -> bool {
     admission == Admission::Sheddable && saturation.is_some()
 }
 
 /// The decision header's account of a saturation: `saturated=N/N (waiting=…
-/// kv_usage=… inflight=…)`, the tests that held.
-pub fn explain(by_test: [usize; 3]) -> String {
+/// kv_usage=… inflight=… running=…)`, the tests that held.
+pub fn explain(by_test: [usize; 4]) -> String {
     let total: usize = by_test.iter().sum();
-    let names = [Saturated::Waiting, Saturated::KvUsage, Saturated::InFlight];
+    let names = [
+        Saturated::Waiting,
+        Saturated::KvUsage,
+        Saturated::InFlight,
+        Saturated::Running,
+    ];
     let held: Vec<String> = names
         .iter()
         .zip(by_test)
@@ -109,6 +122,7 @@ mod tests {
             max_waiting: 4,
             max_kv_usage: 0.9,
             max_inflight_requests: 10,
+            max_running: 20,
         }
     }
 
@@ -142,12 +156,24 @@ mod tests {
         assert_eq!(saturated(&reported(3, 0.5), &t), None);
         assert_eq!(saturated(&reported(4, 0.5), &t), Some(Saturated::Waiting));
         assert_eq!(saturated(&reported(0, 0.9), &t), Some(Saturated::KvUsage));
+        // A pod absorbing overload as a larger batch, not a queue; a half-speed
+        // pod is full at half the sequences.
+        let running = |n: u32, speed: f64| PodSignals {
+            running: n,
+            speed,
+            ..reported(0, 0.5)
+        };
+        assert_eq!(saturated(&running(19, 1.0), &t), None);
+        assert_eq!(saturated(&running(20, 1.0), &t), Some(Saturated::Running));
+        assert_eq!(saturated(&running(10, 0.5), &t), Some(Saturated::Running));
         let off = Saturation {
             max_waiting: 0,
             max_kv_usage: 0.0,
+            max_running: 0,
             ..t
         };
         assert_eq!(saturated(&reported(1000, 1.0), &off), None);
+        assert_eq!(saturated(&running(1000, 1.0), &off), None);
     }
 
     #[test]
@@ -175,13 +201,16 @@ mod tests {
         let t = test();
         let full = [reported(5, 0.1), estimated(10, 0, 1.0), reported(0, 0.95)];
         let by_test = all_saturated(&full, &t);
-        assert_eq!(by_test, Some([1, 1, 1]));
+        assert_eq!(by_test, Some([1, 1, 1, 0]));
         assert!(sheds(Admission::Sheddable, by_test));
         assert!(!sheds(Admission::Critical, by_test));
         let one_free = [reported(5, 0.1), reported(3, 0.1)];
         assert_eq!(all_saturated(&one_free, &t), None);
         assert!(!sheds(Admission::Sheddable, all_saturated(&one_free, &t)));
         assert_eq!(all_saturated(&[], &t), None);
-        assert_eq!(explain([2, 0, 1]), "saturated=3/3 (waiting=2 inflight=1)");
+        assert_eq!(
+            explain([2, 0, 1, 1]),
+            "saturated=4/4 (waiting=2 inflight=1 running=1)"
+        );
     }
 }

@@ -179,6 +179,11 @@ pub struct Saturation {
     /// Without fresh pod reports (approximate): this many requests in flight
     /// per unit of the pod's speed.
     pub max_inflight_requests: u32,
+    /// Pod-reported (precise): this many sequences running per unit of the
+    /// pod's speed. vLLM admits requests into a larger batch while KV and
+    /// `max_num_seqs` allow, so overload shows as running sequences before
+    /// it shows as a queue.
+    pub max_running: u32,
 }
 
 impl Default for Saturation {
@@ -187,6 +192,7 @@ impl Default for Saturation {
             max_waiting: 4,
             max_kv_usage: 0.95,
             max_inflight_requests: 64,
+            max_running: 64,
         }
     }
 }

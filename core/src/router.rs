@@ -205,7 +205,7 @@ pub struct Decision {
     pub candidates: usize,
     /// With `priority` configured: every candidate is saturated, by test
     /// (see `admission::all_saturated`).
-    pub saturation: Option<[usize; 3]>,
+    pub saturation: Option<[usize; 4]>,
     /// What the index lookup cost (blocks probed, runs of equal pod set).
     pub lookup: LookupCost,
 }
@@ -1410,7 +1410,7 @@ mod tests {
         )
         .unwrap();
         let d = cluster.decide(&with, &prompt, 10, 1).unwrap();
-        assert_eq!(d.saturation, Some([0, 0, 3]), "{}", d.explain());
+        assert_eq!(d.saturation, Some([0, 0, 3, 0]), "{}", d.explain());
         cluster.record_finished("c:1", 1);
         assert_eq!(
             cluster.decide(&with, &prompt, 10, 1).unwrap().saturation,

@@ -161,7 +161,7 @@ def kvroute_priority() -> Dict[str, Any]:
     calibration ran ~45 per pod at the sustainable rate (profiles.OVERLOAD_SUSTAINABLE_QPS)."""
     return {"header": PRIORITY_HEADER, "default_class": "sheddable",
             "classes": {"critical": "critical", "sheddable": "sheddable"},
-            "saturation": {"max_inflight_requests": 48}}
+            "saturation": {"max_inflight_requests": 48, "max_running": 48}}
 
 
 def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: Any, block_size: int,
