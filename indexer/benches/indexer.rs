@@ -18,6 +18,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+mod synthetic;
+use synthetic::Rng;
+
 use kvroute_core::feed::{self, FeedKind};
 use kvroute_core::feed_client::FeedRequest;
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig};
@@ -59,17 +62,6 @@ const BLOCK: usize = 16;
 /// Blocks per BlockStored event (vLLM emits one per request per scheduler step).
 const BLOCKS_PER_EVENT: usize = 16;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 fn pod(i: usize) -> String {
     format!("10.0.0.{}:8000", i + 1)
 }
@@ -105,9 +97,7 @@ fn fill_messages(rng: &mut Rng) -> (Vec<Incoming>, Vec<Vec<u64>>) {
             while done < len {
                 let n = BLOCKS_PER_EVENT.min(len - done);
                 let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
-                let tokens: Vec<u32> = (0..n * BLOCK)
-                    .map(|_| (rng.next() % 151_000) as u32)
-                    .collect();
+                let tokens: Vec<u32> = rng.tokens(n, BLOCK);
                 let ev = KvEvent::BlockStored(BlockStored {
                     block_hashes: hashes.clone(),
                     parent_block_hash: parent,
@@ -156,9 +146,7 @@ fn chain(rng: &mut Rng, len: usize) -> Vec<Vec<u8>> {
     while done < len {
         let n = BLOCKS_PER_EVENT.min(len - done);
         let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
-        let tokens: Vec<u32> = (0..n * BLOCK)
-            .map(|_| (rng.next() % 151_000) as u32)
-            .collect();
+        let tokens: Vec<u32> = rng.tokens(n, BLOCK);
         parent = {
             let last = hashes.last().copied();
             let ev = KvEvent::BlockStored(BlockStored {
@@ -368,9 +356,7 @@ fn main() {
         let victims: Vec<u64> = churn_held[p].drain(..BLOCKS_PER_EVENT).collect();
         let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
         churn_held[p].extend(&hashes);
-        let tokens: Vec<u32> = (0..BLOCKS_PER_EVENT * BLOCK)
-            .map(|_| (rng.next() % 151_000) as u32)
-            .collect();
+        let tokens: Vec<u32> = rng.tokens(BLOCKS_PER_EVENT, BLOCK);
         let events = vec![
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: victims,
@@ -472,9 +458,7 @@ fn main() {
         for _ in 0..(140 / BLOCKS_PER_EVENT) {
             let victims: Vec<u64> = held2[p].drain(..BLOCKS_PER_EVENT).collect();
             let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
-            let tokens: Vec<u32> = (0..BLOCKS_PER_EVENT * BLOCK)
-                .map(|_| (rng.next() % 151_000) as u32)
-                .collect();
+            let tokens: Vec<u32> = rng.tokens(BLOCKS_PER_EVENT, BLOCK);
             let events = vec![
                 KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: victims,

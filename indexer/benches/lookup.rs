@@ -16,6 +16,9 @@
 
 use std::time::Instant;
 
+mod synthetic;
+use synthetic::Rng;
+
 use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
 use kvroute_indexer::lookup::{lookup, parse_request};
@@ -28,17 +31,6 @@ const BLOCK: usize = 16;
 const PROMPT_BLOCKS: usize = 512;
 const EVENT_BLOCKS: usize = 64;
 const RUNS: usize = 2_000;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
 
 fn pod(i: usize) -> String {
     format!("10.{}.{}.{}:8000", i / 62_500, (i / 250) % 250, i % 250 + 1)
@@ -93,12 +85,6 @@ fn store_chain(
     }
 }
 
-fn random_tokens(rng: &mut Rng, blocks: usize) -> Vec<u32> {
-    (0..blocks * BLOCK)
-        .map(|_| (rng.next() % 151_000) as u32)
-        .collect()
-}
-
 /// An index of `pods` pods holding `filler` random blocks each, the prompt
 /// whole on pod 0 and its first half on pods 1..=`half_holders`.
 fn fleet(pods: usize, filler: usize, half_holders: usize, prompt: &[u32], rng: &mut Rng) -> Index {
@@ -123,7 +109,7 @@ fn fleet(pods: usize, filler: usize, half_holders: usize, prompt: &[u32], rng: &
         let mut filled = 0;
         while filled < filler {
             let n = (filler - filled).min(1024);
-            let chain = random_tokens(rng, n);
+            let chain = rng.tokens(n, BLOCK);
             store_chain(&mut ix, rng, &address, &mut seq, &chain, n);
             filled += n;
         }
@@ -145,7 +131,7 @@ fn blocks_per_pod(pods: usize) -> usize {
 
 fn main() {
     let mut rng = Rng(0x10c0_c0de_5eed_0001);
-    let prompt = random_tokens(&mut rng, PROMPT_BLOCKS);
+    let prompt = rng.tokens(PROMPT_BLOCKS, BLOCK);
     let hashes = token_block_hashes(
         root_hash(Domain::Tokens, MODEL, None),
         &prompt,
