@@ -321,6 +321,41 @@ def per_pod_section(results: List[Dict[str, Any]], prof: Dict[str, Any]) -> List
     return L
 
 
+def sessions_section(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> List[str]:
+    """A run continued with `run.py --resume`: which strategies ran in which session, when, at which commit
+    (flagged when the sessions ran different code). Nothing for a run done in one session."""
+    sessions = meta.get("sessions") or []
+    if len(sessions) < 2:
+        return []
+    L = [f"**Run in {len(sessions)} sessions** (continued with `run.py --resume`; each session started fresh pods, "
+         "flushed as usual before every strategy):", "",
+         "| session | started (UTC) | ended (UTC) | commit | strategies recorded from it |", "|---|---|---|---|---|"]
+    for s in sessions:
+        g = s.get("git") or {}
+        mine = [r["label"] for r in results if r.get("session", 1) == s["session"]]
+        end = s.get("finished_utc") or (f"stopped {s['stopped_utc']} ({s.get('stopped_by', '')})" if s.get("stopped_utc")
+                                        else "stopped (no end recorded: killed)")
+        if s.get("closed"):
+            end += f"; closed: {s['closed']}"
+        L.append(f"| {s['session']} | {s.get('started_utc', '?')} | {end} | {str(g.get('commit', '?'))[:12]}"
+                 f"{' (dirty)' if g.get('dirty') else ''} | {', '.join(mine) or '—'} |")
+    L.append("")
+    codes = {((s.get("git") or {}).get("commit"), bool((s.get("git") or {}).get("dirty")),
+              json.dumps({k: v.get("sha256") for k, v in (s.get("artifacts") or {}).items()}, sort_keys=True))
+             for s in sessions}
+    if len(codes) > 1:
+        L.append("> **The sessions ran different code** (commit, work-tree state or binaries differ; resumed with "
+                 "`--resume-at-other-commit`): compare strategies from different sessions with care.")
+        L.append("")
+    again = [r for r in results if r.get("earlier_attempts")]
+    if again:
+        L.append("Run again after an earlier attempt: " + "; ".join(
+            f"{r['label']} (" + ", ".join(f"session {a.get('session')}: {a.get('status')}" for a in r["earlier_attempts"]) + ")"
+            for r in again) + ". Earlier attempts' raw data is kept beside the new one (`raw/<strategy>.before-session-N`).")
+        L.append("")
+    return L
+
+
 def write(out: str) -> str:
     data = json.load(open(os.path.join(out, "results.json")))
     meta, results = data["meta"], data["results"]
@@ -344,6 +379,7 @@ def write(out: str) -> str:
         L.append(f"**Stopped between strategies** (closed with `run.py --close`): {meta['stopped']}. "
                  "The strategies it did not reach are listed as *not run*.")
         L.append("")
+    L.extend(sessions_section(meta, results))
     L.append(f"{prof['description']}. Simulated pods (vllm-sim) on one 2-core machine shared with the routers and the load "
              "generator: absolute numbers are not the reference's H100 numbers; compare strategies with each other "
              "and the *shape* (ratios) with the reference.")

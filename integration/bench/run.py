@@ -28,6 +28,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -137,6 +138,10 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
     simcluster = strategies._import_integration("simcluster")
     s = profile.sim
     ipc = kvrelay.make_ipc_base(out)
+    # An earlier session's pods (run.py --resume) leave their socket files: vllm-sim will not bind over them.
+    for ep in kvrelay.ipc_endpoints(ipc, s.pods):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(ep[len("ipc://"):])
     kw = dict(
         model=s.model,
         served_model_name=s.served_model_name,
@@ -298,7 +303,11 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
     limit = 3 * planned_seconds(profile) + profile.wall_seconds(profile.load.request_timeout + tokens / 1000.0) + 600
     t0 = time.time()
     p = Proc("inference-perf", argv, os.path.join(sdir, "inference-perf.log"), env=env)
-    rc = p.wait(timeout=limit)
+    try:
+        rc = p.wait(timeout=limit)
+    except BaseException:  # the run is being stopped (signal): take the client down with it
+        p.stop(grace=5)
+        raise
     timed_out = rc is None
     if timed_out:
         p.stop(grace=30)
@@ -656,19 +665,14 @@ def close_run(out: str, reason: str) -> None:
     """Finish a run that was stopped between strategies (results.json is written after each one):
     the strategies its command named but did not reach are recorded as *not run* with `reason`,
     then the report is rendered."""
-    path = os.path.join(out, "results.json")
-    with open(path) as fh:
-        data = json.load(fh)
-    argv = shlex.split(data["meta"]["command"])
-    named = argv[argv.index("--strategies") + 1] if "--strategies" in argv else "all"
+    data = load_results(out)
     reached = {r["strategy"] for r in data["results"]}
-    for s in strategies.selected(named):
+    for s in strategies.selected(recorded_args(data["meta"]).strategies):
         if s.name not in reached:
             data["results"].append(strategy_record(s, "not run", reason=reason))
-    data["meta"]["finished_utc"] = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    data["meta"]["finished_utc"] = utc_stamp()
     data["meta"]["stopped"] = reason
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=1, default=str)
+    write_results(out, data["meta"], data["results"])
     import report
 
     report.write(out)
@@ -690,7 +694,13 @@ def prime_tokenizer(profile: profiles.Profile, tokenizer_dir: str, cluster: Any,
     return done
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+# ------------------------------------------------------------------ sessions (a run, and its resumptions)
+
+def utc_stamp() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="quick", choices=sorted(profiles.PROFILES))
     ap.add_argument("--strategies", default="all", help="comma list (default all): " + ",".join(strategies.BY_NAME))
@@ -700,22 +710,232 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--endpoints", help="use these already-running OpenAI-compatible pods (host:port,...) "
                                         "instead of starting vllm-sim; the report says so")
     ap.add_argument("--results-dir", help="after the report, copy report.md, plot.png and results.json here")
+    ap.add_argument("--resume", metavar="RUN_DIR", help="continue a run stopped between strategies: same profile, "
+                                                        "overrides and strategies as its results.json records; "
+                                                        "strategies recorded ok are kept, the others run on fresh pods")
+    ap.add_argument("--resume-at-other-commit", action="store_true",
+                    help="with --resume: run the rest even though the commit, work-tree state or binaries differ "
+                         "from the earlier sessions' (refused otherwise; the report then flags the mix)")
     ap.add_argument("--close", metavar="RUN_DIR", help="finish a run stopped between strategies: record the ones it "
                                                        "did not reach as not run (--reason), render, publish")
     ap.add_argument("--reason", default="the run was stopped before this strategy", help="with --close")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def recorded_args(meta: Dict[str, Any]) -> argparse.Namespace:
+    """The arguments of the command that started a run (results.json meta.command), parsed as run.py parses them."""
+    return build_parser().parse_args(shlex.split(meta["command"])[2:])
+
+
+def load_results(out: str) -> Dict[str, Any]:
+    path = os.path.join(out, "results.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} does not exist: nothing to resume or close")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def write_results(out: str, meta: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
+    """results.json, replaced atomically (a run killed while writing keeps the previous complete file)."""
+    path = os.path.join(out, "results.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def sessions_of(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """meta["sessions"], or for a run recorded before sessions existed, its one session rebuilt from meta."""
+    if meta.get("sessions"):
+        return meta["sessions"]
+    ends = [r["t_end"] for r in results if r.get("t_end")]
+    return [{"session": 1, "started_utc": meta.get("started_utc"),
+             "finished_utc": meta.get("finished_utc") or (dt.datetime.fromtimestamp(max(ends), dt.timezone.utc)
+                                                          .strftime("%Y%m%dT%H%M%SZ") if ends else None),
+             "git": meta.get("git"), "artifacts": meta.get("artifacts"), "command": meta.get("command"),
+             "strategies": [r["strategy"] for r in results if r.get("status") != "not run"]}]
+
+
+def code_differences(earlier: List[Dict[str, Any]], git: Dict[str, Any], arts: Dict[str, Any]) -> List[str]:
+    """How the code about to run differs from what the earlier sessions ran (commit, dirty tree, binaries)."""
+    out: List[str] = []
+    for s in earlier:
+        g = s.get("git") or {}
+        if g.get("commit") != git.get("commit"):
+            out.append(f"session {s['session']} ran commit {str(g.get('commit'))[:12]}, this is {git.get('commit', '')[:12]}")
+        elif bool(g.get("dirty")) != bool(git.get("dirty")):
+            out.append(f"session {s['session']}'s work tree was {'dirty' if g.get('dirty') else 'clean'}, "
+                       f"this one is {'dirty' if git.get('dirty') else 'clean'}")
+        for name, a in sorted((s.get("artifacts") or {}).items()):
+            if (arts.get(name) or {}).get("sha256") != a.get("sha256"):
+                out.append(f"{name} differs from session {s['session']}'s (sha256 {a.get('sha256')} -> "
+                           f"{(arts.get(name) or {}).get('sha256')})")
+    return out
+
+
+def _still_running(session: Dict[str, Any]) -> bool:
+    """True when the process that ran `session` is alive and is run.py (a resume must not race it)."""
+    pid = session.get("pid")
+    if not pid or session.get("finished_utc"):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"run.py" in fh.read()
+    except OSError:
+        return False
+
+
+def _set_aside(out: str, name: str, session: int) -> Optional[str]:
+    """Move an earlier attempt's raw/<name> out of the way (kept, not overwritten) before the strategy runs again."""
+    src = os.path.join(out, "raw", name)
+    if not os.path.isdir(src):
+        return None
+    dst = f"{src}.before-session-{session}"
+    os.replace(src, dst)
+    return os.path.relpath(dst, out)
+
+
+def _stop_on_signal(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGHUP (a killed job, a closed session) unwind like Ctrl-C: routers, client and pods are stopped
+    and results.json keeps every finished strategy, so `--resume` can continue."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_session(out: str, meta: Dict[str, Any], results: List[Dict[str, Any]], prof: profiles.Profile,
+                order: List[strategies.Strategy], todo: List[strategies.Strategy], endpoints: Optional[str],
+                command: str) -> List[Dict[str, Any]]:
+    """One session: fresh pods, the tokenizer primed, each strategy in `todo` run and stored in `results` (in
+    `order`), results.json rewritten after each. Returns the updated results."""
+    sessions = meta.setdefault("sessions", [])
+    n = len(sessions) + 1
+    session: Dict[str, Any] = {"session": n, "started_utc": utc_stamp(), "finished_utc": None, "command": command,
+                               "pid": os.getpid(), "git": git_rev(), "artifacts": artifacts(),
+                               "strategies": [s.name for s in todo], "loadavg_start": open("/proc/loadavg").read().strip()}
+    sessions.append(session)
+    rank = {s.name: i for i, s in enumerate(order)}
+    by_name = {r["strategy"]: r for r in results}
+    tok = prepare_tokenizer(out)
+    write_results(out, meta, results)
+    try:
+        with pods(prof, out, tok, endpoints.split(",") if endpoints else None) as cluster:
+            _run_strategies(out, meta, session, by_name, rank, prof, todo, cluster, endpoints, tok)
+    except BaseException as e:  # stopped (signal, Ctrl-C) or broken: the session says when and why
+        session["stopped_utc"] = utc_stamp()
+        session["stopped_by"] = f"{type(e).__name__}: {e}"
+        write_results(out, meta, _ordered(by_name, rank))
+        raise
+    session["finished_utc"] = utc_stamp()
+    session["loadavg_end"] = open("/proc/loadavg").read().strip()
+    meta["finished_utc"] = session["finished_utc"]
+    meta["machine"]["loadavg_end"] = session["loadavg_end"]
+    results = _ordered(by_name, rank)
+    write_results(out, meta, results)
+    return results
+
+
+def _run_strategies(out: str, meta: Dict[str, Any], session: Dict[str, Any], by_name: Dict[str, Dict[str, Any]],
+                    rank: Dict[str, int], prof: profiles.Profile, todo: List[strategies.Strategy], cluster: Any,
+                    endpoints: Optional[str], tok: str) -> None:
+    """The session's strategies on `cluster`; each record replaces the strategy's earlier one in `by_name`
+    (which it lists under earlier_attempts, with where its raw data was set aside)."""
+    n = session["session"]
+    pods_info = {"addresses": list(cluster.addresses), "info": getattr(cluster, "info", None),
+                 "argv": getattr(cluster, "argv", None)}
+    session["pods"] = pods_info
+    meta.setdefault("pods", pods_info)
+    meta["versions"].setdefault("vllm-sim", getattr(cluster, "version", None))
+    if not endpoints:
+        session["tokenizer_prime"] = prime_tokenizer(prof, tok, cluster, out)
+        meta.setdefault("tokenizer_prime", session["tokenizer_prime"])
+    for s in todo:
+        earlier = by_name.get(s.name) or {}
+        aside = _set_aside(out, s.name, n)
+        rec = run_strategy(s, prof, cluster, out, tok)
+        rec["session"] = n
+        if earlier or aside:
+            rec["earlier_attempts"] = earlier.get("earlier_attempts", []) + [{
+                "session": earlier.get("session", n - 1), "status": earlier.get("status", "interrupted"),
+                "reason": earlier.get("reason", "the process stopped during this strategy"), "raw_dir": aside}]
+        by_name[s.name] = rec
+        write_results(out, meta, _ordered(by_name, rank))
+
+
+def _ordered(by_name: Dict[str, Dict[str, Any]], rank: Dict[str, int]) -> List[Dict[str, Any]]:
+    return sorted(by_name.values(), key=lambda r: rank.get(r["strategy"], len(rank)))
+
+
+def resume_plan(out: str, allow_other_commit: bool) -> tuple:
+    """What a resumed run re-runs, after the checks that make it the same experiment: the profile as recorded,
+    the same code (commit, work-tree state, binaries) unless allowed, no session of it still running."""
+    data = load_results(out)
+    meta, results = data["meta"], data["results"]
+    meta["sessions"] = sessions_of(meta, results)
+    for r in results:
+        r.setdefault("session", 1)
+    if _still_running(meta["sessions"][-1]):
+        raise SystemExit(f"session {meta['sessions'][-1]['session']} of {out} is still running "
+                         f"(pid {meta['sessions'][-1]['pid']}): stop it first")
+    args = recorded_args(meta)
+    prof = profiles.get(args.profile, args.set)
+    if json.loads(json.dumps(prof.to_dict())) != meta["profile"]:
+        raise SystemExit(f"refusing to resume {out}: profile {args.profile!r} with {args.set} no longer gives the "
+                         "recorded profile (profiles.py changed?); the rest would be another experiment")
+    diffs = code_differences(meta["sessions"], git_rev(), artifacts())
+    if diffs and not allow_other_commit:
+        raise SystemExit("refusing to resume: the code differs from what the earlier sessions ran: " + "; ".join(diffs)
+                         + ". Rebuild/check out what they ran, or pass --resume-at-other-commit (the report then "
+                           "says which strategies ran at which commit).")
+    order = strategies.selected(args.strategies)
+    done = {r["strategy"] for r in results if r.get("status") == "ok"}
+    todo = [s for s in order if s.name not in done]
+    if meta.get("stopped"):
+        meta["sessions"][-1]["closed"] = meta.pop("stopped")
+    return meta, results, prof, args, order, todo, diffs
+
+
+def finish(out: str, results: List[Dict[str, Any]], results_dir: Optional[str]) -> int:
+    import report
+
+    report.write(out)
+    log(f"report: {os.path.join(out, 'report.md')}")
+    if results_dir:
+        publish(out, os.path.abspath(results_dir))
+    ok = sum(1 for r in results if r["status"] == "ok")
+    log(f"{ok}/{len(results)} strategies ran to completion")
+    return 0 if ok == len(results) else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.close:
         close_run(os.path.abspath(args.close), args.reason)
         if args.results_dir:
             publish(os.path.abspath(args.close), os.path.abspath(args.results_dir))
         return 0
-
-    prof = profiles.get(args.profile, args.set)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-{prof.name}"))
-    os.makedirs(out, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in ([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable,
                                                   os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])))
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGHUP, _stop_on_signal)
+    if args.resume:
+        out = os.path.abspath(args.resume)
+        meta, results, prof, rec, order, todo, diffs = resume_plan(out, args.resume_at_other_commit)
+        for d in diffs:
+            log(f"WARNING: {d} (--resume-at-other-commit)")
+        kept = [r["strategy"] for r in results if r["status"] == "ok"]
+        log(f"resuming {out} (session {len(meta['sessions']) + 1}): kept {', '.join(kept) or 'nothing'}; "
+            f"running {', '.join(s.name for s in todo) or 'nothing'}")
+        try:
+            results = run_session(out, meta, results, prof, order, todo, rec.endpoints, command)
+        except KeyboardInterrupt as e:
+            log(f"stopped ({e}); continue with: run.py --resume {out}")
+            return 130
+        return finish(out, results, args.results_dir)
+
+    prof = profiles.get(args.profile, args.set)
+    stamp = utc_stamp()
+    out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-{prof.name}"))
+    os.makedirs(out, exist_ok=True)
+    if os.path.exists(os.path.join(out, "results.json")):
+        raise SystemExit(f"{out} already holds a run (results.json): --resume it, or choose another --out")
     sel = strategies.selected(args.strategies)
     log(f"profile {prof.name}: {prof.description}; resident set {prof.resident_fraction():.0%} of cluster KV; "
         f"strategies: {', '.join(s.name for s in sel)}; out {out}")
@@ -732,31 +952,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "artifacts": artifacts(),
         "pods_external": bool(args.endpoints),
     }
-    tok = prepare_tokenizer(out)
-    results: List[Dict[str, Any]] = []
-    with pods(prof, out, tok, args.endpoints.split(",") if args.endpoints else None) as cluster:
-        meta["pods"] = {"addresses": list(cluster.addresses), "info": getattr(cluster, "info", None),
-                        "argv": getattr(cluster, "argv", None)}
-        meta["versions"]["vllm-sim"] = getattr(cluster, "version", None)
-        if not args.endpoints:
-            meta["tokenizer_prime"] = prime_tokenizer(prof, tok, cluster, out)
-        for s in sel:
-            results.append(run_strategy(s, prof, cluster, out, tok))
-            with open(os.path.join(out, "results.json"), "w") as fh:
-                json.dump({"meta": meta, "results": results}, fh, indent=1, default=str)
-    meta["finished_utc"] = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    meta["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump({"meta": meta, "results": results}, fh, indent=1, default=str)
-    import report
-
-    report.write(out)
-    log(f"report: {os.path.join(out, 'report.md')}")
-    if args.results_dir:
-        publish(out, os.path.abspath(args.results_dir))
-    ok = sum(1 for r in results if r["status"] == "ok")
-    log(f"{ok}/{len(results)} strategies ran to completion")
-    return 0 if ok == len(results) else 1
+    try:
+        results = run_session(out, meta, [], prof, sel, sel, args.endpoints, command)
+    except KeyboardInterrupt as e:
+        log(f"stopped ({e}); continue with: run.py --resume {out}")
+        return 130
+    return finish(out, results, args.results_dir)
 
 
 if __name__ == "__main__":
