@@ -99,9 +99,13 @@ class Profile:
     workload: WorkloadSpec
     load: LoadSpec
     description: str = ""
+    # Plugin-config values merged over every kvroute strategy's config (nested; run.py --kvroute-set).
+    kvroute_overrides: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        if not self.kvroute_overrides:
+            del d["kvroute_overrides"]
         d["load"]["inflight_cap"] = self.load.inflight_cap
         if self.sim.time_scale != 1.0:
             d["load"]["wall_stages"] = self.wall_stages()

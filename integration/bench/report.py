@@ -375,6 +375,10 @@ def write(out: str) -> str:
         L.append("")
     L.append(f"Command (from the repository root): `{meta['command']}`")
     L.append("")
+    if meta.get("kvroute_overrides"):
+        L.append("**kvroute plugin-config overrides** (`run.py --kvroute-set`, merged over every kvroute strategy's "
+                 "config): " + ", ".join(f"`{o}`" for o in meta["kvroute_overrides"]) + ".")
+        L.append("")
     if meta.get("stopped"):
         L.append(f"**Stopped between strategies** (closed with `run.py --close`): {meta['stopped']}. "
                  "The strategies it did not reach are listed as *not run*.")

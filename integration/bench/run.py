@@ -706,6 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default="all", help="comma list (default all): " + ",".join(strategies.BY_NAME))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
                     help="override a profile field, e.g. --set load.stages='[[5,10]]' (recorded in the report)")
+    ap.add_argument("--kvroute-set", action="append", default=[], metavar="PATH=JSON",
+                    help="set a field of every kvroute strategy's plugin config, e.g. --kvroute-set weights.running=0.5 "
+                         "(dotted path into schema/plugin-config.schema.json; repeatable; recorded in the report)")
     ap.add_argument("--out", help="output directory (default build/bench/<UTC>-<profile>)")
     ap.add_argument("--endpoints", help="use these already-running OpenAI-compatible pods (host:port,...) "
                                         "instead of starting vllm-sim; the report says so")
@@ -720,6 +723,52 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "did not reach as not run (--reason), render, publish")
     ap.add_argument("--reason", default="the run was stopped before this strategy", help="with --close")
     return ap
+
+
+PLUGIN_SCHEMA = os.path.join(REPO, "schema", "plugin-config.schema.json")
+
+
+def kvroute_overrides(items: List[str]) -> Dict[str, Any]:
+    """`--kvroute-set PATH=JSON` values as one nested dict, each path checked against the plugin-config schema
+    (it must name a field, through objects only) and each value against that field's schema."""
+    import jsonschema
+
+    with open(PLUGIN_SCHEMA) as fh:
+        schema = json.load(fh)
+    out: Dict[str, Any] = {}
+    for item in items:
+        path, eq, raw = item.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--kvroute-set {item!r}: expected PATH=JSON, e.g. weights.running=0.5")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word is a string, as with --set
+        node, keys = schema, path.split(".")
+        for depth, key in enumerate(keys):
+            fields = node.get("properties") or {}
+            if key not in fields:
+                where = ".".join(keys[:depth]) or "the top level"
+                raise SystemExit(f"--kvroute-set {item!r}: {path!r} is not in the plugin-config schema "
+                                 f"({os.path.relpath(PLUGIN_SCHEMA, REPO)}); fields at {where}: "
+                                 f"{', '.join(sorted(fields)) or 'none (not an object)'}")
+            node = fields[key]
+        try:
+            jsonschema.validate(value, node)
+        except jsonschema.ValidationError as e:
+            raise SystemExit(f"--kvroute-set {item!r}: {value!r} is not a valid {path}: {e.message}")
+        target = out
+        for key in keys[:-1]:
+            target = target.setdefault(key, {})
+        target[keys[-1]] = value
+    return out
+
+
+def profile_of(args: argparse.Namespace) -> profiles.Profile:
+    """The run's profile: --profile with its --set overrides and the --kvroute-set plugin-config values."""
+    prof = profiles.get(args.profile, args.set)
+    prof.kvroute_overrides = kvroute_overrides(args.kvroute_set)
+    return prof
 
 
 def recorded_args(meta: Dict[str, Any]) -> argparse.Namespace:
@@ -875,10 +924,10 @@ def resume_plan(out: str, allow_other_commit: bool) -> tuple:
         raise SystemExit(f"session {meta['sessions'][-1]['session']} of {out} is still running "
                          f"(pid {meta['sessions'][-1]['pid']}): stop it first")
     args = recorded_args(meta)
-    prof = profiles.get(args.profile, args.set)
+    prof = profile_of(args)
     if json.loads(json.dumps(prof.to_dict())) != meta["profile"]:
-        raise SystemExit(f"refusing to resume {out}: profile {args.profile!r} with {args.set} no longer gives the "
-                         "recorded profile (profiles.py changed?); the rest would be another experiment")
+        raise SystemExit(f"refusing to resume {out}: profile {args.profile!r} with {args.set} {args.kvroute_set} no "
+                         "longer gives the recorded profile (profiles.py changed?); the rest would be another experiment")
     diffs = code_differences(meta["sessions"], git_rev(), artifacts())
     if diffs and not allow_other_commit:
         raise SystemExit("refusing to resume: the code differs from what the earlier sessions ran: " + "; ".join(diffs)
@@ -930,7 +979,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 130
         return finish(out, results, args.results_dir)
 
-    prof = profiles.get(args.profile, args.set)
+    prof = profile_of(args)
     stamp = utc_stamp()
     out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-{prof.name}"))
     os.makedirs(out, exist_ok=True)
@@ -943,6 +992,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "command": command,
         "profile": prof.to_dict(),
         "overrides": args.set,
+        "kvroute_overrides": args.kvroute_set,
         "expected_requests": prof.expected_requests(),
         "resident_fraction": prof.resident_fraction(),
         "started_utc": stamp,

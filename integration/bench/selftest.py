@@ -7,7 +7,8 @@ Covers: profile arithmetic, Prometheus parsing and counter deltas, wrk output
 parsing, the seeded arrival schedule (two timers from the same seed give the
 same gaps, a different seed does not), the Envoy configs (baseline and kvroute
 precise: overlay present, filter removed or singleton added), kvroute's timers
-scaled with the pods' time scale (singleton and filter), the mixed and overload
+scaled with the pods' time scale (singleton and filter), run.py --kvroute-set (schema-checked paths
+and values, merged over each mode's plugin config), the mixed and overload
 scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
 per-class and longest-queue summaries), and the report on
 a synthetic run directory (numbers, the not-run line, and the
@@ -70,6 +71,40 @@ def scenarios_mixed_and_overload():
     assert [rate for rate, _ in overload.load.stages] == [r / 2, 2 * r]
     shed = strategies.kvroute_plugin_config("approximate", eps[:4], 3072, 16, priority=True)
     assert shed["priority"]["default_class"] == "sheddable"
+
+
+@check
+def kvroute_plugin_overrides():
+    import yaml
+
+    import envoy_bench
+    import run
+    import strategies
+
+    sets = run.kvroute_overrides(["weights.running=0.5", "weights.kv_usage=2", "indexer.poll_ms=50"])
+    assert sets == {"weights": {"running": 0.5, "kv_usage": 2}, "indexer": {"poll_ms": 50}}
+    for bad, says in (("weights.runing=0.5", "fields at weights: decode, kv_usage, prefill, queue, running"),
+                      ("weights.running=-1", "less than the minimum"), ("nope=1", "not in the plugin-config schema"),
+                      ("weights.running.x=1", "none (not an object)"), ("weights", "expected PATH=JSON")):
+        try:
+            run.kvroute_overrides([bad])
+            raise AssertionError(f"{bad} accepted")
+        except SystemExit as e:
+            assert says in str(e), str(e)
+    # The hook in strategies.start_kvroute: merged over the mode's config, so load-only keeps prefill 0.
+    eps = ["127.0.0.1:1001"]
+    envoyctl = strategies._import_integration("envoyctl")
+    plugin = envoyctl._merge(strategies.kvroute_plugin_config("load", eps, 100, 16), sets)
+    hcm = yaml.safe_load(envoy_bench.kvroute(eps, plugin, indexer_address="127.0.0.1:9"))
+    filt = json.loads(hcm["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                      ["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
+    assert filt["weights"]["running"] == 0.5 and filt["weights"]["prefill"] == 0.0 and filt["indexer"]["poll_ms"] == 50
+    single = json.loads(hcm["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"])
+    assert single["indexer"]["poll_ms"] == 50
+    prof = profiles.get("quick")
+    assert "kvroute_overrides" not in prof.to_dict(), "runs without overrides record the profile as before"
+    prof.kvroute_overrides = sets
+    assert prof.to_dict()["kvroute_overrides"] == sets
 
 
 @check

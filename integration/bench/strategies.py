@@ -255,6 +255,9 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         pids: List[int] = []
         plugin = kvroute_plugin_config(mode, endpoints, sim.capacities(), sim.block_size, sim.time_scale,
                                        speeds=sim.speeds(), priority=profile.workload.critical_share > 0)
+        if profile.kvroute_overrides:  # run.py --kvroute-set, validated against the config schema there
+            plugin = envoyctl._merge(plugin, profile.kvroute_overrides)
+            notes.append(f"plugin-config overrides (run.py --kvroute-set): {json.dumps(profile.kvroute_overrides)}")
         t = kvroute_timers(sim.time_scale)
         notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
                      f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "
