@@ -46,15 +46,19 @@ pub fn parse_request(body: &[u8]) -> Result<LookupRequest<'_>, String> {
 /// The candidates for `request`: holders, longest prefix first (at most
 /// [`MAX_HOLDERS`]), then up to [`LEAST_LOADED`] pods that hold none.
 pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
-    let mut holders: Vec<(&str, &Load, HeldPrefix)> = Vec::new();
-    let mut others: Vec<(&str, &Load)> = Vec::new();
-    index.visit_held_prefixes(&request.model, &request.hashes, |address, load, held| {
-        if held.blocks > 0 {
-            holders.push((address, load, held));
-        } else {
-            others.push((address, load));
-        }
-    });
+    let mut holders: Vec<(&str, &Load, f32, HeldPrefix)> = Vec::new();
+    let mut others: Vec<(&str, &Load, f32)> = Vec::new();
+    index.visit_held_prefixes(
+        &request.model,
+        &request.hashes,
+        |address, load, speed, held| {
+            if held.blocks > 0 {
+                holders.push((address, load, speed, held));
+            } else {
+                others.push((address, load, speed));
+            }
+        },
+    );
     let busy = |l: &Load| (l.waiting.saturating_add(l.running), l.kv_usage);
     let less_loaded = |a: &Load, b: &Load| {
         let (qa, ka) = busy(a);
@@ -62,8 +66,8 @@ pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
         qa.cmp(&qb).then(ka.total_cmp(&kb))
     };
     holders.sort_unstable_by(|a, b| {
-        (b.2.blocks, b.2.gpu_blocks)
-            .cmp(&(a.2.blocks, a.2.gpu_blocks))
+        (b.3.blocks, b.3.gpu_blocks)
+            .cmp(&(a.3.blocks, a.3.gpu_blocks))
             .then(less_loaded(a.1, b.1))
     });
     holders.truncate(MAX_HOLDERS);
@@ -72,21 +76,22 @@ pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
         others.truncate(LEAST_LOADED);
     }
     others.sort_unstable_by(|a, b| less_loaded(a.1, b.1));
-    let candidate = |address: &str, load: &Load, held: HeldPrefix| Candidate {
+    let candidate = |address: &str, load: &Load, speed: f32, held: HeldPrefix| Candidate {
         address: address.to_owned(),
         held,
         waiting: load.waiting,
         running: load.running,
         kv_usage: load.kv_usage,
         capacity_blocks: load.capacity_blocks,
+        speed: (speed > 0.0).then_some(speed),
     };
     let candidates = holders
         .into_iter()
-        .map(|(a, l, held)| candidate(a, l, held))
+        .map(|(a, l, s, held)| candidate(a, l, s, held))
         .chain(
             others
                 .into_iter()
-                .map(|(a, l)| candidate(a, l, HeldPrefix::default())),
+                .map(|(a, l, s)| candidate(a, l, s, HeldPrefix::default())),
         )
         .collect();
     LookupAnswer { candidates }

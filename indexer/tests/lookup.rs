@@ -165,6 +165,30 @@ fn only_pods_serving_the_model_and_at_most_the_documented_bound() {
 }
 
 #[test]
+fn candidates_carry_the_speed_their_source_states() {
+    let mut ix = index(3);
+    ix.set_speed(&pod(1), 2.5);
+    store(&mut ix, &pod(2), 0, 0, 4, Medium::Gpu);
+    ix.set_speed(&pod(2), 0.5);
+    let hashes = chain(&tokens(4));
+    let answer = lookup(&ix, &request(MODEL, &hashes));
+    let speed = |address: &str| {
+        answer
+            .candidates
+            .iter()
+            .find(|c| c.address == address)
+            .map(|c| c.speed)
+    };
+    assert_eq!(
+        (speed(&pod(0)), speed(&pod(1)), speed(&pod(2))),
+        (Some(None), Some(Some(2.5)), Some(Some(0.5)))
+    );
+    // JSON names the speed only where it is stated.
+    let json = serde_json::to_string(&answer).unwrap();
+    assert_eq!(json.matches("\"speed\"").count(), 2, "{json}");
+}
+
+#[test]
 fn nothing_held_and_nothing_serving() {
     let ix = index(2);
     let answer = lookup(&ix, &request(MODEL, &chain(&tokens(4))));

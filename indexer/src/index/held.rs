@@ -9,7 +9,7 @@ use super::hashing::Map;
 use super::{Index, Load};
 
 impl Index {
-    /// Calls `visit` with the address, load and held prefix of `hashes` (what
+    /// Calls `visit` with the address, load, speed and held prefix of `hashes` (what
     /// the feed would serve: precise tiers and learned entries) of every pod
     /// serving `model`; a pod that names no model serves every model.
     ///
@@ -21,7 +21,7 @@ impl Index {
         &'a self,
         model: &str,
         hashes: &[u64],
-        mut visit: impl FnMut(&'a str, &'a Load, HeldPrefix),
+        mut visit: impl FnMut(&'a str, &'a Load, f32, HeldPrefix),
     ) {
         let mut walking: Map<HeldPrefix> = Map::default();
         let mut held: Map<HeldPrefix> = Map::default();
@@ -47,6 +47,7 @@ impl Index {
                 visit(
                     &pod.address,
                     &pod.load,
+                    pod.speed,
                     held.get(key).copied().unwrap_or_default(),
                 );
             }

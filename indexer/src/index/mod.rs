@@ -119,6 +119,9 @@ pub struct PodDebug {
     pub learned: usize,
     pub sources: Vec<SourceDebug>,
     pub capacity_blocks: u32,
+    /// As the pod's source states it; absent: not stated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speed: Option<f32>,
     pub waiting: u32,
     pub running: u32,
     pub kv_usage: f32,

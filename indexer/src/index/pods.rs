@@ -39,6 +39,8 @@ pub(super) struct Pod {
     pub(super) origins: u8,
     pub(super) replay_endpoint: Option<String>,
     pub(super) load: Load,
+    /// Relative speed as its source states it; 0: not stated.
+    pub(super) speed: f32,
     pub(super) last_seen_ms: u64,
     pub(super) sources: BTreeMap<i64, Source>,
     /// The pod's (kvroute hash, pod) entries in the block map, by best tier.
@@ -56,6 +58,7 @@ impl Pod {
             origins,
             replay_endpoint: None,
             load: Load::default(),
+            speed: 0.0,
             last_seen_ms: now_ms,
             sources: BTreeMap::new(),
             held: Held::default(),
@@ -119,6 +122,17 @@ impl Index {
             }
         }
         self.update_gauges();
+    }
+
+    /// Sets the relative speed of a known pod (sent with the pod list).
+    pub fn set_speed(&mut self, address: &str, speed: f32) {
+        if let Some(pod) = self
+            .by_address
+            .get(address)
+            .and_then(|k| self.pods.get_mut(k))
+        {
+            pod.speed = speed;
+        }
     }
 
     /// Sets an explicit replay endpoint of a pod (rank 0; rank r uses port + r).
@@ -267,6 +281,7 @@ impl Index {
                         })
                         .collect(),
                     capacity_blocks: p.load.capacity_blocks,
+                    speed: (p.speed > 0.0).then_some(p.speed),
                     waiting: p.load.waiting,
                     running: p.load.running,
                     kv_usage: p.load.kv_usage,
