@@ -106,8 +106,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1 << 20)]
     pub feed_log_hashes: usize,
 
-    /// Hashes per feed answer, a delta or a snapshot page (5 bytes each on the
-    /// wire: the default keeps a page near 2.6 MB); the client asks again at once for the rest.
+    /// Hashes per feed answer, a delta or a snapshot page (at most 5 bytes each
+    /// on the wire: the default keeps a page under 2.7 MB); the client asks again at once for the rest.
     #[arg(long, default_value_t = 1 << 19)]
     pub feed_max_hashes: usize,
 
