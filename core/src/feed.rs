@@ -7,39 +7,53 @@
 //!
 //! Wire format of a [`FeedMessage`], one answer of `GET /v1/feed` (integers
 //! little-endian; `varint` = minimal unsigned LEB128; `str` = varint byte
-//! length + UTF-8; `key` = the low 5 bytes of an index key, [`crate::hash::index_key`]):
+//! length + UTF-8; `key` = an index key, [`crate::hash::index_key`], of 40 bits):
 //!
 //! ```text
 //! magic    "KVRF"                      4 bytes
-//! version  u16 = 2                     (version 1 is refused: UnsupportedVersion)
+//! version  u16 = 3                     (versions 1 and 2 are refused: UnsupportedVersion)
 //! flags    u16   bit 0 PAGE: a page of a snapshot   bit 1 PODS: the pod list follows
 //!                bit 2 LOAD: the load list follows (never with PODS)
 //!                bit 3 MORE: ask again at once (deltas: more are waiting;
 //!                            a page: the next page, whose token follows)
+//!                bit 4 IN_ORDER: key lists are plain, in the order given
 //!                other bits must be 0
 //! epoch         u64
 //! cursor        u64                    delta: position after it; page: the snapshot's position
-//! pods_version  u64                    digest of the pod list's addresses, models, capacities
+//! pods_version  u64                    digest of the pod list's addresses, models, capacities, speeds
 //! load_version  u64                    digest of the pods' load
 //! PAGE:  page u32 (0: the first page, which replaces all state)
 //! PAGE and MORE: next page token: pod u64, has_after u8 (0 or 1), [after u64]
 //! PODS:  varint n_pods, n_pods × pod:
 //!            address str, varint n_models, n_models × str,
-//!            capacity_blocks varint, waiting varint, running varint, kv_usage u32 (f32 bits)
+//!            capacity_blocks varint, speed u32 (f32 bits: 0 not stated, else finite in (0, 1000]),
+//!            waiting varint, running varint, kv_usage u32 (f32 bits)
 //! LOAD:  varint n, n × (waiting varint, running varint, kv_usage u32), in pod-list order
 //! varint n_runs, n_runs × run:
-//!     op u8   0–3 Stored in tier 0 GPU, 1 CPU, 2 disk, 3 learned;  4 Removed;  5 Cleared
-//!     pod varint (index into the pod list)
-//!     Stored, Removed: varint n, n × key
+//!     varint pod << 3 | op    op 0–3 Stored in tier 0 GPU, 1 CPU, 2 disk, 3 learned;
+//!                             4 Removed;  5 Cleared; pod: index into the pod list
+//!     Stored, Removed: varint n, then the n keys:
+//!         IN_ORDER: n × 5 bytes (low 5 bytes of each key), in the order given
+//!         else:     ascending, Elias–Fano packed (see below)
 //! (no trailing bytes)
 //! ```
+//!
+//! A packed key list of n ascending keys uses `low` bits per key, the value
+//! of 8..=40 whose total is the fewest bytes (ties: the larger `low`), and
+//! `high` = 40 − `low`: a bit stream (least significant bit of each byte
+//! first) of the n keys' low `low` bits in order, then, when `high` > 0, the
+//! high parts in unary: for each key, (its high part − the previous key's)
+//! 0 bits then a 1 bit, then 0 bits up to n + 2^high − 1 bits; zero padding
+//! to a whole byte. A run of 20 keys takes 94 bytes instead of 100, a
+//! snapshot's 13,445 keys of one pod 3.5 bytes a key (docs/contracts.md).
 //!
 //! A delta or idle poll carries neither list when the consumer's versions are
 //! current (a 41-byte idle poll); a page carries at most the indexer's
 //! `--feed-max-hashes` keys. [`crate::feed_client::FeedClient`] keeps the lists
 //! and the paging state and turns each message into a [`FeedUpdate`], the form
 //! routing consumes. [`encode`]/[`decode`] carry a complete [`FeedUpdate`] (pod
-//! list included) in the same format, between the VMs of one proxy.
+//! list included) in the same format, between the VMs of one proxy, with
+//! IN_ORDER key lists (a replay keeps each pod's entries oldest first).
 //!
 //! A [`LearnedBatch`] (`POST /v1/learned`), version 1 and full 64-bit hashes:
 //!
@@ -65,7 +79,7 @@ pub const FEED_MAGIC: [u8; 4] = *b"KVRF";
 /// Magic bytes of an encoded [`LearnedBatch`].
 pub const LEARNED_MAGIC: [u8; 4] = *b"KVRL";
 /// Feed format version written by this encoder and accepted by the decoder.
-pub const FEED_VERSION: u16 = 2;
+pub const FEED_VERSION: u16 = 3;
 /// Learned-batch format version.
 pub const LEARNED_VERSION: u16 = 1;
 
@@ -73,14 +87,19 @@ const FLAG_PAGE: u16 = 1;
 const FLAG_PODS: u16 = 2;
 const FLAG_LOAD: u16 = 4;
 const FLAG_MORE: u16 = 8;
+const FLAG_IN_ORDER: u16 = 16;
 const OP_REMOVED: u8 = 4;
 const OP_CLEARED: u8 = 5;
-/// Smallest encoded pod: empty address, no models, three 1-byte varints, kv_usage.
-const MIN_POD_BYTES: usize = 1 + 1 + 3 + 4;
+/// Bits of a run's first varint that hold the op (the pod index is above them).
+const OP_BITS: u32 = 3;
+/// Smallest encoded pod: empty address, no models, three 1-byte varints, speed, kv_usage.
+const MIN_POD_BYTES: usize = 1 + 1 + 3 + 4 + 4;
+/// Largest speed a pod list may state (the plugin config's `endpoints[].speed` bound).
+pub const MAX_SPEED: f32 = 1000.0;
 /// Smallest encoded load: two 1-byte varints, kv_usage.
 const MIN_LOAD_BYTES: usize = 2 + 4;
-/// Smallest encoded run: op + pod.
-const MIN_RUN_BYTES: usize = 2;
+/// Smallest encoded run: op and pod in one varint.
+const MIN_RUN_BYTES: usize = 1;
 /// Smallest encoded learned entry: empty address + empty hash list.
 const MIN_LEARNED_ENTRY_BYTES: usize = 4 + 4;
 
@@ -110,6 +129,10 @@ pub struct PodInfo {
     pub models: Vec<String>,
     /// KV capacity in blocks (0: unknown, use the configured default).
     pub capacity_blocks: u32,
+    /// Relative speed (prefill and decode) against a reference pod at 1.0,
+    /// as the indexer's pod source states it; 0: not stated. A consumer
+    /// prefers its own configured speed for the pod, then this, then 1.0.
+    pub speed: f32,
     /// `vllm:num_requests_waiting`.
     pub waiting: u32,
     /// `vllm:num_requests_running`.
@@ -255,6 +278,9 @@ pub struct FeedMessage {
     /// The pods' load in pod-list order, when only the load changed.
     pub load: Option<Vec<PodLoad>>,
     pub ops: Vec<BlockOp>,
+    /// The runs' keys travel plain and in the order given (a replay between
+    /// VMs); otherwise each run's keys are sorted and packed.
+    pub keys_in_order: bool,
 }
 
 /// Approximate routing decisions of one proxy (`POST /v1/learned`).
@@ -273,24 +299,20 @@ pub enum FeedError {
     UnsupportedVersion(u16),
     /// Flag bits this decoder does not know, or a combination it refuses.
     UnknownFlags(u16),
-    /// The input ended while reading `what`.
-    Truncated { what: &'static str },
-    /// A count larger than the remaining input could hold.
-    CountTooLarge {
-        what: &'static str,
-        count: u64,
-        remaining: usize,
-    },
-    /// A string that is not UTF-8.
-    BadUtf8 { what: &'static str },
-    /// A varint longer than its value needs, or too large for its field.
-    BadVarint { what: &'static str },
+    /// The bytes themselves could not be read (truncated, bad varint, …).
+    Codec(CodecError),
+    /// A value too large for its field.
+    TooLarge { what: &'static str },
     /// Unknown block-op kind.
     BadOpKind(u8),
     /// An op names a pod index outside `pods`.
     PodOutOfRange { pod: u32, pods: usize },
     /// A byte that must be 0 or 1.
     BadBool { what: &'static str },
+    /// A pod speed that is neither 0 (not stated) nor finite in (0, [`MAX_SPEED`]): its bits.
+    BadSpeed(u32),
+    /// A packed key list whose keys do not ascend or with a bit set past its last key.
+    BadKeyList,
     /// A complete update was expected and the message has no pod list.
     NoPodList,
     /// Bytes left after the message.
@@ -307,19 +329,24 @@ impl fmt::Display for FeedError {
                  run the kvroute-indexer of the same release)"
             ),
             FeedError::UnknownFlags(x) => write!(f, "unknown flags {x:#06x}"),
-            FeedError::Truncated { what } => write!(f, "truncated while reading {what}"),
-            FeedError::CountTooLarge {
-                what,
-                count,
-                remaining,
-            } => write!(f, "{what} count {count} exceeds the {remaining} bytes left"),
-            FeedError::BadUtf8 { what } => write!(f, "{what} is not UTF-8"),
-            FeedError::BadVarint { what } => write!(f, "{what} is not a valid varint"),
+            FeedError::Codec(e) => e.fmt(f),
+            FeedError::TooLarge { what } => write!(f, "{what} is too large"),
             FeedError::BadOpKind(k) => write!(f, "unknown op kind {k}"),
             FeedError::PodOutOfRange { pod, pods } => {
                 write!(f, "op names pod {pod} of {pods}")
             }
             FeedError::BadBool { what } => write!(f, "{what} is neither 0 nor 1"),
+            FeedError::BadSpeed(bits) => write!(
+                f,
+                "pod speed {} is neither 0 nor in (0, {MAX_SPEED}]",
+                f32::from_bits(*bits)
+            ),
+            FeedError::BadKeyList => {
+                write!(
+                    f,
+                    "packed keys out of order or with a bit set past the last"
+                )
+            }
             FeedError::NoPodList => write!(f, "no pod list in a complete update"),
             FeedError::TrailingBytes(n) => write!(f, "{n} trailing bytes"),
         }
@@ -330,27 +357,14 @@ impl std::error::Error for FeedError {}
 
 impl From<CodecError> for FeedError {
     fn from(e: CodecError) -> FeedError {
-        match e {
-            CodecError::Truncated { what } => FeedError::Truncated { what },
-            CodecError::CountTooLarge {
-                what,
-                count,
-                remaining,
-            } => FeedError::CountTooLarge {
-                what,
-                count,
-                remaining,
-            },
-            CodecError::BadUtf8 { what } => FeedError::BadUtf8 { what },
-            CodecError::BadVarint { what } => FeedError::BadVarint { what },
-        }
+        FeedError::Codec(e)
     }
 }
 
 // ---------------------------------------------------------------- versions
 
-/// Digest of what identifies the pod list (addresses, models, capacities, in
-/// order): a consumer holding the list of this version is not sent it again.
+/// Digest of what identifies the pod list (addresses, models, capacities,
+/// speeds, in order): a consumer holding the list of this version is not sent it again.
 /// Never 0, which a consumer sends when it holds no list.
 pub fn pods_version(pods: &[PodInfo]) -> u64 {
     let mut bytes = Vec::with_capacity(pods.len() * 40);
@@ -361,6 +375,7 @@ pub fn pods_version(pods: &[PodInfo]) -> u64 {
             put_str(&mut bytes, m);
         }
         codec::put_varint(&mut bytes, u64::from(pod.capacity_blocks));
+        codec::put_u32(&mut bytes, pod.speed.to_bits());
     }
     xxh3_64(&bytes).max(1)
 }
@@ -393,17 +408,178 @@ fn put_header(out: &mut Vec<u8>, magic: [u8; 4], version: u16, flags: u16) {
     codec::put_u16(out, flags);
 }
 
+/// Upper bound of the bytes `ops` take (plain keys).
 fn ops_len(ops: &[BlockOp]) -> usize {
     ops.iter()
         .map(|op| {
             let n = op.hashes().len();
-            1 + codec::varint_len(u64::from(op.pod()))
-                + match op {
-                    BlockOp::Cleared { .. } => 0,
-                    _ => codec::varint_len(n as u64) + KEY_BYTES * n,
-                }
+            5 + codec::varint_len(n as u64) + KEY_BYTES * n
         })
         .sum()
+}
+
+// ------------------------------------------------------------ packed keys
+
+/// Bits of an index key.
+const KEY_BITS: u32 = crate::hash::INDEX_KEY_BITS;
+/// Fewest low bits a packed key takes: at least a byte a key, so that a
+/// decoder allocates at most 8 bytes per byte of input.
+const MIN_LOW_BITS: u32 = 8;
+
+/// Bits of `n` packed keys with `low` low bits each.
+fn packed_bits(n: u64, low: u32) -> u64 {
+    let high = KEY_BITS - low;
+    let unary = if high == 0 {
+        0
+    } else {
+        n.saturating_add((1u64 << high) - 1)
+    };
+    n.saturating_mul(u64::from(low)).saturating_add(unary)
+}
+
+/// Low bits per key of `n` packed keys: the fewest bytes, ties to more low bits.
+fn packed_low_bits(n: u64) -> u32 {
+    (MIN_LOW_BITS..=KEY_BITS)
+        .rev()
+        .min_by_key(|&low| packed_bits(n, low).div_ceil(8))
+        .unwrap_or(KEY_BITS)
+}
+
+/// Bytes of `n` packed keys.
+fn packed_len(n: u64) -> u64 {
+    packed_bits(n, packed_low_bits(n)).div_ceil(8)
+}
+
+/// Appends bits, least significant first.
+struct BitWriter<'a> {
+    out: &'a mut Vec<u8>,
+    acc: u64,
+    /// Bits in `acc` (fewer than 8 between calls).
+    fill: u32,
+}
+
+impl BitWriter<'_> {
+    /// The low `bits` (at most 48) bits of `v`.
+    fn put(&mut self, v: u64, bits: u32) {
+        if bits == 0 {
+            return;
+        }
+        self.acc |= (v & ((1u64 << bits) - 1)) << self.fill;
+        self.fill += bits;
+        while self.fill >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.fill -= 8;
+        }
+    }
+
+    fn zeros(&mut self, mut n: u64) {
+        while n > 0 {
+            let bits = n.min(32);
+            self.put(0, bits as u32);
+            n -= bits;
+        }
+    }
+
+    fn finish(self) {
+        if self.fill > 0 {
+            self.out.push(self.acc as u8);
+        }
+    }
+}
+
+/// Reads bits, least significant first, up to `limit`.
+struct BitReader<'a> {
+    bytes: &'a [u8],
+    pos: u64,
+    limit: u64,
+}
+
+impl BitReader<'_> {
+    /// `bits` bits; the caller checked they lie within `limit`.
+    fn get(&mut self, bits: u32) -> u64 {
+        let mut v = 0u64;
+        let mut got = 0;
+        while got < bits {
+            let byte = self
+                .bytes
+                .get((self.pos / 8) as usize)
+                .copied()
+                .unwrap_or(0);
+            let offset = (self.pos % 8) as u32;
+            let take = (8 - offset).min(bits - got);
+            v |= (u64::from(byte >> offset) & ((1u64 << take) - 1)) << got;
+            got += take;
+            self.pos += u64::from(take);
+        }
+        v
+    }
+
+    fn bit(&mut self) -> Option<bool> {
+        (self.pos < self.limit).then(|| self.get(1) == 1)
+    }
+}
+
+/// Packs ascending index keys (see the module's format).
+fn put_packed(out: &mut Vec<u8>, ascending: &[u64]) {
+    let low = packed_low_bits(ascending.len() as u64);
+    let mut w = BitWriter {
+        out,
+        acc: 0,
+        fill: 0,
+    };
+    for &key in ascending {
+        w.put(key, low);
+    }
+    if low < KEY_BITS {
+        let mut high = 0;
+        for &key in ascending {
+            let h = key >> low;
+            w.zeros(h - high);
+            w.put(1, 1);
+            high = h;
+        }
+        w.zeros((1u64 << (KEY_BITS - low)) - 1 - high);
+    }
+    w.finish();
+}
+
+/// Reads `n` packed keys, ascending.
+fn packed(r: &mut Reader<'_>, n: usize) -> Result<Vec<u64>, FeedError> {
+    let low = packed_low_bits(n as u64);
+    let bits = packed_bits(n as u64, low);
+    let bytes = r.take(bits.div_ceil(8) as usize, "keys")?;
+    let mut reader = BitReader {
+        bytes,
+        pos: 0,
+        limit: bits,
+    };
+    let mut keys: Vec<u64> = (0..n).map(|_| reader.get(low)).collect();
+    if low < KEY_BITS {
+        let mut high = 0u64;
+        for key in &mut keys {
+            loop {
+                match reader.bit() {
+                    Some(true) => break,
+                    Some(false) => high += 1,
+                    None => return Err(FeedError::BadKeyList),
+                }
+            }
+            *key |= high << low;
+        }
+    }
+    // One encoding per list: its keys ascend.
+    if keys.windows(2).any(|w| w[0] > w[1]) {
+        return Err(FeedError::BadKeyList);
+    }
+    // The rest of the unary part and the padding are zeros.
+    reader.limit = bytes.len() as u64 * 8;
+    while let Some(bit) = reader.bit() {
+        if bit {
+            return Err(FeedError::BadKeyList);
+        }
+    }
+    Ok(keys)
 }
 
 /// Encodes one answer of `GET /v1/feed`. Hashes are written as their index
@@ -418,7 +594,8 @@ pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
 }
 
 /// Encodes a complete update (pod list included), as the VMs of one proxy
-/// pass it on. Hashes are written as their index keys.
+/// pass it on: keys in the order given (see [`FeedMessage::keys_in_order`]),
+/// as their index keys.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
     let head = FeedMessage {
         epoch: update.epoch,
@@ -431,6 +608,7 @@ pub fn encode(update: &FeedUpdate) -> Vec<u8> {
         } else {
             FeedKind::Delta { more: false }
         },
+        keys_in_order: true,
         ..FeedMessage::default()
     };
     encode_parts(&head, Lists::Pods(&update.pods), &update.ops)
@@ -458,6 +636,9 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
         FeedKind::Delta { more: true } | FeedKind::Page { next: Some(_), .. }
     ) {
         flags |= FLAG_MORE;
+    }
+    if head.keys_in_order {
+        flags |= FLAG_IN_ORDER;
     }
     put_header(&mut out, FEED_MAGIC, FEED_VERSION, flags);
     codec::put_u64(&mut out, head.epoch);
@@ -487,6 +668,7 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
                     put_str(&mut out, model);
                 }
                 codec::put_varint(&mut out, u64::from(pod.capacity_blocks));
+                codec::put_u32(&mut out, pod.speed.to_bits());
                 put_load(&mut out, &pod.load());
             }
         }
@@ -505,12 +687,17 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
             BlockOp::Removed { .. } => OP_REMOVED,
             BlockOp::Cleared { .. } => OP_CLEARED,
         };
-        out.push(code);
-        codec::put_varint(&mut out, u64::from(op.pod()));
+        codec::put_varint(&mut out, u64::from(op.pod()) << OP_BITS | u64::from(code));
         if let BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } = op {
             codec::put_varint(&mut out, hashes.len() as u64);
-            for &h in hashes {
-                codec::put_key(&mut out, index_key(h));
+            if head.keys_in_order {
+                for &h in hashes {
+                    codec::put_key(&mut out, index_key(h));
+                }
+            } else {
+                let mut keys: Vec<u64> = hashes.iter().map(|&h| index_key(h)).collect();
+                keys.sort_unstable();
+                put_packed(&mut out, &keys);
             }
         }
     }
@@ -558,7 +745,7 @@ fn header(r: &mut Reader<'_>, magic: [u8; 4], version: u16) -> Result<u16, FeedE
 }
 
 fn varint_u32(r: &mut Reader<'_>, what: &'static str) -> Result<u32, FeedError> {
-    u32::try_from(r.varint(what)?).map_err(|_| FeedError::BadVarint { what })
+    u32::try_from(r.varint(what)?).map_err(|_| FeedError::TooLarge { what })
 }
 
 fn count(r: &mut Reader<'_>, min_item: usize, what: &'static str) -> Result<usize, FeedError> {
@@ -571,9 +758,31 @@ fn string(r: &mut Reader<'_>, what: &'static str) -> Result<String, FeedError> {
     Ok(r.str(n, what)?)
 }
 
-fn keys(r: &mut Reader<'_>) -> Result<Vec<u64>, FeedError> {
-    let n = count(r, KEY_BYTES, "keys")?;
-    Ok(r.keys(n, "keys")?)
+fn keys(r: &mut Reader<'_>, in_order: bool) -> Result<Vec<u64>, FeedError> {
+    if in_order {
+        let n = count(r, KEY_BYTES, "keys")?;
+        return Ok(r.keys(n, "keys")?);
+    }
+    let n = r.varint("keys")?;
+    if packed_len(n) > r.remaining() as u64 {
+        return Err(CodecError::CountTooLarge {
+            what: "keys",
+            count: n,
+            remaining: r.remaining(),
+        }
+        .into());
+    }
+    packed(r, n as usize)
+}
+
+fn speed(r: &mut Reader<'_>) -> Result<f32, FeedError> {
+    let bits = r.u32("speed")?;
+    let speed = f32::from_bits(bits);
+    if bits == 0 || (speed.is_finite() && speed > 0.0 && speed <= MAX_SPEED) {
+        Ok(speed)
+    } else {
+        Err(FeedError::BadSpeed(bits))
+    }
 }
 
 fn load(r: &mut Reader<'_>) -> Result<PodLoad, FeedError> {
@@ -597,7 +806,7 @@ fn finish(r: &Reader<'_>) -> Result<(), FeedError> {
 pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let mut r = Reader::new(bytes);
     let flags = header(&mut r, FEED_MAGIC, FEED_VERSION)?;
-    let known = FLAG_PAGE | FLAG_PODS | FLAG_LOAD | FLAG_MORE;
+    let known = FLAG_PAGE | FLAG_PODS | FLAG_LOAD | FLAG_MORE | FLAG_IN_ORDER;
     if flags & !known != 0 || flags & (FLAG_PODS | FLAG_LOAD) == FLAG_PODS | FLAG_LOAD {
         return Err(FeedError::UnknownFlags(flags));
     }
@@ -606,6 +815,7 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let pods_version = r.u64("pods_version")?;
     let load_version = r.u64("load_version")?;
     let more = flags & FLAG_MORE != 0;
+    let in_order = flags & FLAG_IN_ORDER != 0;
     let kind = if flags & FLAG_PAGE != 0 {
         let number = r.u32("page")?;
         let next = if more {
@@ -639,6 +849,7 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
                 address,
                 models,
                 capacity_blocks: varint_u32(&mut r, "capacity_blocks")?,
+                speed: speed(&mut r)?,
                 ..PodInfo::default()
             };
             pod.set_load(load(&mut r)?);
@@ -656,8 +867,10 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let n_runs = count(&mut r, MIN_RUN_BYTES, "runs")?;
     let mut ops = Vec::with_capacity(n_runs);
     for _ in 0..n_runs {
-        let code = r.u8("op")?;
-        let pod = varint_u32(&mut r, "op pod")?;
+        let op_pod = r.varint("op")?;
+        let code = (op_pod & ((1 << OP_BITS) - 1)) as u8;
+        let pod =
+            u32::try_from(op_pod >> OP_BITS).map_err(|_| FeedError::TooLarge { what: "op pod" })?;
         if let Some(list) = &pods {
             if pod as usize >= list.len() {
                 return Err(FeedError::PodOutOfRange {
@@ -669,14 +882,14 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
         ops.push(match code {
             OP_REMOVED => BlockOp::Removed {
                 pod,
-                hashes: keys(&mut r)?,
+                hashes: keys(&mut r, in_order)?,
             },
             OP_CLEARED => BlockOp::Cleared { pod },
             code => match Tier::from_code(code) {
                 Some(tier) => BlockOp::Stored {
                     pod,
                     tier,
-                    hashes: keys(&mut r)?,
+                    hashes: keys(&mut r, in_order)?,
                 },
                 None => return Err(FeedError::BadOpKind(code)),
             },
@@ -692,6 +905,7 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
         pods,
         load: loads,
         ops,
+        keys_in_order: in_order,
     })
 }
 
@@ -744,6 +958,7 @@ mod tests {
                 address: "10.0.0.1:8000".into(),
                 models: vec!["Qwen/Qwen3-32B".into(), "lora-a".into()],
                 capacity_blocks: 19208,
+                speed: 0.5,
                 waiting: 3,
                 running: 17,
                 kv_usage: 0.625,
@@ -765,7 +980,7 @@ mod tests {
                 BlockOp::Stored {
                     pod: 0,
                     tier: Tier::Gpu,
-                    hashes: vec![1, KEY_MAX, 3],
+                    hashes: vec![1, 3, KEY_MAX],
                 },
                 BlockOp::Stored {
                     pod: 1,
@@ -809,6 +1024,7 @@ mod tests {
                 pods: Some(u.pods.clone()),
                 load: None,
                 ops: u.ops.clone(),
+                keys_in_order: false,
             },
             FeedMessage {
                 kind: FeedKind::Page {
@@ -846,7 +1062,86 @@ mod tests {
                 ..FeedMessage::default()
             },
             FeedMessage::default(),
+            // Keys in the order given, as between VMs.
+            FeedMessage {
+                ops: vec![BlockOp::Removed {
+                    pod: 2,
+                    hashes: vec![KEY_MAX, 0, 7, 7],
+                }],
+                keys_in_order: true,
+                ..FeedMessage::default()
+            },
+            FeedMessage {
+                ops: vec![BlockOp::Stored {
+                    pod: 70_000,
+                    tier: Tier::Learned,
+                    hashes: spread_keys(1000, 11),
+                }],
+                ..FeedMessage::default()
+            },
         ]
+    }
+
+    /// `n` ascending pseudo-random keys over the whole key range.
+    fn spread_keys(n: usize, seed: u64) -> Vec<u64> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut keys: Vec<u64> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x & KEY_MAX
+            })
+            .collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    #[test]
+    fn packed_keys_roundtrip_in_the_predicted_bytes() {
+        for n in [0, 1, 2, 3, 7, 20, 21, 100, 1000, 13_445, 100_000] {
+            let mut keys = spread_keys(n, n as u64);
+            if n >= 3 {
+                keys[0] = 0;
+                keys[1] = 0;
+                keys[n - 1] = KEY_MAX;
+            }
+            let mut out = Vec::new();
+            put_packed(&mut out, &keys);
+            assert_eq!(out.len() as u64, packed_len(n as u64), "{n} keys");
+            let mut r = Reader::new(&out);
+            assert_eq!(packed(&mut r, n), Ok(keys), "{n} keys");
+            assert!(r.is_empty());
+        }
+        // Never more than 5 bytes a key; fewer as runs grow.
+        assert_eq!(packed_len(1), 5);
+        assert_eq!(packed_len(2), 10);
+        assert_eq!(packed_len(20), 94);
+        assert!(packed_len(13_445) * 100 < 13_445 * 355);
+        for n in 0..2000 {
+            assert!(packed_len(n) <= 5 * n, "{n}");
+        }
+    }
+
+    #[test]
+    fn packed_keys_refuse_a_bit_past_the_last_key() {
+        let keys = spread_keys(20, 3);
+        let mut out = Vec::new();
+        put_packed(&mut out, &keys);
+        // 20 × 35 low bits + 20 + 31 unary bits = 751: bit 751 is padding.
+        let last = out.len() - 1;
+        out[last] |= 0x80;
+        assert_eq!(
+            packed(&mut Reader::new(&out), 20),
+            Err(FeedError::BadKeyList)
+        );
+        // A unary part with too few ones.
+        let mut none = vec![0u8; out.len()];
+        none[0] = 1;
+        assert_eq!(
+            packed(&mut Reader::new(&none), 20),
+            Err(FeedError::BadKeyList)
+        );
     }
 
     #[test]
@@ -884,20 +1179,21 @@ mod tests {
         assert_eq!(encode_message(&FeedMessage::default()).len(), 41);
     }
 
-    /// A run of n keys costs 5 bytes per key plus a 3–5 byte header.
+    /// A run of 20 keys (one vLLM event) costs 94 bytes and a 3-byte header
+    /// at 1,000 pods: 4.85 bytes a block event.
     #[test]
-    fn a_block_event_costs_five_bytes_and_its_share_of_the_run_header() {
+    fn a_block_event_costs_under_five_bytes_with_its_share_of_the_run_header() {
         let run = |n: usize| FeedMessage {
             ops: vec![BlockOp::Stored {
                 pod: 999,
                 tier: Tier::Gpu,
-                hashes: vec![1; n],
+                hashes: spread_keys(n, 5),
             }],
             ..FeedMessage::default()
         };
         let header = encode_message(&run(0)).len();
-        assert_eq!(encode_message(&run(20)).len() - header, 100);
-        assert_eq!(header - 41, 4); // op, 2-byte pod, 1-byte count
+        assert_eq!(encode_message(&run(20)).len() - header, 94);
+        assert_eq!(header - 41, 3); // op and 2-byte pod in one varint, 1-byte count
     }
 
     #[test]
@@ -909,6 +1205,9 @@ mod tests {
         assert_ne!(load_version(&a), load_version(&b));
         b[1].capacity_blocks = 5;
         assert_ne!(pods_version(&a), pods_version(&b));
+        let mut c = a.clone();
+        c[1].speed = 2.0;
+        assert_ne!(pods_version(&a), pods_version(&c));
         assert_ne!(pods_version(&[]), 0);
     }
 
@@ -931,6 +1230,7 @@ mod tests {
                 address: "a:1".into(),
                 models: vec!["m".into()],
                 capacity_blocks: 300,
+                speed: 2.0,
                 waiting: 6,
                 running: 7,
                 kv_usage: 0.5,
@@ -948,6 +1248,7 @@ mod tests {
                 },
                 BlockOp::Cleared { pod: 0 },
             ],
+            keys_in_order: false,
         };
         let hex: String = encode_message(&m)
             .iter()
@@ -957,7 +1258,7 @@ mod tests {
             hex,
             concat!(
                 "4b565246",
-                "0200",
+                "0300",
                 "0b00",
                 "0100000000000000",
                 "0200000000000000",
@@ -972,20 +1273,38 @@ mod tests {
                 "01",
                 "016d",
                 "ac02",
+                "00000040",
                 "06",
                 "07",
                 "0000003f",
                 "03",
                 "01",
-                "00",
                 "01",
                 "0504030201",
                 "04",
-                "00",
                 "01",
                 "0a00000000",
-                "05",
-                "00"
+                "05"
+            )
+        );
+        // Eight keys: the first count packed (37 low bits, 3 high bits in unary).
+        let packed_run = FeedMessage {
+            ops: vec![BlockOp::Removed {
+                pod: 1,
+                hashes: (0..8).map(|i| i << 37 | 1).collect(),
+            }],
+            ..FeedMessage::default()
+        };
+        let bytes = encode_message(&packed_run);
+        assert_eq!(bytes.len(), 41 + 2 + 39);
+        let hex: String = bytes[41..].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            concat!(
+                "0c",
+                "08",
+                "0100000020000000000400000080000000001000000000020000004000000000080000",
+                "00005555"
             )
         );
         let learned = LearnedBatch {
@@ -1045,16 +1364,19 @@ mod tests {
         let mut b = good.clone();
         b[0] = b'X';
         assert_eq!(decode(&b), Err(FeedError::BadMagic));
-        // Version 1 (8-byte hashes, the pod list in every answer) is refused by name.
-        let mut b = good.clone();
-        b[4] = 1;
-        assert_eq!(decode(&b), Err(FeedError::UnsupportedVersion(1)));
-        assert!(FeedError::UnsupportedVersion(1)
+        // Versions 1 (8-byte hashes, the pod list in every answer) and 2
+        // (5-byte keys, no speeds) are refused by name.
+        for old in [1, 2] {
+            let mut b = good.clone();
+            b[4] = old;
+            assert_eq!(decode(&b), Err(FeedError::UnsupportedVersion(old.into())));
+        }
+        assert!(FeedError::UnsupportedVersion(2)
             .to_string()
-            .contains("reads version 2"));
+            .contains("unsupported feed version 2 (this filter reads version 3"));
         let mut b = good.clone();
-        b[6] = 0x13;
-        assert_eq!(decode(&b), Err(FeedError::UnknownFlags(0x13)));
+        b[6] = 0x33;
+        assert_eq!(decode(&b), Err(FeedError::UnknownFlags(0x33)));
         // The pod list and the load list exclude each other.
         let mut b = good.clone();
         b[6] |= 0x04;
@@ -1068,7 +1390,21 @@ mod tests {
         b.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
         assert!(matches!(
             decode(&b),
-            Err(FeedError::CountTooLarge { what: "pods", .. })
+            Err(FeedError::Codec(CodecError::CountTooLarge {
+                what: "pods",
+                ..
+            }))
+        ));
+        // A packed key count beyond the input.
+        let mut b = encode_message(&FeedMessage::default());
+        b.truncate(b.len() - 1);
+        b.extend_from_slice(&[1, 0, 3]);
+        assert!(matches!(
+            decode_message(&b),
+            Err(FeedError::Codec(CodecError::CountTooLarge {
+                what: "keys",
+                ..
+            }))
         ));
         // Op naming a pod that does not exist.
         let one_op = FeedUpdate {
@@ -1078,19 +1414,30 @@ mod tests {
         };
         let mut b = encode(&one_op);
         let n = b.len();
-        b[n - 1] = 1;
+        b[n - 1] = 1 << OP_BITS | OP_CLEARED;
         assert_eq!(
             decode(&b),
             Err(FeedError::PodOutOfRange { pod: 1, pods: 1 })
         );
-        b[n - 1] = 0;
-        b[n - 2] = 9;
-        assert_eq!(decode(&b), Err(FeedError::BadOpKind(9)));
-        // A non-minimal varint (pod 0 in two bytes).
-        b[n - 2] = OP_CLEARED;
-        b[n - 1] = 0x80;
+        b[n - 1] = 6;
+        assert_eq!(decode(&b), Err(FeedError::BadOpKind(6)));
+        // A non-minimal varint (op 5, pod 0 in two bytes).
+        b[n - 1] = 0x80 | OP_CLEARED;
         b.push(0);
-        assert_eq!(decode(&b), Err(FeedError::BadVarint { what: "op pod" }));
+        assert_eq!(
+            decode(&b),
+            Err(FeedError::Codec(CodecError::BadVarint { what: "op" }))
+        );
+        // A speed out of range.
+        for bad in [-1.0f32, 1001.0, f32::NAN, -0.0] {
+            let mut pods = pods();
+            pods[1].speed = bad;
+            let b = encode(&FeedUpdate {
+                pods,
+                ..FeedUpdate::default()
+            });
+            assert_eq!(decode(&b), Err(FeedError::BadSpeed(bad.to_bits())), "{bad}");
+        }
         let bad_utf8 = FeedUpdate {
             pods: vec![PodInfo {
                 address: "ab".into(),
@@ -1100,7 +1447,10 @@ mod tests {
         };
         let mut b = encode(&bad_utf8);
         b[43] = 0xff;
-        assert_eq!(decode(&b), Err(FeedError::BadUtf8 { what: "address" }));
+        assert_eq!(
+            decode(&b),
+            Err(FeedError::Codec(CodecError::BadUtf8 { what: "address" }))
+        );
         let mut token = encode_message(&messages()[1]);
         token[52] = 2;
         assert_eq!(

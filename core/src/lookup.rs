@@ -87,6 +87,10 @@ pub struct Candidate {
     pub kv_usage: f32,
     /// 0: not scraped yet.
     pub capacity_blocks: u32,
+    /// Relative speed as the indexer's pod source states it (absent: not
+    /// stated); the proxy's configured `endpoints[].speed` wins over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speed: Option<f32>,
 }
 
 /// The answer to `POST /v1/lookup` (JSON).
@@ -179,6 +183,11 @@ pub fn decode_answer(body: &[u8], prompt_blocks: usize) -> Result<Vec<Candidate>
         }
         if !(c.kv_usage.is_finite() && c.kv_usage >= 0.0) {
             return Err(LookupError::Invalid("kv_usage is not a number >= 0"));
+        }
+        if c.speed
+            .is_some_and(|s| !(s.is_finite() && s > 0.0 && s <= crate::feed::MAX_SPEED))
+        {
+            return Err(LookupError::Invalid("speed is not in (0, 1000]"));
         }
     }
     if answer.candidates.is_empty() {
@@ -279,7 +288,9 @@ pub fn decide(
                     .endpoints
                     .iter()
                     .find(|e| e.address == c.address)
-                    .map_or(1.0, |e| config.speed_of(e)),
+                    .map(|e| config.speed_of(e))
+                    .or(c.speed.map(f64::from))
+                    .unwrap_or(1.0),
                 // 0: the indexer has not scraped the pod's capacity yet.
                 capacity_blocks: if c.capacity_blocks == 0 {
                     config.default_capacity_blocks
@@ -326,6 +337,7 @@ mod tests {
             running: 0,
             kv_usage: 0.0,
             capacity_blocks: 1000,
+            speed: None,
         }
     }
 
@@ -438,8 +450,52 @@ mod tests {
             decode_answer(negative, 8),
             Err(LookupError::Invalid("kv_usage is not a number >= 0"))
         );
+        let mut stalled = candidate("10.0.0.1:8000", 8);
+        for bad in [0.0, -1.0, 1001.0] {
+            stalled.speed = Some(bad);
+            assert_eq!(
+                decode_answer(&answer(&[stalled.clone()]), 8),
+                Err(LookupError::Invalid("speed is not in (0, 1000]")),
+                "{bad}"
+            );
+        }
         let good = decode_answer(&answer(&[candidate("10.0.0.1:8000", 8)]), 8).unwrap();
         assert_eq!(good[0].held.blocks, 8);
+        // An answer without speeds (an older indexer) reads as "not stated".
+        assert_eq!(good[0].speed, None);
+        assert!(!String::from_utf8_lossy(&answer(&good)).contains("speed"));
+    }
+
+    #[test]
+    fn the_indexers_speed_counts_unless_the_config_names_the_pod() {
+        let config = Config::default();
+        let p = prompt(10);
+        // Equal holders: the faster one costs less.
+        let mut slow = candidate("10.0.0.1:8000", 8);
+        slow.speed = Some(0.5);
+        let fast = candidate("10.0.0.2:8000", 8);
+        let d = decide(
+            &config,
+            &p,
+            &[slow.clone(), fast.clone()],
+            &InFlight::default(),
+            1,
+        )
+        .unwrap();
+        assert_eq!(d.pod, "10.0.0.2:8000");
+        let alone = decide(&config, &p, &[slow.clone()], &InFlight::default(), 1).unwrap();
+        assert!(
+            alone.explain().contains("at speed 0.5"),
+            "{}",
+            alone.explain()
+        );
+        // The configured speed wins over the indexer's.
+        let configured =
+            Config::from_json(br#"{"endpoints":[{"address":"10.0.0.1:8000","speed":2.0}]}"#)
+                .unwrap();
+        let d = decide(&configured, &p, &[slow, fast], &InFlight::default(), 1).unwrap();
+        assert_eq!(d.pod, "10.0.0.1:8000");
+        assert!(d.explain().contains("at speed 2"), "{}", d.explain());
     }
 
     #[test]

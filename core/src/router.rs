@@ -710,8 +710,12 @@ impl Cluster {
             } else {
                 p.capacity_blocks
             },
-            // Discovery knows no speeds: a configured endpoint's, else 1.
-            speed: speeds.get(&p.address).copied().unwrap_or(1.0),
+            // A configured endpoint's speed, else the indexer's, else 1.
+            speed: speeds.get(&p.address).copied().unwrap_or(if p.speed > 0.0 {
+                f64::from(p.speed)
+            } else {
+                1.0
+            }),
         });
         self.set_pods(specs.collect());
     }
@@ -760,6 +764,7 @@ impl Cluster {
                 address: p.spec.address.clone(),
                 models: p.spec.models.clone(),
                 capacity_blocks: p.spec.capacity_blocks,
+                speed: p.spec.speed as f32,
                 waiting: p.reported.waiting,
                 running: p.reported.running,
                 kv_usage: p.reported.kv_usage,
@@ -836,9 +841,7 @@ mod tests {
             address: address.into(),
             models: vec![],
             capacity_blocks,
-            waiting: 0,
-            running: 0,
-            kv_usage: 0.0,
+            ..PodInfo::default()
         }
     }
 
@@ -1362,22 +1365,30 @@ mod tests {
             cursor: 1,
             snapshot: true,
             pods: vec![
-                fed_pod("a:1", 100),
+                // The configured speed wins over the indexer's.
+                PodInfo {
+                    speed: 4.0,
+                    ..fed_pod("a:1", 100)
+                },
                 fed_pod("b:1", 100),
                 fed_pod("n:1", 100),
+                PodInfo {
+                    speed: 0.25,
+                    ..fed_pod("s:1", 100)
+                },
             ],
             ops: vec![],
         };
         cluster.apply_feed(&update, 10, 5);
         let prompt = token_prompt(&c, "m", 64);
-        let speeds: Vec<f64> = ["a:1", "b:1", "n:1"]
+        let speeds: Vec<f64> = ["a:1", "b:1", "n:1", "s:1"]
             .iter()
             .map(|a| {
                 let i = cluster.by_address[*a];
                 cluster.pods[i].spec.speed
             })
             .collect();
-        assert_eq!(speeds, vec![0.5, 1.0, 1.0]);
+        assert_eq!(speeds, vec![0.5, 1.0, 1.0, 0.25]);
         // The proxy's estimate of active KV lives from routing to the end,
         // past the prefill.
         let mut approx = Cluster::default();

@@ -1,4 +1,4 @@
-//! Feed (version 2) and learned-batch decoding: never panic, and whatever
+//! Feed (version 3) and learned-batch decoding: never panic, and whatever
 //! decodes must re-encode to exactly the input (the format has one encoding
 //! per value). The feed client takes the same bytes as an answer and must
 //! neither panic nor stop asking.

@@ -1,15 +1,18 @@
 //! `POST /v1/lookup` cost at the indexer: decode the request, walk the
-//! prompt's chain on every pod serving the model, select and encode the
-//! candidates (numbers in docs/results/…-sidecar-lookup-*/README.md):
+//! prompt's chain over its holders, take the least-loaded pods from the
+//! index's load order, encode the candidates (numbers in
+//! docs/results/…-sidecar-lookup-*/README.md and indexer/README.md):
 //!
 //! `cargo bench -p kvroute-indexer --bench lookup`
 //!
-//! An 8k-token prompt (512 blocks) against 8 and 1,000 pods filled through
-//! KV events (`LOOKUP_BENCH_BLOCKS_PER_POD` blocks each, default 13,446 at 8
-//! pods = 70 % of 19,208 and 2,000 at 1,000 pods), the prompt held whole by
-//! one pod and half by others: by one other pod, then by 55 % of the fleet
-//! (the design spike's 551 of 1,000). Every timed lookup asserts the holder
-//! leads the answer with all 512 blocks.
+//! An 8k-token prompt (512 blocks) against 8, 1,000 and 5,000 pods filled
+//! through KV events (`LOOKUP_BENCH_BLOCKS_PER_POD` blocks each, default
+//! 13,446 at 8 pods = 70 % of 19,208 and 2,000 beyond), the prompt held
+//! whole by one pod and half by others: by one other pod, then by 55 % of the
+//! fleet (the design spike's 551 of 1,000). Every timed lookup asserts the
+//! holder leads the answer with all 512 blocks; the first also that the pods
+//! added as least loaded are the least loaded of the pods that hold none
+//! (checked against every pod's load).
 
 // A benchmark, not shipped code: a failed setup should stop it loudly.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
@@ -21,7 +24,7 @@ use synthetic::Rng;
 
 use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
-use kvroute_indexer::lookup::{lookup, parse_request};
+use kvroute_indexer::lookup::{lookup, parse_request, LEAST_LOADED};
 use kvroute_indexer::metrics::Metrics;
 use kvroute_indexer::vllm_wire::{encode_batch, BlockStored, Encoding, EventBatch, HashForm};
 use kvroute_indexer::vllm_wire::{KvEvent, Medium};
@@ -122,6 +125,29 @@ fn fleet(pods: usize, filler: usize, half_holders: usize, prompt: &[u32], rng: &
     ix
 }
 
+/// The candidates that hold nothing are the least loaded (waiting + running,
+/// then KV usage) of the pods that hold nothing of the prompt (pods
+/// 0..=`holders`), as a scan of every pod finds them.
+fn check_least_loaded(ix: &Index, answer: &kvroute_core::lookup::LookupAnswer, holders: usize) {
+    let busy = |waiting: u32, running: u32, kv: f32| (waiting + running, kv.to_bits());
+    let holding: std::collections::HashSet<String> = (0..=holders).map(pod).collect();
+    let mut scanned: Vec<(u32, u32)> = ix
+        .debug_pods(0)
+        .iter()
+        .filter(|p| !holding.contains(&p.address))
+        .map(|p| busy(p.waiting, p.running, p.kv_usage))
+        .collect();
+    scanned.sort_unstable();
+    scanned.truncate(LEAST_LOADED);
+    let answered: Vec<(u32, u32)> = answer
+        .candidates
+        .iter()
+        .filter(|c| c.held.blocks == 0)
+        .map(|c| busy(c.waiting, c.running, c.kv_usage))
+        .collect();
+    assert_eq!(answered, scanned, "the least-loaded pods that hold none");
+}
+
 fn blocks_per_pod(pods: usize) -> usize {
     std::env::var("LOOKUP_BENCH_BLOCKS_PER_POD")
         .ok()
@@ -143,7 +169,7 @@ fn main() {
         "prompt: {PROMPT_BLOCKS} blocks, request body {} bytes (JSON)",
         body.len()
     );
-    for (pods, half_holders) in [(8, 1), (1_000, 1), (1_000, 550)] {
+    for (pods, half_holders) in [(8, 1), (1_000, 1), (1_000, 550), (5_000, 1)] {
         let filler = blocks_per_pod(pods);
         let built = Instant::now();
         let ix = fleet(pods, filler, half_holders, &prompt, &mut rng);
@@ -151,6 +177,11 @@ fn main() {
         assert_eq!(
             ix.pod_blocks(),
             pods * filler + PROMPT_BLOCKS + half_holders * PROMPT_BLOCKS / 2
+        );
+        check_least_loaded(
+            &ix,
+            &lookup(&ix, &parse_request(&body).unwrap()),
+            half_holders,
         );
         let mut times = Vec::with_capacity(RUNS);
         let mut answer_bytes = 0;

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use kvroute_core::feed::MAX_SPEED;
 
 use crate::index::IndexConfig;
 
@@ -34,19 +35,22 @@ pub struct Args {
     pub zmq_bind: Vec<String>,
 
     /// ZMQ endpoint of a pod that binds its publisher, to connect to:
-    /// `ENDPOINT[=ADDRESS[@MODEL]]`. With `=ADDRESS` the pod's identity comes
-    /// from this flag (and the pod is known); otherwise from the topic.
-    #[arg(long = "zmq-connect")]
-    pub zmq_connect: Vec<String>,
+    /// `ENDPOINT[=ADDRESS[@MODEL][,speed=S]]`. With `=ADDRESS` the pod's
+    /// identity comes from this flag (and the pod is known); otherwise from the topic.
+    #[arg(long = "zmq-connect", value_parser = parse_connect)]
+    pub zmq_connect: Vec<(String, Option<PodSource>)>,
 
-    /// A pod known statically: `ADDRESS[@MODEL]` (ADDRESS = ip:port of its HTTP
-    /// server, as in x-gateway-destination-endpoint). Repeatable.
-    #[arg(long = "pod")]
-    pub pods: Vec<String>,
+    /// A pod known statically: `ADDRESS[@MODEL][,speed=S]` (ADDRESS = ip:port
+    /// of its HTTP server, as in x-gateway-destination-endpoint; S its relative
+    /// speed, sent to the filters with the pod list). Repeatable.
+    #[arg(long = "pod", value_parser = parse_pod)]
+    pub pods: Vec<PodSource>,
 
-    /// `HOST:PORT` of a headless Service: each A/AAAA record is a pod at PORT.
-    #[arg(long)]
-    pub dns_service: Option<String>,
+    /// A headless Service: `HOST:PORT[@MODEL][,speed=S]`; each A/AAAA record
+    /// is a pod at PORT, of that model and speed. Repeatable (one per pool of
+    /// pods, e.g. one per GPU type).
+    #[arg(long = "dns-service", value_parser = parse_pod)]
+    pub dns_services: Vec<PodSource>,
 
     /// How often the DNS name is resolved, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
@@ -102,8 +106,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1 << 20)]
     pub feed_log_hashes: usize,
 
-    /// Hashes per feed answer, a delta or a snapshot page (5 bytes each on the
-    /// wire: the default keeps a page near 2.6 MB); the client asks again at once for the rest.
+    /// Hashes per feed answer, a delta or a snapshot page (at most 5 bytes each
+    /// on the wire: the default keeps a page under 2.7 MB); the client asks again at once for the rest.
     #[arg(long, default_value_t = 1 << 19)]
     pub feed_max_hashes: usize,
 
@@ -157,20 +161,57 @@ impl Args {
     }
 }
 
-/// `ADDRESS[@MODEL]`.
-pub fn split_pod(spec: &str) -> (String, Option<String>) {
-    match spec.split_once('@') {
-        Some((a, m)) if !m.is_empty() => (a.to_owned(), Some(m.to_owned())),
-        Some((a, _)) => (a.to_owned(), None),
-        None => (spec.to_owned(), None),
-    }
+/// A pod or a pool of pods as a flag names it: `ADDRESS[@MODEL][,speed=S]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodSource {
+    /// `ip:port` of a pod, or `HOST:PORT` of a headless Service.
+    pub address: String,
+    pub model: Option<String>,
+    /// Relative speed of the pods (prefill and decode) against a reference
+    /// pod at 1.0; None: not stated (the filters count 1.0 unless their
+    /// config names the pod).
+    pub speed: Option<f32>,
 }
 
-/// `ENDPOINT[=ADDRESS[@MODEL]]`.
-pub fn split_connect(spec: &str) -> (String, Option<(String, Option<String>)>) {
+/// Parses `ADDRESS[@MODEL][,speed=S]` (S finite, > 0, <= 1000).
+pub fn parse_pod(spec: &str) -> Result<PodSource, String> {
+    let (pod, options) = match spec.split_once(',') {
+        Some((pod, options)) => (pod, Some(options)),
+        None => (spec, None),
+    };
+    let mut speed = None;
+    for option in options.into_iter().flat_map(|o| o.split(',')) {
+        let value = option
+            .strip_prefix("speed=")
+            .ok_or_else(|| format!("unknown option {option:?} (known: speed=S)"))?;
+        let s: f32 = value
+            .parse()
+            .map_err(|_| format!("speed {value:?} is not a number"))?;
+        if !(s.is_finite() && s > 0.0 && s <= MAX_SPEED) {
+            return Err(format!("speed {value} is not in (0, {MAX_SPEED}]"));
+        }
+        speed = Some(s);
+    }
+    let (address, model) = match pod.split_once('@') {
+        Some((a, m)) if !m.is_empty() => (a, Some(m.to_owned())),
+        Some((a, _)) => (a, None),
+        None => (pod, None),
+    };
+    if address.is_empty() {
+        return Err("no address".into());
+    }
+    Ok(PodSource {
+        address: address.to_owned(),
+        model,
+        speed,
+    })
+}
+
+/// Parses `ENDPOINT[=ADDRESS[@MODEL][,speed=S]]`.
+pub fn parse_connect(spec: &str) -> Result<(String, Option<PodSource>), String> {
     match spec.split_once('=') {
-        Some((e, pod)) => (e.to_owned(), Some(split_pod(pod))),
-        None => (spec.to_owned(), None),
+        Some((e, pod)) => Ok((e.to_owned(), Some(parse_pod(pod)?))),
+        None => Ok((spec.to_owned(), None)),
     }
 }
 
@@ -189,23 +230,66 @@ pub fn bind_endpoint(endpoint: &str) -> String {
 mod tests {
     use super::*;
 
+    fn pod(address: &str, model: Option<&str>, speed: Option<f32>) -> PodSource {
+        PodSource {
+            address: address.into(),
+            model: model.map(Into::into),
+            speed,
+        }
+    }
+
     #[test]
     fn specs() {
         assert_eq!(
-            split_pod("1.2.3.4:80@m/x"),
-            ("1.2.3.4:80".into(), Some("m/x".into()))
+            parse_pod("1.2.3.4:80@m/x"),
+            Ok(pod("1.2.3.4:80", Some("m/x"), None))
         );
-        assert_eq!(split_pod("1.2.3.4:80"), ("1.2.3.4:80".into(), None));
+        assert_eq!(parse_pod("1.2.3.4:80"), Ok(pod("1.2.3.4:80", None, None)));
         assert_eq!(
-            split_connect("tcp://1.2.3.4:5557=1.2.3.4:80@m"),
-            (
-                "tcp://1.2.3.4:5557".into(),
-                Some(("1.2.3.4:80".into(), Some("m".into())))
-            )
+            parse_pod("1.2.3.4:80@m,speed=0.5"),
+            Ok(pod("1.2.3.4:80", Some("m"), Some(0.5)))
         );
-        assert_eq!(split_connect("tcp://h:1"), ("tcp://h:1".into(), None));
+        assert_eq!(
+            parse_pod("vllm-fast.llm.svc:8000,speed=2"),
+            Ok(pod("vllm-fast.llm.svc:8000", None, Some(2.0)))
+        );
+        assert_eq!(
+            parse_connect("tcp://1.2.3.4:5557=1.2.3.4:80@m"),
+            Ok((
+                "tcp://1.2.3.4:5557".into(),
+                Some(pod("1.2.3.4:80", Some("m"), None))
+            ))
+        );
+        assert_eq!(parse_connect("tcp://h:1"), Ok(("tcp://h:1".into(), None)));
         assert_eq!(bind_endpoint("tcp://*:5557"), "tcp://0.0.0.0:5557");
         assert_eq!(bind_endpoint("tcp://127.0.0.1:1"), "tcp://127.0.0.1:1");
+    }
+
+    #[test]
+    fn bad_speeds_are_refused_naming_the_flag() {
+        for bad in [
+            "a:1,speed=0",
+            "a:1,speed=-1",
+            "a:1,speed=1001",
+            "a:1,speed=x",
+            "a:1,fast",
+        ] {
+            assert!(parse_pod(bad).is_err(), "{bad}");
+        }
+        let e = Args::try_parse_from(["kvroute-indexer", "--pod=a:1,speed=0"])
+            .expect_err("speed 0")
+            .to_string();
+        assert!(
+            e.contains("--pod") && e.contains("speed 0 is not in (0, 1000]"),
+            "{e}"
+        );
+        let a = Args::try_parse_from([
+            "kvroute-indexer",
+            "--dns-service=fast:8000,speed=2",
+            "--dns-service=slow:8000@m,speed=0.5",
+        ])
+        .expect("two services");
+        assert_eq!(a.dns_services[1], pod("slow:8000", Some("m"), Some(0.5)));
     }
 
     #[test]

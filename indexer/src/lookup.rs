@@ -6,10 +6,11 @@
 //! (kvroute_core::lookup::decide). Read-only, like `GET /v1/feed`.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 
 use kvroute_core::lookup::{Candidate, HeldPrefix, LookupAnswer, LookupRequest};
 
-use crate::index::{Index, Load};
+use crate::index::{BuildMix, Index, Load, PodView};
 
 /// Pods holding a prefix that an answer lists at most: the longest prefixes
 /// first. Past a few dozen, a shorter prefix loses to a longer one on the
@@ -44,51 +45,42 @@ pub fn parse_request(body: &[u8]) -> Result<LookupRequest<'_>, String> {
 }
 
 /// The candidates for `request`: holders, longest prefix first (at most
-/// [`MAX_HOLDERS`]), then up to [`LEAST_LOADED`] pods that hold none.
+/// [`MAX_HOLDERS`]), then up to [`LEAST_LOADED`] pods that hold none, taken
+/// from the index's load order: the cost is the holders and a walk of
+/// (holders + [`LEAST_LOADED`]) pods at most, not the fleet.
 pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
-    let mut holders: Vec<(&str, &Load, HeldPrefix)> = Vec::new();
-    let mut others: Vec<(&str, &Load)> = Vec::new();
-    index.visit_held_prefixes(&request.model, &request.hashes, |address, load, held| {
-        if held.blocks > 0 {
-            holders.push((address, load, held));
-        } else {
-            others.push((address, load));
-        }
-    });
+    let mut holders = index.held_prefixes(&request.model, &request.hashes);
     let busy = |l: &Load| (l.waiting.saturating_add(l.running), l.kv_usage);
     let less_loaded = |a: &Load, b: &Load| {
         let (qa, ka) = busy(a);
         let (qb, kb) = busy(b);
         qa.cmp(&qb).then(ka.total_cmp(&kb))
     };
-    holders.sort_unstable_by(|a, b| {
-        (b.2.blocks, b.2.gpu_blocks)
-            .cmp(&(a.2.blocks, a.2.gpu_blocks))
-            .then(less_loaded(a.1, b.1))
+    holders.sort_unstable_by(|(a, ha), (b, hb)| {
+        (hb.blocks, hb.gpu_blocks)
+            .cmp(&(ha.blocks, ha.gpu_blocks))
+            .then(less_loaded(a.load, b.load))
     });
+    let holding: HashSet<u64, BuildMix> = holders.iter().map(|(pod, _)| pod.key).collect();
     holders.truncate(MAX_HOLDERS);
-    if others.len() > LEAST_LOADED {
-        others.select_nth_unstable_by(LEAST_LOADED, |a, b| less_loaded(a.1, b.1));
-        others.truncate(LEAST_LOADED);
-    }
-    others.sort_unstable_by(|a, b| less_loaded(a.1, b.1));
-    let candidate = |address: &str, load: &Load, held: HeldPrefix| Candidate {
-        address: address.to_owned(),
+    let others = index
+        .serving_by_load(&request.model)
+        .filter(|pod| !holding.contains(&pod.key))
+        .take(LEAST_LOADED);
+    let candidate = |pod: PodView<'_>, held: HeldPrefix| Candidate {
+        address: pod.address.to_owned(),
         held,
-        waiting: load.waiting,
-        running: load.running,
-        kv_usage: load.kv_usage,
-        capacity_blocks: load.capacity_blocks,
+        waiting: pod.load.waiting,
+        running: pod.load.running,
+        kv_usage: pod.load.kv_usage,
+        capacity_blocks: pod.load.capacity_blocks,
+        speed: (pod.speed > 0.0).then_some(pod.speed),
     };
-    let candidates = holders
+    let mut candidates: Vec<Candidate> = holders
         .into_iter()
-        .map(|(a, l, held)| candidate(a, l, held))
-        .chain(
-            others
-                .into_iter()
-                .map(|(a, l)| candidate(a, l, HeldPrefix::default())),
-        )
+        .map(|(pod, held)| candidate(pod, held))
         .collect();
+    candidates.extend(others.map(|pod| candidate(pod, HeldPrefix::default())));
     LookupAnswer { candidates }
 }
 

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::auth::{Refusal, TokenFile, WriteAccess};
-use crate::config::{bind_endpoint, split_connect, split_pod, Args};
+use crate::config::{bind_endpoint, Args, PodSource};
 use crate::index::{new_epoch, origin, Incoming, Index, ReplayRequest};
 use crate::lookup;
 use crate::metrics::Metrics;
@@ -88,27 +88,34 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
     let metrics = Metrics::new();
     let epoch = new_epoch();
     let mut index = Index::new(args.index_config(), metrics.clone(), epoch);
-    for spec in &args.pods {
-        let (address, model) = split_pod(spec);
-        index.add_pod(
-            &address,
-            model.as_deref().or(args.model.as_deref()),
+    for pod in &args.pods {
+        add_source_pod(
+            &mut index,
+            pod,
+            &pod.address,
+            &args.model,
             origin::STATIC,
             0,
         );
     }
     let mut connects = Vec::new();
-    for spec in &args.zmq_connect {
-        let (endpoint, pod) = split_connect(spec);
+    for (endpoint, pod) in &args.zmq_connect {
         let identity = match pod {
-            Some((address, model)) => {
-                let model = model.or_else(|| args.model.clone());
-                index.add_pod(&address, model.as_deref(), origin::CONNECT, 0);
-                Some((address, model.unwrap_or_default()))
+            Some(pod) => {
+                add_source_pod(
+                    &mut index,
+                    pod,
+                    &pod.address,
+                    &args.model,
+                    origin::CONNECT,
+                    0,
+                );
+                let model = pod.model.clone().or_else(|| args.model.clone());
+                Some((pod.address.clone(), model.unwrap_or_default()))
             }
             None => None,
         };
-        connects.push((endpoint, identity));
+        connects.push((endpoint.clone(), identity));
     }
     for spec in &args.replay_endpoints {
         let Some((address, endpoint)) = spec.split_once('=') else {
@@ -186,10 +193,10 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
             args.scrape_path.clone(),
         ));
     }
-    if let Some(name) = args.dns_service.clone() {
+    if !args.dns_services.is_empty() {
         tokio::spawn(dns_loop(
             shared.clone(),
-            name,
+            args.dns_services.clone(),
             args.model.clone(),
             Duration::from_millis(args.dns_interval_ms.max(100)),
         ));
@@ -461,24 +468,59 @@ async fn scrape(
     parse_vllm_metrics(std::str::from_utf8(&body).ok()?)
 }
 
-async fn dns_loop(shared: Shared, name: String, model: Option<String>, interval: Duration) {
+/// Adds the pod at `address` that `source` names (itself, or a record of its
+/// Service), with the source's model (else `default_model`) and speed.
+fn add_source_pod(
+    index: &mut Index,
+    source: &PodSource,
+    address: &str,
+    default_model: &Option<String>,
+    origin: u8,
+    now_ms: u64,
+) {
+    let model = source.model.as_deref().or(default_model.as_deref());
+    index.add_pod(address, model, origin, now_ms);
+    if let Some(speed) = source.speed {
+        index.set_speed(address, speed);
+    }
+}
+
+/// Resolves every headless Service each `interval`: a record new to DNS
+/// becomes a pod with its Service's model and speed, a pod no Service
+/// resolves to any more loses its DNS origin. A Service whose resolution
+/// fails keeps its last records.
+async fn dns_loop(
+    shared: Shared,
+    services: Vec<PodSource>,
+    default_model: Option<String>,
+    interval: Duration,
+) {
     let mut tick = tokio::time::interval(interval);
+    let mut records: Vec<Option<HashSet<String>>> = vec![None; services.len()];
     loop {
         tick.tick().await;
-        let resolved = match tokio::net::lookup_host(name.as_str()).await {
-            Ok(addrs) => addrs.map(|a| a.to_string()).collect::<HashSet<String>>(),
-            Err(e) => {
-                eprintln!("kvroute-indexer: DNS {name}: {e}");
-                shared.metrics.rejected("dns_error");
-                continue;
+        for (service, last) in services.iter().zip(records.iter_mut()) {
+            let name = service.address.as_str();
+            match tokio::net::lookup_host(name).await {
+                Ok(addrs) => *last = Some(addrs.map(|a| a.to_string()).collect()),
+                Err(e) => {
+                    eprintln!("kvroute-indexer: DNS {name}: {e}");
+                    shared.metrics.rejected("dns_error");
+                }
             }
-        };
+        }
         let now = shared.now_ms();
         let mut ix = shared.lock();
         let known: HashMap<String, u8> = ix.pod_addresses().into_iter().collect();
-        for address in &resolved {
-            if known.get(address).is_none_or(|o| o & origin::DNS == 0) {
-                ix.add_pod(address, model.as_deref(), origin::DNS, now);
+        let mut resolved = HashSet::new();
+        for (service, last) in services.iter().zip(&records) {
+            for address in last.iter().flatten() {
+                if known.get(address).is_none_or(|o| o & origin::DNS == 0)
+                    && !resolved.contains(address)
+                {
+                    add_source_pod(&mut ix, service, address, &default_model, origin::DNS, now);
+                }
+                resolved.insert(address.clone());
             }
         }
         for (address, origins) in known {

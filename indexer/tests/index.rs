@@ -843,6 +843,16 @@ fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
     let (m, _, update) = poll(&mut c, &ix);
     assert_eq!(m.pods.map(|p| p.len()), Some(2));
     assert_eq!(update.pods.len(), 2);
+    // A pod's speed travels with the pod list: 0 until a source states one,
+    // and a change sends the list again.
+    assert_eq!(update.pods[1].speed, 0.0);
+    ix.set_speed("10.0.0.9:8000", 0.5);
+    let (m, _, update) = poll(&mut c, &ix);
+    assert!(m.pods.is_some(), "a new speed is a new pod list");
+    assert_eq!((update.pods[0].speed, update.pods[1].speed), (0.0, 0.5));
+    assert_eq!(poll(&mut c, &ix).1, 41);
+    let debug = ix.debug_pods(0);
+    assert_eq!((debug[0].speed, debug[1].speed), (None, Some(0.5)));
 }
 
 #[test]

@@ -164,6 +164,77 @@ fn only_pods_serving_the_model_and_at_most_the_documented_bound() {
     );
 }
 
+/// Addresses of the candidates that hold nothing, in answer order.
+fn least_loaded(ix: &Index, model: &str) -> Vec<String> {
+    lookup(ix, &request(model, &chain(&tokens(2))))
+        .candidates
+        .into_iter()
+        .filter(|c| c.held.blocks == 0)
+        .map(|c| c.address)
+        .collect()
+}
+
+#[test]
+fn the_least_loaded_follow_load_changes_models_and_departures() {
+    // index(): pod p runs p requests, so the order is the pods' order.
+    let mut ix = index(8);
+    assert_eq!(least_loaded(&ix, MODEL), [pod(0), pod(1), pod(2), pod(3)]);
+    // A pod that gets busy moves back; one that idles moves forward;
+    // KV usage breaks a tie of requests.
+    let set = |ix: &mut Index, p: usize, running: u32, kv_usage: f32| {
+        let load = Load {
+            capacity_blocks: 1000,
+            waiting: 0,
+            running,
+            kv_usage,
+        };
+        ix.set_load(&pod(p), load, 0);
+    };
+    set(&mut ix, 0, 100, 0.1);
+    set(&mut ix, 7, 1, 0.05);
+    assert_eq!(least_loaded(&ix, MODEL), [pod(7), pod(1), pod(2), pod(3)]);
+    // A holder is not listed again as least loaded.
+    store(&mut ix, &pod(7), 0, 0, 2, Medium::Gpu);
+    assert_eq!(least_loaded(&ix, MODEL), [pod(1), pod(2), pod(3), pod(4)]);
+    // A pod that names no model serves every model; one that leaves goes.
+    ix.add_pod("10.9.9.9:8000", None, origin::STATIC, 0);
+    assert_eq!(
+        least_loaded(&ix, MODEL),
+        ["10.9.9.9:8000".to_string(), pod(1), pod(2), pod(3)]
+    );
+    assert_eq!(least_loaded(&ix, "another-model"), ["10.9.9.9:8000"]);
+    ix.remove_origin(&pod(1), origin::STATIC);
+    ix.remove_origin("10.9.9.9:8000", origin::STATIC);
+    assert_eq!(least_loaded(&ix, MODEL), [pod(2), pod(3), pod(4), pod(5)]);
+    // A pod that starts serving a model joins that model's order.
+    ix.add_pod(&pod(6), Some("another-model"), origin::DNS, 0);
+    assert_eq!(least_loaded(&ix, "another-model"), [pod(6)]);
+}
+
+#[test]
+fn candidates_carry_the_speed_their_source_states() {
+    let mut ix = index(3);
+    ix.set_speed(&pod(1), 2.5);
+    store(&mut ix, &pod(2), 0, 0, 4, Medium::Gpu);
+    ix.set_speed(&pod(2), 0.5);
+    let hashes = chain(&tokens(4));
+    let answer = lookup(&ix, &request(MODEL, &hashes));
+    let speed = |address: &str| {
+        answer
+            .candidates
+            .iter()
+            .find(|c| c.address == address)
+            .map(|c| c.speed)
+    };
+    assert_eq!(
+        (speed(&pod(0)), speed(&pod(1)), speed(&pod(2))),
+        (Some(None), Some(Some(2.5)), Some(Some(0.5)))
+    );
+    // JSON names the speed only where it is stated.
+    let json = serde_json::to_string(&answer).unwrap();
+    assert_eq!(json.matches("\"speed\"").count(), 2, "{json}");
+}
+
 #[test]
 fn nothing_held_and_nothing_serving() {
     let ix = index(2);

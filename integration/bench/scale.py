@@ -448,7 +448,7 @@ class KvEventSource:
 
 
 class FeedPoller:
-    """A byte-counting feed consumer (feed version 2, docs/contracts.md): it sends back the
+    """A byte-counting feed consumer (feed version 3, docs/contracts.md): it sends back the
     versions each answer states, follows snapshot pages to the last, and counts the keys of the
     runs it receives without keeping them (13 M entries would not fit a Python dict cheaply)."""
 
@@ -461,7 +461,7 @@ class FeedPoller:
         if page:
             q += f"&page={page[0]}&page_pod={page[1]}" + (f"&page_after={page[2]}" if page[2] is not None else "")
         body = self.indexer.get(f"/v1/feed?{q}")
-        assert body[:6] == b"KVRF\x02\x00", "feed version 2"
+        assert body[:6] == b"KVRF\x03\x00", "feed version 3"
         flags = struct.unpack_from("<H", body, 6)[0]
         self.epoch, self.cursor, self.pods_version, self.load_version = struct.unpack_from("<QQQQ", body, 8)
         at, answer = 40, {"bytes": len(body), "page": None, "next": None, "more": bool(flags & 8),
@@ -504,17 +504,24 @@ def _varint(body: bytes, at: int) -> tuple[int, int]:
             return v, at
 
 
+def _packed_len(n: int) -> int:
+    """Bytes of n packed keys (core/src/feed.rs: Elias-Fano, the low bits giving the fewest bytes)."""
+    def bits(low: int) -> int:
+        high = 40 - low
+        return n * low + (n + (1 << high) - 1 if high else 0)
+    return min((bits(low) + 7) // 8 for low in range(40, 7, -1))
+
+
 def _run_keys(body: bytes, at: int) -> int:
-    """Keys in the runs from `at` (run: op u8, pod varint, then for stored/removed n varint, n x 5 bytes)."""
+    """Keys in the runs from `at` (run: varint pod << 3 | op, then for stored/removed n varint, n packed keys)."""
     runs, at = _varint(body, at)
     keys = 0
     for _ in range(runs):
-        op = body[at]
-        _, at = _varint(body, at + 1)
-        if op != 5:
+        op_pod, at = _varint(body, at)
+        if op_pod & 7 != 5:
             n, at = _varint(body, at)
             keys += n
-            at += 5 * n
+            at += _packed_len(n)
     assert at == len(body), "runs end the message"
     return keys
 

@@ -83,19 +83,49 @@ class Reader:
         return self.take(self.varint()).decode()
 
     def keys(self):
+        """A run's keys: ascending, packed (feed version 3, core/src/feed.rs)."""
         n = self.varint()
-        raw = self.take(5 * n)
-        return [int.from_bytes(raw[i:i + 5], "little") for i in range(0, 5 * n, 5)]
+        low = packed_low_bits(n)
+        bits = packed_bits(n, low)
+        raw = self.take((bits + 7) // 8)
+
+        def bit(pos: int) -> int:
+            return raw[pos >> 3] >> (pos & 7) & 1
+
+        def field(pos: int) -> int:  # the `low` bits from pos
+            chunk = int.from_bytes(raw[pos >> 3:(pos + low + 7 >> 3) + 1], "little")
+            return chunk >> (pos & 7) & ((1 << low) - 1)
+
+        keys = [field(i * low) for i in range(n)]
+        pos, high = n * low, 0
+        for i in range(n) if low < 40 else ():
+            while not bit(pos):
+                high, pos = high + 1, pos + 1
+            keys[i] |= high << low
+            pos += 1
+        assert all(not bit(p) for p in range(pos, 8 * len(raw))), "bits past the last key"
+        assert keys == sorted(keys), "ascending"
+        return keys
 
     def load(self):
         return {"waiting": self.varint(), "running": self.varint(), "kv_usage": self.f32()}
 
 
+def packed_bits(n: int, low: int) -> int:
+    high = 40 - low
+    return n * low + (n + (1 << high) - 1 if high else 0)
+
+
+def packed_low_bits(n: int) -> int:
+    """Low bits per key of n packed keys: the fewest bytes, ties to more low bits."""
+    return min(range(40, 7, -1), key=lambda low: (packed_bits(n, low) + 7) // 8)
+
+
 def decode_feed(b: bytes) -> dict:
-    """One answer of GET /v1/feed, version 2 (docs/contracts.md)."""
+    """One answer of GET /v1/feed, version 3 (docs/contracts.md)."""
     r = Reader(b)
     assert r.take(4) == b"KVRF", "magic"
-    assert r.u16() == 2, "version"
+    assert r.u16() == 3, "version"
     flags = r.u16()
     page, pods, load, more = flags & 1, flags & 2, flags & 4, flags & 8
     out = {"epoch": r.u64(), "cursor": r.u64(), "pods_version": r.u64(), "load_version": r.u64(),
@@ -111,11 +141,13 @@ def decode_feed(b: bytes) -> dict:
         for _ in range(r.varint()):
             addr = r.s()
             models = [r.s() for _ in range(r.varint())]
-            out["pods"].append({"address": addr, "models": models, "capacity_blocks": r.varint(), **r.load()})
+            out["pods"].append({"address": addr, "models": models, "capacity_blocks": r.varint(),
+                                "speed": r.f32(), **r.load()})
     elif load:
         out["load"] = [r.load() for _ in range(r.varint())]
     for _ in range(r.varint()):
-        op, pod = r.u8(), r.varint()
+        op_pod = r.varint()
+        op, pod = op_pod & 7, op_pod >> 3
         if op <= 3:
             out["ops"].append(("stored", pod, TIERS[op], r.keys()))
         elif op == 4:

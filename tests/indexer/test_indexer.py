@@ -5,6 +5,7 @@ feed decoded in Python."""
 import http.server
 import json
 import struct
+import subprocess
 import threading
 import time
 
@@ -280,6 +281,28 @@ def test_dns_discovery_and_silent_pod_timeout(ctx):
         assert ix.metric("kvroute_indexer_pods_expired_total") >= 1
         assert pod in [p["address"] for p in feed.pods]
         pub.close()
+
+
+def test_several_headless_services_give_their_pods_their_speeds():
+    """One --dns-service per pool of one speed (issue 15.1): each record becomes a pod at its
+    Service's speed, sent in the feed's pod list; a pod no Service resolves to any more goes."""
+    fast, slow = h.free_port(), h.free_port()
+    with h.Indexer("--dns-service", f"127.0.0.1:{fast},speed=2", "--dns-service", f"127.0.0.2:{slow}@other,speed=0.5",
+                   "--dns-interval-ms", "200", "--model", MODEL, "--scrape-interval-ms", "0") as ix:
+        pods = {f"127.0.0.1:{fast}": (2.0, [MODEL]), f"127.0.0.2:{slow}": (0.5, ["other"])}
+        wait_for(lambda: set(ix.pods_debug()) == set(pods), what="both Services' pods")
+        debug = ix.pods_debug()
+        assert {a: (p["speed"], p["models"]) for a, p in debug.items()} == pods
+        feed = ix.feed()
+        feed.poll()
+        assert {p["address"]: p["speed"] for p in feed.pods} == {a: s for a, (s, _) in pods.items()}
+
+
+def test_a_bad_speed_is_refused_at_start_naming_the_flag():
+    r = subprocess.run([str(h.indexer_binary()), "--pod=127.0.0.1:8000,speed=0"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode != 0
+    assert "--pod" in r.stderr and "speed 0 is not in (0, 1000]" in r.stderr, r.stderr
 
 
 def test_event_flood_is_bounded_and_measured(ctx):

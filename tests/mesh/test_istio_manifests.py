@@ -374,7 +374,8 @@ def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
     (idx,) = find(objs, "Deployment", "kvroute-indexer")
     iargs = idx["spec"]["template"]["spec"]["containers"][0]["args"]
     assert int(arg_value(iargs, "--replay-port")) == replay_port
-    assert arg_value(iargs, "--dns-service") == f"vllm-pods.{headless['metadata']['namespace']}.svc.cluster.local:{port}"
+    assert arg_value(iargs, "--dns-service") == \
+        f"vllm-pods.{headless['metadata']['namespace']}.svc.cluster.local:{port},speed=1"
     assert arg_value(iargs, "--model") == env["MODEL_NAME"]
     (isvc_feed,) = [p for p in isvc["spec"]["ports"] if p["name"] == "http-feed"]
     assert arg_value(iargs, "--listen") == f"0.0.0.0:{isvc_feed['port']}"
@@ -382,10 +383,37 @@ def test_vllm_publishes_to_the_indexer_with_the_topic_convention():
     # block size: vLLM == indexer == filter
     filt = filter_config(objs)
     assert arg_value(c["args"], "--block-size") == arg_value(iargs, "--block-size") == str(plugin_json(filt)["block_size"])
-    # the headless Service selects the vLLM pods, as the vllm Service does
+    # the headless Service selects vLLM pods, as the vllm Service does
     (vsvc,) = find(vllm_objects(), "Service", "vllm")
-    assert headless["spec"]["selector"] == vsvc["spec"]["selector"]
-    assert vsvc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert vsvc["spec"]["selector"].items() <= headless["spec"]["selector"].items()
+    assert headless["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_each_vllm_pool_is_discovered_at_the_speed_its_label_names():
+    """Pods of two speeds (issue 15.1): every vLLM Deployment's pods are selected by the vllm
+    Service and by exactly one headless Service, which the indexer resolves with the speed of
+    the pods' kvroute.io/speed label."""
+    objs = rendered("gateway")
+    (idx,) = find(objs, "Deployment", "kvroute-indexer")
+    iargs = idx["spec"]["template"]["spec"]["containers"][0]["args"]
+    speed_of_service = {}
+    for arg in iargs:
+        if arg.startswith("--dns-service="):
+            host, _, speed = arg.split("=", 1)[1].partition(",speed=")
+            speed_of_service[host.split(".", 1)[0]] = float(speed)
+    headless = {s["metadata"]["name"]: s for s in find(objs, "Service") if s["spec"].get("clusterIP") == "None"}
+    assert set(speed_of_service) == set(headless), (speed_of_service, headless.keys())
+    (vsvc,) = find(vllm_objects(), "Service", "vllm")
+    speeds = set()
+    for dep in find(vllm_objects(), "Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert vsvc["spec"]["selector"].items() <= labels.items(), dep["metadata"]["name"]
+        selecting = [n for n, s in headless.items() if s["spec"]["selector"].items() <= labels.items()]
+        assert len(selecting) == 1, (dep["metadata"]["name"], selecting)
+        assert speed_of_service[selecting[0]] == float(labels["kvroute.io/speed"])
+        speeds.add(labels["kvroute.io/speed"])
+    assert speeds == {"1", "0.5"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

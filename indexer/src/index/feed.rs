@@ -29,6 +29,7 @@ impl Index {
                 address: p.address.clone(),
                 models: p.models.clone(),
                 capacity_blocks: p.load.capacity_blocks,
+                speed: p.speed,
                 waiting: p.load.waiting,
                 running: p.load.running,
                 kv_usage: p.load.kv_usage,
@@ -91,6 +92,7 @@ impl Index {
             pods,
             load,
             ops,
+            keys_in_order: false,
         }
     }
 

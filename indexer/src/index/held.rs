@@ -1,28 +1,44 @@
-//! What each pod holds of one prompt's chain: the read side of
-//! `POST /v1/lookup` (see `crate::lookup`).
+//! What each pod holds of one prompt's chain, and the pods serving a model
+//! in load order: the read side of `POST /v1/lookup` (see `crate::lookup`).
 
 use kvroute_core::feed::Tier;
 use kvroute_core::lookup::HeldPrefix;
 
 use super::blocks::SetId;
 use super::hashing::Map;
+use super::pods::Pod;
 use super::{Index, Load};
 
+/// What a lookup answer says of a pod.
+#[derive(Debug, Clone, Copy)]
+pub struct PodView<'a> {
+    /// The pod's key in the index (stable while it is known).
+    pub key: u64,
+    pub address: &'a str,
+    pub load: &'a Load,
+    /// As its source states it; 0: not stated.
+    pub speed: f32,
+}
+
+fn view(key: u64, pod: &Pod) -> PodView<'_> {
+    PodView {
+        key,
+        address: &pod.address,
+        load: &pod.load,
+        speed: pod.speed,
+    }
+}
+
 impl Index {
-    /// Calls `visit` with the address, load and held prefix of `hashes` (what
-    /// the feed would serve: precise tiers and learned entries) of every pod
-    /// serving `model`; a pod that names no model serves every model.
+    /// The pods serving `model` that hold a prefix of `hashes` (what the feed
+    /// would serve: precise tiers and learned entries), with that prefix; a
+    /// pod that names no model serves every model.
     ///
     /// The chain is cut into runs of blocks with the same interned pod set by
     /// bisection (equal sets at both ends of a span: the span is one run, as
     /// pods hold prefixes of a chain), then each run's holders are extended
     /// by its length: the cost is the runs' holders, not pods × blocks.
-    pub fn visit_held_prefixes<'a>(
-        &'a self,
-        model: &str,
-        hashes: &[u64],
-        mut visit: impl FnMut(&'a str, &'a Load, HeldPrefix),
-    ) {
+    pub fn held_prefixes(&self, model: &str, hashes: &[u64]) -> Vec<(PodView<'_>, HeldPrefix)> {
         let mut walking: Map<HeldPrefix> = Map::default();
         let mut held: Map<HeldPrefix> = Map::default();
         for (i, (set, len)) in self.set_runs(hashes).into_iter().enumerate() {
@@ -42,15 +58,26 @@ impl Index {
             }
         }
         held.extend(walking);
-        for (key, pod) in &self.pods {
-            if pod.models.is_empty() || pod.models.iter().any(|m| m == model) {
-                visit(
-                    &pod.address,
-                    &pod.load,
-                    held.get(key).copied().unwrap_or_default(),
-                );
-            }
-        }
+        held.into_iter()
+            .filter(|(_, prefix)| prefix.blocks > 0)
+            .filter_map(|(key, prefix)| {
+                let pod = self.pods.get(&key)?;
+                let serves = pod.models.is_empty() || pod.models.iter().any(|m| m == model);
+                serves.then(|| (view(key, pod), prefix))
+            })
+            .collect()
+    }
+
+    /// The pods serving `model`, least loaded (waiting + running, then KV
+    /// usage) first: the cost is the pods taken, not the fleet.
+    pub fn serving_by_load<'a>(&'a self, model: &str) -> impl Iterator<Item = PodView<'a>> + 'a {
+        self.least_loaded
+            .serving(model)
+            .filter_map(|key| self.pod_view(key))
+    }
+
+    fn pod_view(&self, key: u64) -> Option<PodView<'_>> {
+        self.pods.get(&key).map(|pod| view(key, pod))
     }
 
     /// The chain as runs (pod set, blocks) in order, found by bisection.

@@ -8,7 +8,8 @@
 //! the events applied to them), `blocks` (the block → pod map), `learned`
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
-//! `held` (what each pod holds of one prompt, for `POST /v1/lookup`).
+//! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
+//! `least_loaded` (the serving pods in load order, for the same).
 
 mod blocks;
 mod feed;
@@ -16,6 +17,7 @@ mod feed_log;
 mod hashing;
 mod held;
 mod learned;
+mod least_loaded;
 mod pods;
 mod sequence;
 mod sources;
@@ -28,6 +30,8 @@ use crate::metrics::Metrics;
 use blocks::Blocks;
 use feed_log::LogOp;
 pub use hashing::{BuildMix, MixHasher};
+pub use held::PodView;
+use least_loaded::LeastLoaded;
 use pods::Pod;
 pub use pods::{origin, Load};
 
@@ -119,6 +123,9 @@ pub struct PodDebug {
     pub learned: usize,
     pub sources: Vec<SourceDebug>,
     pub capacity_blocks: u32,
+    /// As the pod's source states it; absent: not stated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speed: Option<f32>,
     pub waiting: u32,
     pub running: u32,
     pub kv_usage: f32,
@@ -142,6 +149,8 @@ pub struct Index {
     metrics: Metrics,
     epoch: u64,
     pods: BTreeMap<u64, Pod>,
+    /// The pods of each model in load order (`POST /v1/lookup`).
+    least_loaded: LeastLoaded,
     /// Every (kvroute hash, pod) the feed serves, each hash stored once.
     blocks: Blocks,
     by_address: HashMap<String, u64>,
@@ -164,6 +173,7 @@ impl Index {
             metrics,
             epoch,
             pods: BTreeMap::new(),
+            least_loaded: LeastLoaded::default(),
             blocks: Blocks::default(),
             by_address: HashMap::new(),
             next_pod_key: 1,

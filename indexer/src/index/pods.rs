@@ -8,6 +8,7 @@ use kvroute_core::feed::Tier;
 use super::blocks::{Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
+use super::least_loaded::LoadRank;
 use super::sequence::Source;
 use super::sources::Group;
 use super::{Index, PodDebug, SourceDebug};
@@ -39,6 +40,8 @@ pub(super) struct Pod {
     pub(super) origins: u8,
     pub(super) replay_endpoint: Option<String>,
     pub(super) load: Load,
+    /// Relative speed as its source states it; 0: not stated.
+    pub(super) speed: f32,
     pub(super) last_seen_ms: u64,
     pub(super) sources: BTreeMap<i64, Source>,
     /// The pod's (kvroute hash, pod) entries in the block map, by best tier.
@@ -56,6 +59,7 @@ impl Pod {
             origins,
             replay_endpoint: None,
             load: Load::default(),
+            speed: 0.0,
             last_seen_ms: now_ms,
             sources: BTreeMap::new(),
             held: Held::default(),
@@ -105,20 +109,55 @@ impl Index {
                 }
                 let k = self.next_pod_key;
                 self.next_pod_key += 1;
-                self.pods.insert(k, Pod::new(address.to_owned(), 0, now_ms));
+                let pod = Pod::new(address.to_owned(), 0, now_ms);
+                self.least_loaded
+                    .insert(&pod.models, LoadRank::new(&pod.load, k));
+                self.pods.insert(k, pod);
                 self.by_address.insert(address.to_owned(), k);
                 k
             }
         };
         if let Some(pod) = self.pods.get_mut(&key) {
             pod.origins |= origin;
-            if let Some(m) = model.filter(|m| !m.is_empty()) {
-                if !pod.models.iter().any(|x| x == m) {
-                    pod.models.push(m.to_owned());
-                }
-            }
+        }
+        if let Some(m) = model {
+            self.add_model(key, m);
         }
         self.update_gauges();
+    }
+
+    /// Adds a served model to a pod (none: it serves every model).
+    pub(super) fn add_model(&mut self, key: u64, model: &str) {
+        let known = self
+            .pods
+            .get(&key)
+            .is_none_or(|p| p.models.iter().any(|m| m == model));
+        if !model.is_empty() && !known {
+            self.reranked(key, |pod| pod.models.push(model.to_owned()));
+        }
+    }
+
+    /// Applies `change` to a pod's load or models, keeping its place in the
+    /// least-loaded order.
+    fn reranked(&mut self, key: u64, change: impl FnOnce(&mut Pod)) {
+        if let Some(pod) = self.pods.get_mut(&key) {
+            self.least_loaded
+                .remove(&pod.models, LoadRank::new(&pod.load, key));
+            change(pod);
+            self.least_loaded
+                .insert(&pod.models, LoadRank::new(&pod.load, key));
+        }
+    }
+
+    /// Sets the relative speed of a known pod (sent with the pod list).
+    pub fn set_speed(&mut self, address: &str, speed: f32) {
+        if let Some(pod) = self
+            .by_address
+            .get(address)
+            .and_then(|k| self.pods.get_mut(k))
+        {
+            pod.speed = speed;
+        }
     }
 
     /// Sets an explicit replay endpoint of a pod (rank 0; rank r uses port + r).
@@ -161,6 +200,8 @@ impl Index {
     fn drop_pod(&mut self, key: u64) {
         let mut sink = Sink::default();
         if let Some(mut pod) = self.pods.remove(&key) {
+            self.least_loaded
+                .remove(&pod.models, LoadRank::new(&pod.load, key));
             self.by_address.remove(&pod.address);
             let learned = pod.release_blocks(&mut self.blocks, key);
             self.learned_total = self.learned_total.saturating_sub(learned);
@@ -171,13 +212,11 @@ impl Index {
 
     /// Records a pod's load (a successful scrape also counts as a sign of life).
     pub fn set_load(&mut self, address: &str, load: Load, now_ms: u64) {
-        if let Some(pod) = self
-            .by_address
-            .get(address)
-            .and_then(|k| self.pods.get_mut(k))
-        {
-            pod.load = load;
-            pod.last_seen_ms = now_ms;
+        if let Some(&key) = self.by_address.get(address) {
+            self.reranked(key, |pod| {
+                pod.load = load;
+                pod.last_seen_ms = now_ms;
+            });
         }
     }
 
@@ -267,6 +306,7 @@ impl Index {
                         })
                         .collect(),
                     capacity_blocks: p.load.capacity_blocks,
+                    speed: (p.speed > 0.0).then_some(p.speed),
                     waiting: p.load.waiting,
                     running: p.load.running,
                     kv_usage: p.load.kv_usage,

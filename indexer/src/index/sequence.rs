@@ -69,11 +69,12 @@ impl Index {
                 return None;
             }
         };
-        if let Some(pod) = self.pods.get_mut(&key) {
+        let names_no_model = self.pods.get_mut(&key).is_some_and(|pod| {
             pod.last_seen_ms = now_ms;
-            if pod.models.is_empty() && !model.is_empty() {
-                pod.models.push(model);
-            }
+            pod.models.is_empty()
+        });
+        if names_no_model {
+            self.add_model(key, &model);
         }
         let rank = batch.data_parallel_rank.unwrap_or(0);
         self.sequence(key, rank, seq, batch, m.received_ms, now_ms)
