@@ -10,7 +10,7 @@ precise: overlay present, filter removed or singleton added), kvroute's timers
 scaled with the pods' time scale (singleton and filter), run.py --kvroute-set (schema-checked paths
 and values, merged over each mode's plugin config), the mixed and overload
 scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
-per-class and longest-queue summaries), and the report on
+per-class and longest-queue summaries), the oversub profile, and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 import tempfile
@@ -105,6 +106,20 @@ def kvroute_plugin_overrides():
     assert "kvroute_overrides" not in prof.to_dict(), "runs without overrides record the profile as before"
     prof.kvroute_overrides = sets
     assert prof.to_dict()["kvroute_overrides"] == sets
+
+
+@check
+def scenario_oversub():
+    oversub, overload = profiles.get("oversub"), profiles.get("overload")
+    assert abs(oversub.resident_fraction() - 1.5) < 0.01
+    assert (oversub.sim.pods, oversub.sim.capacities(), oversub.sim.speeds()) == \
+        (overload.sim.pods, overload.sim.capacities(), overload.sim.speeds()), "the overload cluster"
+    # Each stage walks its first n prompts of the 490: a group is missed when none of its 5 is among them.
+    w = oversub.workload
+    prompts = w.groups * w.prompts_per_group
+    for n in oversub.expected_requests()[1:]:
+        missed = math.comb(prompts - w.prompts_per_group, n) / math.comb(prompts, n)
+        assert missed < 0.05, f"a {n}-request stage misses {missed:.1%} of the groups"
 
 
 @check
