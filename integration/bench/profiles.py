@@ -261,9 +261,9 @@ def oversub() -> Profile:
     # inference-perf walks one seeded permutation of the 490 prompts from its start in every stage;
     # stages of ≥ 240 requests reach ~95 of the 98 groups (a group is missed with (250/490)^5 ≈ 3.5 %),
     # so the prefixes a stage needs are ~1.5 × what one pod's share of KV holds. Rates OVERSUB_RATES
-    # (measured, below). Time: 30 + 60 + 60 s of arrivals, + ~20 s of start-up and drain for a router
-    # that keeps up, up to the 60 s request timeout for one that does not: 9 strategies ≈ 9 × 3-3.5 min
-    # ≈ 27-32 min.
+    # (measured, below). Time: 30 + 60 + 60 s of arrivals, + start-up and each stage's drain (a request
+    # takes ~10-20 s on these pods), bounded by the 60 s request timeout for a router that falls behind:
+    # measured 3.7 min per prefix-aware strategy, so 9 strategies ≈ 35 min.
     low, high = OVERSUB_RATES
     return Profile(
         name="oversub",
@@ -287,29 +287,33 @@ def oversub() -> Profile:
 # 6 QPS (warm-up 6 × 40 s, stages 6 QPS × 82 s and 9 QPS × 55 s) every pod's KV stayed at 97-100 %,
 # queues reached 24-46, TTFT p90 12.8 s at 6 QPS and 29.5 s at 9 QPS, hit rate 46 % / 41 %. So 4 QPS is
 # below what precise sustains and 5 QPS at its edge, where which pod still holds a prefix decides.
+# This profile as committed (kvroute precise / approximate): at 4 QPS TTFT p90 1.29 / 1.28 s, hit rate
+# 82 % / 82 %; at 5 QPS 1.49 / 1.96 s, 69 % / 63 %, longest queue 5 / 7, KV use up to ~0.9.
 OVERSUB_RATES = (4.0, 5.0)
 
 
 def restart() -> Profile:
     # Issue 11, "one pod restarts mid-run and its cache is gone": the overload cluster (4 pods × 3,072
-    # blocks, SCENARIO_SPEED, 48 groups: 73 % resident) at 12 QPS, 60 % of the rate it sustains
-    # (OVERLOAD_SUSTAINABLE_QPS), so what the report shows is the lost cache, not overload. Stage 1 is
-    # the steady state; 10 s into stage 2 pod 0 is killed (SIGKILL) and started again on its address
-    # 5 s later, empty; stage 3 is the recovery. Stages of 240-360 requests walk the shuffled
-    # 240-prompt set from its first prompt, so the prefixes pod 0 held come back within each stage.
-    # Time: 20 + 20 + 30 + 20 s of arrivals, + ~20 s of start-up and drain; a cache-blind router at
-    # 60 % load keeps up: 9 strategies ≈ 9 × 2 min ≈ 20 min.
-    rate = 12.0
+    # blocks, SCENARIO_SPEED, 48 groups: 73 % resident) at 10 QPS, half the rate it sustains
+    # (OVERLOAD_SUSTAINABLE_QPS), the overload profile's half-load stage, where the prefix-aware routers
+    # ran at TTFT p90 0.3-0.6 s (docs/results/2026-11-30-overload-b57dbd9; the cache-blind ones are over
+    # capacity there already, p90 32-37 s). Stage 1 is the steady state; 8 s into stage 2 pod 0 is killed
+    # (SIGKILL) and started again on its address 5 s later, empty; stage 3 is the recovery. The warm-up
+    # (200 requests) sends nearly every group, and every stage walks the shuffled 240-prompt set from its
+    # first prompt, so the prefixes pod 0 held come back within each stage. Time: 20 + 15 + 25 + 15 s of
+    # arrivals, + start-up and drain (~1 min for a prefix-aware router, ~2-3 for a cache-blind one, bounded
+    # by the 60 s request timeout): 9 strategies ≈ 20-25 min.
+    rate = OVERLOAD_SUSTAINABLE_QPS / 2
     return Profile(
         name="restart",
         description=f"4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, Poisson {rate:g} QPS in 3 stages: "
                     "steady, one pod restarted (see Pod restart), recovery; 60 s request timeout",
         sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4,
-                    restart_pod=0, restart_stage=2, restart_after=10.0, restart_down=5.0),
+                    restart_pod=0, restart_stage=2, restart_after=8.0, restart_down=5.0),
         workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
         load=LoadSpec(
             warmup=(rate, 20),
-            stages=[(rate, 20), (rate, 30), (rate, 20)],
+            stages=[(rate, 15), (rate, 25), (rate, 15)],
             num_workers=1,
             worker_max_concurrency=320,
             request_timeout=60.0,

@@ -1089,6 +1089,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGHUP, _stop_on_signal)
     if args.resume:
+        defaults = build_parser().parse_args([])
+        extra = [k for k in ("profile", "strategies", "set", "kvroute_set", "out", "endpoints", "close")
+                 if getattr(args, k) != getattr(defaults, k)]
+        if extra:
+            raise SystemExit(f"--resume runs the stopped run's own recorded arguments; not with "
+                             f"{', '.join('--' + k.replace('_', '-') for k in extra)}")
         out = os.path.abspath(args.resume)
         meta, results, prof, rec, order, todo, diffs = resume_plan(out, args.resume_at_other_commit)
         for d in diffs:
