@@ -3,6 +3,7 @@
 
     .venv-bench/bin/python integration/bench/run.py --profile quick        # make bench
     .venv-bench/bin/python integration/bench/run.py --profile full         # make bench-full
+    .venv-bench/bin/python integration/bench/run.py --resume build/bench/<run>   # continue a stopped run
 
 For each strategy, in a fixed order: wait until the pods are idle, flush them
 (POST /admin/flush: prefix cache dropped, counters reset), start the router,
@@ -13,7 +14,9 @@ reason; nothing is dropped. Then report.py writes report.md and plot.png.
 
 Output: build/bench/<UTC time>-<profile>/ (or --out): raw inference-perf
 reports, pod samples, router logs and configs per strategy, results.json,
-report.md, plot.png.
+report.md, plot.png. results.json is rewritten after each strategy, so a run
+stopped between strategies (or during one: SIGTERM/SIGHUP unwind cleanly) is
+continued with --resume in another session (meta.sessions says which ran where).
 """
 
 from __future__ import annotations
