@@ -14,6 +14,9 @@ hashes, as vLLM). Ports are chosen free at run time; the process runs in its own
 stopped by its PID. The binary is $KVROUTE_SIM_BIN, else target/release/vllm-sim, built with
 `cargo build --release -p vllm-sim` when missing.
 
+`PodFleet(pods=N, **opts)`: the same pods, one process each, so that `restart(i)` can kill pod i and start it
+again on its address (the benchmark's `restart` profile).
+
 Standard library only, so it runs in the test venv (3.11) and the benchmark venv (3.12).
 """
 
@@ -262,6 +265,117 @@ class SimCluster:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def pod_kv_events_endpoint(endpoint: str | None, i: int) -> str | None:
+    """The KV-event endpoint pod i of one multi-pod vllm-sim process uses (vllm-sim's events::pod_endpoint):
+    a binding endpoint gets `path-i` (ipc) or port + i (tcp); a connecting one is shared."""
+    if not endpoint or i == 0:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}-{i}"
+    if "*" in endpoint or "::" in endpoint:
+        head, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{head}:{int(port) + i}"
+    return endpoint
+
+
+class PodFleet:
+    """The pods of SimCluster(pods=N, **opts), each in its own vllm-sim process, so that one can be killed and
+    started again on the same address (`restart`): a restarted pod has an empty KV cache, zeroed counters and
+    no queue, as a restarted vLLM. Per-pod options (num_gpu_blocks, speed lists) go to their pod; pod i's
+    KV-event endpoint is the one pod i of a single process would use (pod_kv_events_endpoint), so
+    subscribers, which reconnect by themselves, get the restarted pod's events on the same endpoint."""
+
+    def __init__(self, pods: int = 1, *, host: str = "127.0.0.1", startup_timeout: float = 60.0,
+                 env: dict[str, str] | None = None, **opts):
+        self.pods = pods
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.opts = dict(opts)
+        self.members: list[SimCluster] = []
+        self.restarts: list[dict] = []
+        self._logs: list[str] = []  # logs of the processes a restart replaced
+        self._cpu_gone = 0.0  # CPU seconds of those processes
+
+    def _pod_opts(self, i: int) -> dict:
+        opts = dict(self.opts)
+        for key in ("num_gpu_blocks", "speed"):
+            v = opts.get(key)
+            if isinstance(v, (list, tuple)):
+                opts[key] = v[i] if len(v) == self.pods else v[0]
+        opts["kv_events_endpoint"] = pod_kv_events_endpoint(opts.get("kv_events_endpoint"), i)
+        return opts
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for m in self.members for a in m.addresses]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{a}" for a in self.addresses]
+
+    def _argv(self) -> list[list[str]]:
+        """One argv per pod process."""
+        return [m._argv() for m in self.members]
+
+    def start(self) -> "PodFleet":
+        base = free_port_range(self.pods, self.host)
+        try:
+            for i in range(self.pods):
+                m = SimCluster(pods=1, host=self.host, startup_timeout=self.startup_timeout, env=self.env,
+                               port=base + i, **self._pod_opts(i))
+                self.members.append(m)
+                m.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, i: int, down_seconds: float = 0.0) -> dict:
+        """Kill pod i's process (SIGKILL: a crash, nothing flushed or announced), wait `down_seconds` (wall), start it
+        again on its address with the same options. Returns wall (time.time) and monotonic times of both ends."""
+        m = self.members[i]
+        self._cpu_gone += m.cpu_seconds() if m.proc and m.proc.poll() is None else 0.0
+        killed = {"wall": time.time(), "mono": time.monotonic()}
+        stop_pid(m.proc, sig=signal.SIGKILL, grace=5)
+        m.stop()
+        self._logs.append(f"--- pod {m.addresses[0]} (until its restart) ---\n{m.log_text()}")
+        self._remove_log(m)
+        endpoint = m.opts.get("kv_events_endpoint")
+        if endpoint and endpoint.startswith("ipc://"):
+            # The killed process leaves its socket file behind, and vllm-sim does not bind over one.
+            Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        time.sleep(down_seconds)
+        m.start()
+        up = {"wall": time.time(), "mono": time.monotonic()}
+        record = {"pod": m.addresses[0], "index": i, "killed": killed, "up": up, "pid": m.pid}
+        self.restarts.append(record)
+        return record
+
+    def log_text(self) -> str:
+        return "\n".join(self._logs + [f"--- pod {m.addresses[0]} ---\n{m.log_text()}" for m in self.members])
+
+    def cpu_seconds(self) -> float:
+        return self._cpu_gone + sum(m.cpu_seconds() for m in self.members if m.proc and m.proc.poll() is None)
+
+    @staticmethod
+    def _remove_log(m: SimCluster) -> None:
+        if m.log_path:
+            m.log_path.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+            self._remove_log(m)
+
+    def __enter__(self) -> "PodFleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

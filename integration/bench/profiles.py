@@ -55,6 +55,13 @@ class SimSpec:
     # --speed); empty: every pod has num_gpu_blocks and speed 1.
     pod_blocks: List[int] = field(default_factory=list)
     pod_speeds: List[float] = field(default_factory=list)
+    # A pod restart (the `restart` profile; run.py PodRestart): pod `restart_pod` (index; -1: none) is killed
+    # `restart_after` simulated seconds into stage `restart_stage` (0 = warm-up) and started again on its
+    # address `restart_down` simulated seconds later, with an empty cache. Each pod then runs in its own process.
+    restart_pod: int = -1
+    restart_stage: int = 1
+    restart_after: float = 0.0
+    restart_down: float = 0.0
 
     def capacities(self) -> List[int]:
         return list(self.pod_blocks) if self.pod_blocks else [self.num_gpu_blocks] * self.pods
@@ -246,7 +253,77 @@ def overload() -> Profile:
 # rate measured, so the sustainable rate is at least this.
 OVERLOAD_SUSTAINABLE_QPS = 20.0
 
-PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload}
+def oversub() -> Profile:
+    # Issue 11, "pods evict what approximate mode believes cached": the overload cluster (4 pods × 3,072
+    # blocks × 16 = 196,608 KV tokens, SCENARIO_SPEED) under twice quick's prompt set: 98 groups ×
+    # (1,500 + 5 × 300) = 294,000 resident tokens = 150 % of cluster KV, so even a perfect partition of
+    # the groups over the pods (~24.5 groups = 73,500 tokens per pod against 49,152) must evict.
+    # inference-perf walks one seeded permutation of the 490 prompts from its start in every stage;
+    # stages of ≥ 240 requests reach ~95 of the 98 groups (a group is missed with (250/490)^5 ≈ 3.5 %),
+    # so the prefixes a stage needs are ~1.5 × what one pod's share of KV holds. Rates OVERSUB_RATES
+    # (measured, below). Time: 30 + 60 + 60 s of arrivals, + start-up and each stage's drain (a request
+    # takes ~10-20 s on these pods), bounded by the 60 s request timeout for a router that falls behind:
+    # measured 3.7 min per prefix-aware strategy, so 9 strategies ≈ 35 min.
+    low, high = OVERSUB_RATES
+    return Profile(
+        name="oversub",
+        description=f"4 pods, 98x5 prompts, 1500+300 -> 100 tokens, 150% resident, Poisson {low:g} / {high:g} QPS x 60 s, "
+                    "60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=98, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
+        load=LoadSpec(
+            warmup=(low, 30),
+            stages=[(low, 60), (high, 60)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            request_timeout=60.0,  # as in mixed(): bounds the cache-blind routers' drain
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+# Calibration, kvroute precise on this profile's cluster and prompts (build/bench runs, 2 shared cores):
+# new prompts only at 5 QPS (a 20-s warm-up) held ~25 sequences and 70 % KV per pod with no queue; at
+# 6 QPS (warm-up 6 × 40 s, stages 6 QPS × 82 s and 9 QPS × 55 s) every pod's KV stayed at 97-100 %,
+# queues reached 24-46, TTFT p90 12.8 s at 6 QPS and 29.5 s at 9 QPS, hit rate 46 % / 41 %. So 4 QPS is
+# below what precise sustains and 5 QPS at its edge, where which pod still holds a prefix decides.
+# This profile as committed (kvroute precise / approximate): at 4 QPS TTFT p90 1.29 / 1.28 s, hit rate
+# 82 % / 82 %; at 5 QPS 1.49 / 1.96 s, 69 % / 63 %, longest queue 5 / 7, KV use up to ~0.9.
+OVERSUB_RATES = (4.0, 5.0)
+
+
+def restart() -> Profile:
+    # Issue 11, "one pod restarts mid-run and its cache is gone": the overload cluster (4 pods × 3,072
+    # blocks, SCENARIO_SPEED, 48 groups: 73 % resident) at 10 QPS, half the rate it sustains
+    # (OVERLOAD_SUSTAINABLE_QPS), the overload profile's half-load stage, where the prefix-aware routers
+    # ran at TTFT p90 0.3-0.6 s (docs/results/2026-11-30-overload-b57dbd9; the cache-blind ones are over
+    # capacity there already, p90 32-37 s). Stage 1 is the steady state; 8 s into stage 2 pod 0 is killed
+    # (SIGKILL) and started again on its address 5 s later, empty; stage 3 is the recovery. The warm-up
+    # (200 requests) sends nearly every group, and every stage walks the shuffled 240-prompt set from its
+    # first prompt, so the prefixes pod 0 held come back within each stage. Time: 20 + 15 + 25 + 15 s of
+    # arrivals, + start-up and each stage's drain, bounded by the 60 s request timeout: measured 3.1 min
+    # for kvroute approximate, 5.2 min for Envoy round robin, so 9 strategies ≈ 35 min.
+    rate = OVERLOAD_SUSTAINABLE_QPS / 2
+    return Profile(
+        name="restart",
+        description=f"4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, Poisson {rate:g} QPS in 3 stages: "
+                    "steady, one pod restarted (see Pod restart), recovery; 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4,
+                    restart_pod=0, restart_stage=2, restart_after=8.0, restart_down=5.0),
+        workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
+        load=LoadSpec(
+            warmup=(rate, 20),
+            stages=[(rate, 15), (rate, 25), (rate, 15)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            request_timeout=60.0,
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload, "oversub": oversub,
+            "restart": restart}
 
 
 def get(name: str, overrides: List[str] | None = None) -> Profile:
@@ -272,4 +349,7 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
     if not (isinstance(p.sim.time_scale, (int, float)) and 0 < p.sim.time_scale <= 1):
         raise SystemExit(f"sim.time_scale must be in (0, 1], got {p.sim.time_scale!r}")
     p.sim.time_scale = float(p.sim.time_scale)
+    if p.sim.restart_pod >= p.sim.pods or (p.sim.restart_pod >= 0 and not 0 <= p.sim.restart_stage <= len(p.load.stages)):
+        raise SystemExit(f"sim.restart_pod {p.sim.restart_pod} / sim.restart_stage {p.sim.restart_stage}: the pod must be "
+                         f"one of the {p.sim.pods} and the stage 0 (warm-up) .. {len(p.load.stages)}")
     return p

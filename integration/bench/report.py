@@ -112,12 +112,14 @@ def plot(out: str, results: List[Dict[str, Any]], title: str) -> Optional[str]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     markers = "os^vD<>ph*"
     any_line = False
+    # Stages of one rate (the restart profile) are told apart by their number.
+    xkey, xlabel = ("stage", "measured stage") if rates_repeat(results) else ("rate", "offered load (QPS stage)")
     for i, res in enumerate(results):
         st = [s for s in res.get("stages", []) if not s.get("warmup") and s.get("output_tok_s") is not None]
         if not st:
             continue
         any_line = True
-        q = [s["rate"] for s in st]
+        q = [s[xkey] for s in st]
         kw = dict(marker=markers[i % len(markers)], label=res["label"], linewidth=2 if res["kind"] == "kvroute" else 1.2,
                   linestyle="-" if res["kind"] == "kvroute" else ("--" if res["kind"] == "envoy_lb" else ":"))
         axes[0].plot(q, [max(s.get("ttft_p90") or 0, 1e-3) for s in st], **kw)
@@ -130,10 +132,10 @@ def plot(out: str, results: List[Dict[str, Any]], title: str) -> Optional[str]:
 
     axes[0].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
     axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
-    axes[0].set_xlabel("offered load (QPS stage)")
+    axes[0].set_xlabel(xlabel)
     axes[0].set_ylabel("TTFT p90 (s, log)")
     axes[0].set_title("TTFT p90 per QPS stage (lower is better)")
-    axes[1].set_xlabel("offered load (QPS stage)")
+    axes[1].set_xlabel(xlabel)
     axes[1].set_ylabel("output tokens / s")
     axes[1].set_title("Output throughput per QPS stage (higher is better)")
     for ax in axes:
@@ -249,11 +251,12 @@ def verdicts(results: List[Dict[str, Any]], sums: Dict[str, Dict[str, Any]]) -> 
         if not me:
             lines.append(f"- **{mine}** did not run to completion in this run: no claim is made for it.")
             continue
-        my_st = {s["rate"]: s for s in me.get("stages", []) if not s.get("warmup")}
+        my_st = {s["stage"]: s for s in me.get("stages", []) if not s.get("warmup")}
+        label = dict(stage_columns(results))
         for other in ran:
             if other["kind"] == "kvroute" and other["strategy"] != "kvroute-load":
                 continue
-            o_st = {s["rate"]: s for s in other.get("stages", []) if not s.get("warmup")}
+            o_st = {s["stage"]: s for s in other.get("stages", []) if not s.get("warmup")}
             worse_ttft = [q for q in my_st if q in o_st and _worse_ttft(my_st[q].get("ttft_p90"), o_st[q].get("ttft_p90"))]
             worse_tok = [q for q in my_st if q in o_st and _worse_tok(my_st[q].get("output_tok_s"), o_st[q].get("output_tok_s"))]
             a, b = sums[mine], sums[other["strategy"]]
@@ -264,11 +267,66 @@ def verdicts(results: List[Dict[str, Any]], sums: Dict[str, Dict[str, Any]]) -> 
             else:
                 parts = []
                 if worse_ttft:
-                    parts.append("higher TTFT p90 at " + ", ".join(f"{q:g}" for q in sorted(worse_ttft)) + " QPS")
+                    parts.append("higher TTFT p90 at " + ", ".join(label[q] for q in sorted(worse_ttft)))
                 if worse_tok:
-                    parts.append("lower throughput at " + ", ".join(f"{q:g}" for q in sorted(worse_tok)) + " QPS")
+                    parts.append("lower throughput at " + ", ".join(label[q] for q in sorted(worse_tok)))
                 lines.append(head + " — **kvroute does not beat it everywhere**: " + "; ".join(parts) + ".")
     return lines
+
+
+def stage_rates(results: List[Dict[str, Any]]) -> Dict[int, float]:
+    """Measured stage index -> its rate."""
+    return {st["stage"]: st["rate"] for r in results for st in r.get("stages", []) if not st.get("warmup")}
+
+
+def rates_repeat(results: List[Dict[str, Any]]) -> bool:
+    """True when two measured stages share a rate (the restart profile): stages are then named by number."""
+    rates = stage_rates(results)
+    return len(set(rates.values())) < len(rates)
+
+
+def stage_columns(results: List[Dict[str, Any]]) -> List[tuple]:
+    """(stage index, label) of the measured stages: "R QPS", with the stage number when a rate repeats."""
+    repeated = rates_repeat(results)
+    return [(k, f"{q:g} QPS" + (f" (stage {k})" if repeated else "")) for k, q in sorted(stage_rates(results).items())]
+
+
+def restart_section(results: List[Dict[str, Any]]) -> List[str]:
+    """The pod restart (profile `restart`): when, which pod, and the restart's stage before and after the kill."""
+    rows = [r for r in results if r.get("restart")]
+    if not rows:
+        return []
+    rec = rows[0]["restart"]
+    L = ["### Pod restart", "",
+         f"Pod {rec['pod_index']} (`{rec['pod']}`) was killed (SIGKILL: its queue, running requests and KV cache lost) "
+         f"{rec['after_s']:g} s into stage {rec['stage']} (its first arrival seen in the seeded arrival schedule, so the "
+         f"same point of the same request sequence for every strategy) and started again, empty, on the same address "
+         f"{rec['down_s']:g} s later. Times are simulated seconds. Before / after: the stage's requests that started "
+         "before / after the kill (TTFT of the answered ones; errors: failed or unanswered, e.g. cut when the pod died). "
+         "Pod running / KV use: the restarted pod's mean `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` "
+         "over each part (how soon the router sends it work again). KV-event messages: what the relay passed on from "
+         "the restarted process (its subscriptions outlive the old one), until the strategy's load ended.", "",
+         "| strategy | restart (kill after / down) | before: requests, TTFT p50 / p90, errors | after: requests, TTFT p50 / p90, errors "
+         "| in flight at the kill | sent while down | pod running before → after | pod KV use before → after "
+         "| KV-event messages from the new process |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        rs = r["restart"]
+        w = rs.get("windows")
+        if rs.get("status") != "done" or not w:
+            L.append(f"| {r['label']} | **{rs.get('status')}**: {rs.get('reason')} | | | | | | | |")
+            continue
+        b, a = w["before"], w["after"]
+        L.append(f"| {r['label']} | {f_num(rs['after_measured_s'], 1)} s / {f_num(rs['down_measured_s'], 1)} s | "
+                 f"{b['requests']}, {f_s(b['ttft_p50'])} / {f_s(b['ttft_p90'])}, {b['errors']} | "
+                 f"{a['requests']}, {f_s(a['ttft_p50'])} / {f_s(a['ttft_p90'])}, {a['errors']} | "
+                 f"{w['in_flight_at_kill']} | {w['down_window_requests']} | "
+                 f"{f_num(b['pod_running'], 1)} → {f_num(a['pod_running'], 1)} | {f_pct(b['pod_kv_usage'])} → {f_pct(a['pod_kv_usage'])} | "
+                 f"{rs.get('kv_events_after_restart', '—')} |")
+    L.append("")
+    L.append("The per-stage tables below show the stages before (steady state) and after (recovery) the restart's.")
+    L.append("")
+    return L
 
 
 def priority_section(results: List[Dict[str, Any]]) -> List[str]:
@@ -418,6 +476,7 @@ def write(out: str) -> str:
                  f"{f_s(s['ttft_mean'])} | {f_s(s['pod_ttft_mean'])} | {f_s(s['pooled_ttft_p90'])} | {f_pct(s['hit_rate'])} | {f_num(s['waiting'], 2)} | "
                  f"{s['errors']} / {s['expected']} |")
     L.append("")
+    L.extend(restart_section(results))
     L.extend(priority_section(results))
     L.extend(per_pod_section(results, prof))
     not_ok = [r for r in results if r["status"] != "ok"]
@@ -456,27 +515,27 @@ def write(out: str) -> str:
         L.append("![p90 TTFT and throughput per QPS stage](plot.png)")
         L.append("")
     # Per-stage tables.
-    rates = sorted({s["rate"] for r in results for s in r.get("stages", []) if not s.get("warmup")})
-    if rates:
+    columns = stage_columns(results)
+    if columns:
         for key, name, fmt in (("ttft_p90", "TTFT p90 per stage", f_s), ("output_tok_s", "Output tok/s per stage", f_num)):
             L.append(f"### {name}")
             L.append("")
-            L.append("| strategy | " + " | ".join(f"{q:g} QPS" for q in rates) + " |")
-            L.append("|---|" + "---:|" * len(rates))
+            L.append("| strategy | " + " | ".join(lbl for _, lbl in columns) + " |")
+            L.append("|---|" + "---:|" * len(columns))
             for r in results:
-                by = {s["rate"]: s for s in r.get("stages", []) if not s.get("warmup")}
-                L.append(f"| {r['label']} | " + " | ".join(fmt(by[q].get(key)) if q in by else "—" for q in rates) + " |")
+                by = {s["stage"]: s for s in r.get("stages", []) if not s.get("warmup")}
+                L.append(f"| {r['label']} | " + " | ".join(fmt(by[k].get(key)) if k in by else "—" for k, _ in columns) + " |")
             L.append("")
         L.append("### Errors and pod state per stage")
         L.append("")
-        L.append("| strategy | " + " | ".join(f"{q:g} QPS" for q in rates) + " |")
-        L.append("|---|" + "---:|" * len(rates))
+        L.append("| strategy | " + " | ".join(lbl for _, lbl in columns) + " |")
+        L.append("|---|" + "---:|" * len(columns))
         for r in results:
             cells = []
             stg = [s for s in r.get("stages", []) if not s.get("warmup")]
             per = ((r.get("pods") or {}).get("per_stage") or [])[1:]
-            for q in rates:
-                i = next((k for k, s in enumerate(stg) if s["rate"] == q), None)
+            for q, _ in columns:
+                i = next((k for k, s in enumerate(stg) if s["stage"] == q), None)
                 if i is None:
                     cells.append("—")
                     continue
@@ -495,8 +554,12 @@ def write(out: str) -> str:
              f"max_num_seqs {sim['max_num_seqs']}, max_num_batched_tokens {sim['max_num_batched_tokens']}. "
              f"Flushed (`POST /admin/flush`) before every strategy after waiting for them to be idle. Addresses: "
              f"{', '.join(meta.get('pods', {}).get('addresses') or [])}.")
-    if meta.get("pods", {}).get("argv"):
-        L.append(f"- vllm-sim command: `{' '.join(meta['pods']['argv'])}`")
+    argv = meta.get("pods", {}).get("argv")
+    if argv and isinstance(argv[0], list):
+        L.append("- vllm-sim: one process per pod (a pod restarts on its own): "
+                 + "; ".join(f"`{' '.join(a)}`" for a in argv))
+    elif argv:
+        L.append(f"- vllm-sim command: `{' '.join(argv)}`")
     L.append(f"- Workload: inference-perf `shared_prefix`, {w['groups']} groups × {w['prompts_per_group']} prompts, "
              f"system prompt {w['system_prompt_len']} tokens, question {w['question_len']}, output {w['output_len']} "
              f"(ignore_eos), `/v1/completions`, streaming; data seed {w['seed']}, arrival seed {w['arrival_seed']}. "

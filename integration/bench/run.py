@@ -3,6 +3,7 @@
 
     .venv-bench/bin/python integration/bench/run.py --profile quick        # make bench
     .venv-bench/bin/python integration/bench/run.py --profile full         # make bench-full
+    .venv-bench/bin/python integration/bench/run.py --resume build/bench/<run>   # continue a stopped run
 
 For each strategy, in a fixed order: wait until the pods are idle, flush them
 (POST /admin/flush: prefix cache dropped, counters reset), start the router,
@@ -13,7 +14,9 @@ reason; nothing is dropped. Then report.py writes report.md and plot.png.
 
 Output: build/bench/<UTC time>-<profile>/ (or --out): raw inference-perf
 reports, pod samples, router logs and configs per strategy, results.json,
-report.md, plot.png.
+report.md, plot.png. results.json is rewritten after each strategy, so a run
+stopped between strategies (or during one: SIGTERM/SIGHUP unwind cleanly) is
+continued with --resume in another session (meta.sessions says which ran where).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional
@@ -130,6 +134,8 @@ def versions() -> Dict[str, Any]:
 def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Optional[List[str]]):
     """The cluster: vllm-sim pods via integration/simcluster.py (+ the KV-event relay), or --endpoints."""
     if external:
+        if profile.sim.restart_pod >= 0:
+            raise SystemExit("a pod restart (sim.restart_pod) needs the simulated pods: not with --endpoints")
         yield type("External", (), {"addresses": external, "kv_event_endpoints": None, "info": {"external": True},
                                     "argv": None, "version": None})()
         return
@@ -158,10 +164,13 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
     for extra in s.extra_args:
         k, _, v = extra.partition("=")
         kw[k.lstrip("-").replace("-", "_")] = v
-    with simcluster.SimCluster(pods=s.pods, startup_timeout=120.0, **kw) as c:
+    # A pod that restarts mid-run needs its own process; otherwise all pods share one (as in every other profile).
+    cluster = simcluster.PodFleet if s.restart_pod >= 0 else simcluster.SimCluster
+    with cluster(pods=s.pods, startup_timeout=120.0, **kw) as c:
         c.argv = c._argv()
+        binary = c.argv[0] if isinstance(c.argv[0], str) else c.argv[0][0]
         try:
-            c.version = subprocess.run([c.argv[0], "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+            c.version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
         except Exception:
             c.version = None
         from procs import free_ports
@@ -173,9 +182,8 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
             try:
                 yield c
             finally:
-                if getattr(c, "log_path", None):
-                    with contextlib.suppress(OSError):
-                        shutil.copyfile(c.log_path, os.path.join(out, "vllm-sim.log"))
+                with contextlib.suppress(OSError), open(os.path.join(out, "vllm-sim.log"), "w") as fh:
+                    fh.write(c.log_text())
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -431,21 +439,27 @@ def _prompt_of(request_data: Any) -> str:
         return ""
 
 
+def answered_ttfts(reqs: List[Dict[str, Any]]) -> List[float]:
+    """Sorted TTFTs of the requests that were answered."""
+    return sorted(r["ttft"] for r in reqs if not r.get("error") and r.get("ttft") is not None)
+
+
+def nearest_rank(xs: List[float], p: float) -> Optional[float]:
+    """The p-th percentile of sorted xs, nearest rank (None when empty)."""
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else None
+
+
 def by_priority(reqs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per priority class: requests, answered, failed (sheddable failures are the proxy's 429s when
     the router sheds), TTFT p50/p90 of the answered ones."""
     out: Dict[str, Any] = {}
     for cls in ("critical", "sheddable"):
         mine = [r for r in reqs if r.get("priority") == cls]
-        ok = sorted(r["ttft"] for r in mine if not r.get("error") and r.get("ttft") is not None)
+        ok = answered_ttfts(mine)
         failed = [r for r in mine if r.get("error")]
-
-        def pct(p: float) -> Optional[float]:
-            return ok[min(len(ok) - 1, int(round(p / 100 * (len(ok) - 1))))] if ok else None
-
         out[cls] = {"requests": len(mine), "answered": len(ok), "failed": len(failed),
                     "errors": sorted({str(r["error"]) for r in failed}),
-                    "ttft_p50": pct(50), "ttft_p90": pct(90)}
+                    "ttft_p50": nearest_rank(ok, 50), "ttft_p90": nearest_rank(ok, 90)}
     return out
 
 
@@ -533,6 +547,111 @@ def router_stats(st: Dict[str, Any], sdir: str) -> Dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------ pod restart (profile `restart`)
+
+class PodRestart:
+    """Kills pod `sim.restart_pod` `sim.restart_after` simulated seconds into stage `sim.restart_stage` and starts it
+    again on its address `sim.restart_down` simulated seconds later (simcluster.PodFleet.restart). The stage's start
+    is its first arrival, as ipwrap.py writes it to the arrival schedule (one timer per stage, in order), so the
+    restart falls at the same point of the same request sequence for every strategy. `record` says when it
+    happened, in wall time and in the per-request records' clock (monotonic ÷ time scale)."""
+
+    def __init__(self, cluster: Any, sim: profiles.SimSpec, schedule_path: str) -> None:
+        self.cluster, self.sim, self.schedule_path = cluster, sim, schedule_path
+        self.record: Dict[str, Any] = {"pod": cluster.addresses[sim.restart_pod], "pod_index": sim.restart_pod,
+                                       "stage": sim.restart_stage, "after_s": sim.restart_after,
+                                       "down_s": sim.restart_down, "status": "not reached",
+                                       "reason": f"the load ended before stage {sim.restart_stage}'s first arrival"}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._relayed_at_up: Optional[int] = None
+
+    def _stage_started(self) -> Optional[float]:
+        """Wall time stage `restart_stage`'s first arrival is seen in the schedule (None when stopped first)."""
+        want = self.sim.restart_stage
+        while not os.path.exists(self.schedule_path):
+            if self._stop.wait(0.05):
+                return None
+        with open(self.schedule_path, "rb") as fh:
+            while not self._stop.is_set():
+                line = fh.readline()
+                if not line.endswith(b"\n"):  # nothing new yet (or a line still being written): read it again
+                    fh.seek(-len(line), os.SEEK_CUR)
+                    self._stop.wait(0.05)
+                    continue
+                if json.loads(line).get("timer") == want:
+                    return time.time()
+        return None
+
+    def _run(self) -> None:
+        try:
+            seen = self._stage_started()
+            scale = self.sim.time_scale
+            if seen is None or self._stop.wait(self.sim.restart_after * scale):
+                return
+            done = self.cluster.restart(self.sim.restart_pod, self.sim.restart_down * scale)
+            self.record.update(status="done", reason=None, stage_first_arrival_wall=seen,
+                               killed_wall=done["killed"]["wall"], up_wall=done["up"]["wall"],
+                               killed_t=done["killed"]["mono"] / scale, up_t=done["up"]["mono"] / scale,
+                               down_measured_s=round((done["up"]["mono"] - done["killed"]["mono"]) / scale, 3),
+                               after_measured_s=round((done["killed"]["wall"] - seen) / scale, 3))
+            self._relayed_at_up = self._relayed()
+            log(f"pod {self.record['pod']} killed {self.record['after_measured_s']} s into stage {self.sim.restart_stage}, "
+                f"back after {self.record['down_measured_s']} s")
+        except Exception as e:  # recorded: the strategy's numbers then say nothing about a restart
+            self.record.update(status="failed", reason=f"{type(e).__name__}: {e}")
+            log(f"pod restart FAILED — {e}")
+
+    def __enter__(self) -> "PodRestart":
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.schedule_path)
+        self._thread = threading.Thread(target=self._run, name="pod-restart", daemon=True)
+        self._thread.start()
+        return self
+
+    def _relayed(self) -> Optional[int]:
+        """KV-event messages the relay has passed on from the restarting pod so far."""
+        relay = getattr(self.cluster, "relay", None)
+        if relay is None:
+            return None
+        return relay.stats().get(self.cluster.kv_event_endpoints[self.record["pod"]])
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()  # a restart under way completes: the next strategy needs every pod
+        if self.record["status"] == "done" and self._relayed_at_up is not None:
+            # The subscriptions outlive the process: the new one's events reach the relay, and through it the
+            # indexer and kv_aware.
+            self.record["kv_events_after_restart"] = self._relayed() - self._relayed_at_up
+
+
+def restart_windows(record: Dict[str, Any], requests: List[Dict[str, Any]], samples_path: str,
+                    time_scale: float) -> Dict[str, Any]:
+    """The restart's stage split at the kill: its requests that started before and after it (TTFT p50/p90 of the
+    answered ones, errors), and the restarted pod's mean running sequences and KV use in each part."""
+    stage = [r for r in requests if r["stage"] == record["stage"]]
+    rows = podmetrics.load_samples(samples_path) if os.path.exists(samples_path) else []
+    kill, up = record["killed_t"], record["up_t"]
+    # Per-request times are monotonic ÷ scale, pod samples wall time: kill_wall is the kill on the second clock.
+    kill_wall = record["killed_wall"]
+    t0 = min((r["start"] for r in stage), default=kill)
+    t1 = max((r["end"] or r["start"] for r in stage), default=kill)
+    out: Dict[str, Any] = {}
+    for name, lo, hi in (("before", t0, kill), ("after", kill, t1)):
+        mine = [r for r in stage if (r["start"] < kill) == (name == "before")]
+        ok = answered_ttfts(mine)
+        w0 = kill_wall + (lo - kill) * time_scale
+        w1 = kill_wall + (hi - kill) * time_scale
+        pod = podmetrics.per_pod(rows, w0, w1).get(record["pod"], {})
+        out[name] = {"seconds": round(hi - lo, 1), "requests": len(mine), "errors": len(mine) - len(ok),
+                     "ttft_p50": nearest_rank(ok, 50), "ttft_p90": nearest_rank(ok, 90),
+                     "pod_running": pod.get("vllm:num_requests_running"), "pod_kv_usage": pod.get("vllm:kv_cache_usage_perc")}
+    out["in_flight_at_kill"] = sum(1 for r in stage if r["start"] < kill <= (r["end"] or kill))
+    out["down_window_requests"] = sum(1 for r in stage if kill <= r["start"] < up)
+    return out
+
+
 # ------------------------------------------------------------------ one strategy
 
 def strategy_record(strategy: strategies.Strategy, status: str, **extra: Any) -> Dict[str, Any]:
@@ -576,8 +695,13 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
             router_cpu0 = h.stats().get("cpu_seconds")
             log(f"{strategy.name}: router at {h.base_url}; running inference-perf "
                 f"({planned_seconds(profile):.0f}s planned, cap {profile.load.inflight_cap} in flight)")
-            with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler:
+            restart = (PodRestart(cluster, profile.sim, os.path.join(sdir, "arrival-schedule.jsonl"))
+                       if profile.sim.restart_pod >= 0 else None)
+            with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler, \
+                    restart or contextlib.nullcontext():
                 ipres = run_inference_perf(profile, cfg, sdir)
+            if restart:
+                res["restart"] = restart.record
             res["inference_perf"] = ipres
             res["pod_scrape_errors"] = sampler.scrape_errors
             st = h.stats()
@@ -612,6 +736,9 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                 fh.write(json.dumps(r) + "\n")
         res["requests_file"] = os.path.relpath(os.path.join(sdir, "requests.jsonl.gz"), out)
         res["pods"] = pod_summary(os.path.join(sdir, "pod-samples.jsonl"), before, after, parsed["stages"])
+        if (res.get("restart") or {}).get("status") == "done":
+            res["restart"]["windows"] = restart_windows(res["restart"], parsed["requests"],
+                                                        os.path.join(sdir, "pod-samples.jsonl"), profile.sim.time_scale)
         # The big per-request file (every inter-token gap) is summarised above; keep a gzip.
         big = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
         if os.path.exists(big):
@@ -965,6 +1092,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGHUP, _stop_on_signal)
     if args.resume:
+        defaults = build_parser().parse_args([])
+        extra = [k for k in ("profile", "strategies", "set", "kvroute_set", "out", "endpoints", "close")
+                 if getattr(args, k) != getattr(defaults, k)]
+        if extra:
+            raise SystemExit(f"--resume runs the stopped run's own recorded arguments; not with "
+                             f"{', '.join('--' + k.replace('_', '-') for k in extra)}")
         out = os.path.abspath(args.resume)
         meta, results, prof, rec, order, todo, diffs = resume_plan(out, args.resume_at_other_commit)
         for d in diffs:

@@ -10,7 +10,8 @@ precise: overlay present, filter removed or singleton added), kvroute's timers
 scaled with the pods' time scale (singleton and filter), run.py --kvroute-set (schema-checked paths
 and values, merged over each mode's plugin config), the mixed and overload
 scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
-per-class and longest-queue summaries), and the report on
+per-class and longest-queue summaries), the oversub and restart profiles (the restart's
+before / after split and its report table), and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 import tempfile
@@ -105,6 +107,68 @@ def kvroute_plugin_overrides():
     assert "kvroute_overrides" not in prof.to_dict(), "runs without overrides record the profile as before"
     prof.kvroute_overrides = sets
     assert prof.to_dict()["kvroute_overrides"] == sets
+
+
+@check
+def scenario_oversub():
+    oversub, overload = profiles.get("oversub"), profiles.get("overload")
+    assert abs(oversub.resident_fraction() - 1.5) < 0.01
+    assert (oversub.sim.pods, oversub.sim.capacities(), oversub.sim.speeds()) == \
+        (overload.sim.pods, overload.sim.capacities(), overload.sim.speeds()), "the overload cluster"
+    # Each stage walks its first n prompts of the 490: a group is missed when none of its 5 is among them.
+    w = oversub.workload
+    prompts = w.groups * w.prompts_per_group
+    for n in oversub.expected_requests()[1:]:
+        missed = math.comb(prompts - w.prompts_per_group, n) / math.comb(prompts, n)
+        assert missed < 0.05, f"a {n}-request stage misses {missed:.1%} of the groups"
+
+
+@check
+def scenario_restart():
+    import report
+    import run
+    import simcluster
+
+    prof = profiles.get("restart")
+    assert (prof.sim.restart_pod, prof.sim.restart_stage) == (0, 2) and len(prof.load.stages) == 3
+    assert len({r for r, _ in prof.load.stages}) == 1, "one rate: the stages differ only by the restart"
+    for bad in ("sim.restart_pod=4", "sim.restart_stage=5"):
+        try:
+            profiles.get("restart", [bad])
+            raise AssertionError(f"{bad} accepted")
+        except SystemExit as e:
+            assert "sim.restart_pod" in str(e)
+    assert simcluster.pod_kv_events_endpoint("ipc:///r/ev", 0) == "ipc:///r/ev"
+    assert simcluster.pod_kv_events_endpoint("ipc:///r/ev", 2) == "ipc:///r/ev-2"
+    assert simcluster.pod_kv_events_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert simcluster.pod_kv_events_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5557", "connecting: shared"
+
+    # The restart's stage split at the kill (request times: monotonic ÷ scale; samples: wall).
+    d = tempfile.mkdtemp(prefix="bench-selftest-restart-")
+    pod = "127.0.0.1:9000"
+    rec = {"pod": pod, "pod_index": 0, "stage": 2, "after_s": 10.0, "down_s": 5.0, "status": "done",
+           "killed_t": 110.0, "up_t": 115.0, "killed_wall": 5000.0, "after_measured_s": 10.1, "down_measured_s": 5.2}
+    reqs = [{"stage": 1, "start": 90.0, "end": 91.0, "ttft": 9.0, "error": None}]
+    reqs += [{"stage": 2, "start": 100.0 + k, "end": 100.5 + k, "ttft": 0.1 * (k + 1), "error": None} for k in range(5)]
+    reqs += [{"stage": 2, "start": 108.0, "end": None, "ttft": None, "error": "ClientPayloadError"}]  # cut by the kill
+    reqs += [{"stage": 2, "start": 112.0, "end": 114.0, "ttft": 2.0, "error": None},
+             {"stage": 2, "start": 116.0, "end": 117.0, "ttft": 0.9, "error": None}]
+    samples = os.path.join(d, "pod-samples.jsonl")
+    with open(samples, "w") as fh:
+        for t, running in ((4995.0, 10), (4999.0, 12), (5003.0, 0), (5006.0, 2), (5009.0, 30)):
+            fh.write(json.dumps({"t": t, "pods": {pod: {"vllm:num_requests_running": running}}}) + "\n")
+    w = run.restart_windows(rec, reqs, samples, 1.0)
+    assert (w["before"]["requests"], w["before"]["errors"], w["before"]["ttft_p90"]) == (6, 1, 0.5), w
+    assert (w["after"]["requests"], w["after"]["errors"], w["after"]["ttft_p90"]) == (2, 0, 2.0), w
+    assert (w["before"]["pod_running"], w["after"]["pod_running"]) == (11.0, 1.0), w
+    assert (w["in_flight_at_kill"], w["down_window_requests"]) == (1, 1), w
+    rec["windows"] = w
+    results = [{"strategy": "kvroute-approx", "label": "kvroute approximate", "restart": rec,
+                "stages": [{"stage": k, "rate": 12.0, "warmup": k == 0} for k in range(4)]}]
+    text = "\n".join(report.restart_section(results))
+    assert "Pod 0 (`127.0.0.1:9000`) was killed" in text and "10 s into stage 2" in text
+    assert "| kvroute approximate | 10.1 s / 5.2 s | 6, 0.300 s / 0.500 s, 1 | 2, 0.900 s / 2.000 s, 0 | 1 | 1 | 11.0 → 1.0 | — → — | — |" in text
+    assert [lbl for _, lbl in report.stage_columns(results)] == ["12 QPS (stage 1)", "12 QPS (stage 2)", "12 QPS (stage 3)"]
 
 
 @check
