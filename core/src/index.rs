@@ -53,6 +53,11 @@ pub use crate::feed::Tier;
 pub struct PodId(u32);
 
 impl PodId {
+    /// A pod id of a cluster that holds no index (never looked up in one).
+    pub fn local(n: u32) -> PodId {
+        PodId(n)
+    }
+
     /// The id's position in dense per-pod tables.
     pub fn slot(self) -> usize {
         self.0 as usize
