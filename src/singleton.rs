@@ -31,6 +31,9 @@ const MAX_PENDING_LEARNED: usize = 1 << 16;
 pub struct Singleton {
     /// The proxy's one block index, and the pods it names.
     cluster: Cluster,
+    /// This writer's id in the published head (readers re-read the pod
+    /// table of a new writer).
+    writer: u64,
     flush_ms: u32,
     last_flush_ms: u64,
     index_metrics: IndexMetrics,
@@ -83,6 +86,7 @@ impl Singleton {
         cluster.configure_index(&config, now_s);
         Ok(Singleton {
             cluster,
+            writer: host::random_u64(),
             flush_ms: config.index.flush_ms,
             last_flush_ms: 0,
             index_metrics: IndexMetrics::define(),
@@ -158,7 +162,7 @@ impl Singleton {
     /// Publishes what changed in the index since the last flush (pod
     /// table, new sets, buckets, then the head with its heartbeat).
     fn flush(&mut self, now_ms: u64) {
-        let Some(publication) = self.cluster.publish(MAX_FLUSH_WRITES, now_ms) else {
+        let Some(publication) = self.cluster.publish(MAX_FLUSH_WRITES, self.writer, now_ms) else {
             return;
         };
         let mut written = 0;

@@ -52,7 +52,7 @@ pub struct Worker {
     /// Position in `cluster` of each published pod id, and the versions
     /// (published pod table, cluster pods) it was built for.
     positions: Vec<Option<usize>>,
-    positions_of: (Option<u64>, u64),
+    positions_of: (Option<(u64, u64)>, u64),
     /// Why the index was last unusable (logged when it changes).
     unpublished: Option<Unpublished>,
     recent: RecentRoutes,

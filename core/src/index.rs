@@ -515,6 +515,12 @@ pub struct BlockIndex {
     /// Buckets whose slots changed since the last publication, and a flag per bucket.
     dirty_buckets: Vec<u32>,
     bucket_dirty: Vec<bool>,
+    /// Buckets this index has not published yet. Each is written once (an
+    /// empty one in two bytes) after the changed ones, so that no key an
+    /// earlier writer or bucket layout left behind lingers, and new routing
+    /// does not wait behind that backlog.
+    unpublished: Vec<u32>,
+    published: Vec<bool>,
     /// A pod was added, removed or cleared since the last publication.
     pods_dirty: bool,
     /// Publications of the pod table so far.
@@ -545,6 +551,8 @@ impl BlockIndex {
             latest_epoch: 0,
             dirty_buckets: Vec::new(),
             bucket_dirty: vec![false; buckets],
+            unpublished: (0..buckets as u32).rev().collect(),
+            published: vec![false; buckets],
             pods_dirty: true,
             pods_version: 0,
         }
@@ -1354,7 +1362,13 @@ mod tests {
     impl SharedMap {
         /// Applies one flush of at most `max` writes; returns what it deferred.
         fn flush(&mut self, index: &mut BlockIndex, max: usize) -> usize {
-            let publication = index.publish(max, 1_000, &|id| Some(format!("pod-{}", id.slot())));
+            self.flush_as(7, index, max)
+        }
+
+        /// [`SharedMap::flush`] by the writer `writer`.
+        fn flush_as(&mut self, writer: u64, index: &mut BlockIndex, max: usize) -> usize {
+            let publication =
+                index.publish(max, writer, 1_000, &|id| Some(format!("pod-{}", id.slot())));
             self.0.extend(publication.writes);
             publication.deferred
         }
@@ -1411,6 +1425,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A writer that starts over (a new singleton) rewrites every bucket and
+    /// its pod table: readers see nothing of the old writer's entries, even
+    /// where the new index holds nothing, and re-read the pods although the
+    /// new table's version number is the old one's.
+    #[test]
+    fn a_new_writer_leaves_nothing_of_the_old_one() {
+        let mut shared = SharedMap::default();
+        let mut old = BlockIndex::new(1 << 20, 60);
+        let (a, b) = (old.add_pod().unwrap(), old.add_pod().unwrap());
+        let c = chain(9, 30);
+        old.touch_chain(b, &c, Tier::Gpu, 1);
+        while shared.flush_as(1, &mut old, 16) > 0 {}
+        let mut view = published::PublishedView::default();
+        view.refresh(&shared, 1_000, 5_000).unwrap();
+        assert_eq!(view.pods().addresses().count(), 2);
+        let mut new = BlockIndex::new(1 << 20, 60);
+        assert_eq!(new.add_pod(), Some(a));
+        let mut flushes = 0;
+        while shared.flush_as(2, &mut new, 16) > 0 {
+            flushes += 1;
+        }
+        assert!(flushes > 0, "every bucket is written, a few per flush");
+        view.refresh(&shared, 1_000, 5_000).unwrap();
+        assert_eq!(
+            view.pods().addresses().collect::<Vec<_>>(),
+            vec![(a, "pod-0")]
+        );
+        assert!(shared.lookup(&c, 1, &TRUST_ALL).is_empty());
     }
 
     /// Readers of a stale or absent head route on load only; bytes that are

@@ -531,13 +531,17 @@ impl Cluster {
     }
 
     /// Publishes what changed in the index (see [`BlockIndex::publish`]).
-    pub fn publish(&mut self, max_writes: usize, now_ms: u64) -> Option<Publication> {
+    pub fn publish(&mut self, max_writes: usize, writer: u64, now_ms: u64) -> Option<Publication> {
         let (pods, by_id) = (&self.pods, &self.by_id);
         let address = |id: PodId| {
             let i = *by_id.get(id.slot())?;
             pods.get(i).map(|p| p.spec.address.clone())
         };
-        Some(self.index.as_mut()?.publish(max_writes, now_ms, &address))
+        Some(
+            self.index
+                .as_mut()?
+                .publish(max_writes, writer, now_ms, &address),
+        )
     }
 
     /// Picks the pod for a hashed prompt. The candidates are the pods the

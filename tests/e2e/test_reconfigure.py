@@ -64,6 +64,7 @@ def test_config_update_keeps_the_index(sims, tmp_path):
     with lds_gateway(sims, tmp_path, {}) as (envoy, listener, lds):
         system = unique_system()
         first = decision(chat(envoy, system, "same question"))
+        envoy.wait_for_index_flush()
 
         configuration = plugin_of(listener)
         updated = json.loads(configuration["value"])

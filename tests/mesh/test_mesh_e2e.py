@@ -123,6 +123,7 @@ def test_precise_routing_from_vllm_kv_events(mesh):
     if mesh["name"] == "mesh-gateway.yaml":
         polls = stat(envoy, "kvroute.feed.ok")
         wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= polls + 3, 10, "feed polls after indexing")
+        envoy.wait_for_index_flush()  # the singleton publishes what the feed brought
     r = completion(envoy.url, tokens + prompt(seed + 1000, 64))
     assert r.status_code == 200, r.text
     d = parse_decision(r.headers[DECISION])

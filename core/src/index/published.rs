@@ -4,10 +4,12 @@
 //! Keys, all under `kvroute/index/v1/` (shared data never deletes a key, so
 //! the key set is bounded by the budget: one key per bucket, one per
 //! [`SETS_PER_CHUNK`] set ids, and two more):
-//! - `head`: the format, the writer's heartbeat, the pod table's version,
-//!   the bucket count and the learned-age clock. Written at every flush.
+//! - `head`: the format, the writer (drawn at its start), its heartbeat, the
+//!   pod table's version, the bucket count and the learned-age clock.
+//!   Written at every flush.
 //! - `pods`: per index pod id, its generations and address.
-//! - `b/<bucket>`: the bucket's slots (an empty bucket is never written).
+//! - `b/<bucket>`: the bucket's slots (written once by each new writer or
+//!   layout, then when they change).
 //! - `s/<chunk>`: the interned sets of ids `chunk × 16 ..`, members sorted.
 //!
 //! A flush writes the pod table, then new sets, then buckets, so a reader
@@ -44,6 +46,9 @@ pub fn set_chunk_key(id: u32) -> String {
 /// What the head key says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Head {
+    /// Drawn by each writer when it starts: a pod-table version of another
+    /// writer means nothing.
+    pub writer: u64,
     /// When the writer last flushed (ms since the epoch).
     pub heartbeat_ms: u64,
     /// Bumped whenever the pod table is rewritten.
@@ -54,8 +59,9 @@ pub struct Head {
 
 impl Head {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(27);
+        let mut out = Vec::with_capacity(35);
         out.push(FORMAT);
+        put_u64(&mut out, self.writer);
         put_u64(&mut out, self.heartbeat_ms);
         put_u64(&mut out, self.pods_version);
         put_u32(&mut out, self.buckets);
@@ -72,6 +78,7 @@ impl Head {
             });
         }
         let head = Head {
+            writer: r.u64("writer")?,
             heartbeat_ms: r.u64("heartbeat")?,
             pods_version: r.u64("pods version")?,
             buckets: r.u32("bucket count")?,
@@ -190,12 +197,14 @@ pub struct Publication {
 impl BlockIndex {
     /// Drains what changed since the last publication into at most
     /// `max_writes` key writes (plus the head): the pod table when a pod was
-    /// added, removed or cleared, the chunks of new sets, then changed
-    /// buckets. Buckets wait while new sets do (a slot is never published
-    /// before its set). `address` names each live pod.
+    /// added, removed or cleared, the chunks of new sets, changed buckets,
+    /// then buckets this index never wrote. Buckets wait while new sets do
+    /// (a slot is never published before its set). `address` names each
+    /// live pod.
     pub fn publish(
         &mut self,
         max_writes: usize,
+        writer: u64,
         heartbeat_ms: u64,
         address: &dyn Fn(PodId) -> Option<String>,
     ) -> Publication {
@@ -227,7 +236,7 @@ impl BlockIndex {
             self.sets
                 .fresh
                 .extend(left.iter().map(|c| c * SETS_PER_CHUNK));
-            out.deferred = left.len() + self.dirty_buckets.len();
+            out.deferred = left.len() + self.dirty_buckets.len() + self.unpublished.len();
         } else {
             let room = max_writes.saturating_sub(out.writes.len());
             let take = room.min(self.dirty_buckets.len());
@@ -235,12 +244,25 @@ impl BlockIndex {
             for b in std::mem::replace(&mut self.dirty_buckets, rest) {
                 let b = b as usize;
                 self.bucket_dirty[b] = false;
+                self.published[b] = true;
                 out.writes
                     .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
             }
-            out.deferred = self.dirty_buckets.len();
+            // Then the buckets not written yet, with the room left.
+            while out.writes.len() < max_writes {
+                let Some(b) = self.unpublished.pop() else {
+                    break;
+                };
+                let b = b as usize;
+                if !std::mem::replace(&mut self.published[b], true) {
+                    out.writes
+                        .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
+                }
+            }
+            out.deferred = self.dirty_buckets.len() + self.unpublished.len();
         }
         let head = Head {
+            writer,
             heartbeat_ms,
             pods_version: self.pods_version,
             buckets: self.buckets.len() as u32,
@@ -248,22 +270,6 @@ impl BlockIndex {
         };
         out.writes.push((HEAD_KEY.to_string(), head.encode()));
         out
-    }
-
-    /// Every bucket and set again at the next publication (a new writer, or
-    /// a new bucket count).
-    pub fn republish_all(&mut self) {
-        self.pods_dirty = true;
-        self.dirty_buckets.clear();
-        for (b, flag) in self.bucket_dirty.iter_mut().enumerate() {
-            *flag = !self.buckets[b].slots.is_empty();
-            if *flag {
-                self.dirty_buckets.push(b as u32);
-            }
-        }
-        self.sets.fresh = (0..self.sets.members.len() as u32)
-            .filter(|&id| !self.sets.get(id).is_empty())
-            .collect();
     }
 
     fn encode_pods(&self, address: &dyn Fn(PodId) -> Option<String>) -> Vec<u8> {
@@ -356,7 +362,7 @@ impl PublishedView {
         if now_ms.saturating_sub(head.heartbeat_ms) > stale_after_ms {
             return Err(Unpublished::Stale);
         }
-        if self.head.map(|h| h.pods_version) != Some(head.pods_version) {
+        if self.pods_version() != Some((head.writer, head.pods_version)) {
             let table = reader.read(PODS_KEY).ok_or(Unpublished::Unreadable)?;
             self.pods = PodTable::decode(&table).map_err(|_| Unpublished::Unreadable)?;
         }
@@ -364,9 +370,10 @@ impl PublishedView {
         Ok(())
     }
 
-    /// The version of the pod table last read (to cache what depends on it).
-    pub fn pods_version(&self) -> Option<u64> {
-        self.head.map(|h| h.pods_version)
+    /// The writer and version of the pod table last read (to cache what
+    /// depends on it).
+    pub fn pods_version(&self) -> Option<(u64, u64)> {
+        self.head.map(|h| (h.writer, h.pods_version))
     }
 
     pub fn pods(&self) -> &PodTable {
