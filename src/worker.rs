@@ -125,20 +125,8 @@ impl Worker {
                 }
                 // The flush gap: what this VM routed and the index may not show yet.
                 for (pod, blocks) in self.recent.matches(&prompt.hashes, now_ms) {
-                    let Some(pod) = self.cluster.position(pod) else {
-                        continue;
-                    };
-                    match matches.iter_mut().find(|m| m.pod == pod) {
-                        Some(m) if m.blocks >= blocks => {}
-                        Some(m) => {
-                            m.credit += (blocks - m.blocks) as f64;
-                            m.blocks = blocks;
-                        }
-                        None => matches.push(LocalMatch {
-                            pod,
-                            blocks,
-                            credit: blocks as f64,
-                        }),
+                    if let Some(pod) = self.cluster.position(pod) {
+                        LocalMatch::merge_learned(&mut matches, pod, blocks);
                     }
                 }
                 None

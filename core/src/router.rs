@@ -318,6 +318,26 @@ pub struct LocalMatch {
     pub credit: f64,
 }
 
+impl LocalMatch {
+    /// Adds to `matches` that `pod` holds the first `blocks` blocks as a
+    /// learned prefix (a worker's own recent decision): a longer prefix than
+    /// the pod's match is credited one per block beyond it.
+    pub fn merge_learned(matches: &mut Vec<LocalMatch>, pod: usize, blocks: usize) {
+        match matches.iter_mut().find(|m| m.pod == pod) {
+            Some(m) if m.blocks >= blocks => {}
+            Some(m) => {
+                m.credit += (blocks - m.blocks) as f64;
+                m.blocks = blocks;
+            }
+            None => matches.push(LocalMatch {
+                pod,
+                blocks,
+                credit: blocks as f64,
+            }),
+        }
+    }
+}
+
 /// The pods one VM routes to, their load, and (in the proxy's single
 /// writer, and natively) the block index. A worker VM holds no index: it
 /// reads the copy the singleton publishes and decides with
@@ -1143,6 +1163,35 @@ mod tests {
                 hot.total_blocks
             );
         }
+    }
+
+    #[test]
+    fn a_recent_learned_prefix_extends_a_shorter_match_only() {
+        let cpu_half = LocalMatch {
+            pod: 1,
+            blocks: 4,
+            credit: 2.0,
+        };
+        let mut matches = vec![cpu_half];
+        LocalMatch::merge_learned(&mut matches, 1, 3);
+        assert_eq!(matches, vec![cpu_half]);
+        LocalMatch::merge_learned(&mut matches, 1, 6);
+        LocalMatch::merge_learned(&mut matches, 2, 5);
+        assert_eq!(
+            matches,
+            vec![
+                LocalMatch {
+                    pod: 1,
+                    blocks: 6,
+                    credit: 4.0
+                },
+                LocalMatch {
+                    pod: 2,
+                    blocks: 5,
+                    credit: 5.0
+                }
+            ]
+        );
     }
 
     #[test]
