@@ -94,6 +94,8 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     With template=GATEWAY_PRECISE, `indexer` ("ip:port" of kvroute-indexer) fills the indexer
     cluster, and the tokenizer cluster gets the same pods. A list of replicas fills it with
     INDEXER_REPLICAS: one priority per replica in the order given, health-checked.
+    Both templates run the singleton, the index's one writer: it gets the plugin's `index`
+    settings (and kvroute=False drops it with the filter).
     """
     cfg = yaml.safe_load(template.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port or free_port()
@@ -102,7 +104,13 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     cluster = cfg["static_resources"]["clusters"][0]
     cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(a)} for a in endpoints]}]
     for extension in cfg.get("bootstrap_extensions", []):
-        extension["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        singleton = extension["typed_config"]["config"]
+        singleton["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        # The singleton holds the index: it takes the filter's index settings.
+        if plugin and "index" in plugin:
+            value = json.loads(singleton["configuration"]["value"])
+            value["index"] = _merge(value.get("index", {}), plugin["index"])
+            singleton["configuration"]["value"] = json.dumps(value)
     for other in cfg["static_resources"]["clusters"][1:]:
         if other["name"] == "kvroute_indexer" and isinstance(indexer, str):
             other["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(indexer)}]}]
@@ -122,6 +130,7 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
         wasm_cfg["configuration"]["value"] = json.dumps(_merge(base, plugin or {}))
     else:
         del filters[0]
+        cfg.pop("bootstrap_extensions", None)
         del cluster["load_balancing_policy"]
         cluster["lb_policy"] = lb_policy
     return yaml.safe_dump(cfg, sort_keys=False)
@@ -241,11 +250,33 @@ class EnvoyProcess:
             except OSError:
                 pass
             peers = self.stats("wasmcustom.kvroute.peers").get("wasmcustom.kvroute.peers", 0)
-            steady = steady + 1 if peers >= self.concurrency else 0
+            published = not self.has_singleton or self.index_flushes() > 0
+            steady = steady + 1 if peers >= self.concurrency and published else 0
             if steady >= 3:
                 return
             time.sleep(0.1)
         raise RuntimeError(f"kvroute VMs did not find each other in {timeout}s:\n{self.log_tail()}")
+
+    @property
+    def has_singleton(self) -> bool:
+        """True when the config runs kvroute's singleton (the writer of the routing index)."""
+        return bool(yaml.safe_load(self.config_text).get("bootstrap_extensions"))
+
+    def index_flushes(self) -> int:
+        """Shared-data keys the singleton's index flushes wrote so far (the head at least, each flush)."""
+        return self.stats("kvroute.index.flushed").get("wasmcustom.kvroute.index.flushed", 0)
+
+    def wait_for_index_flush(self, timeout: float = 10.0) -> None:
+        """Waits for two flushes of the routing index (index.flush_ms, 100 ms by default): what
+        the workers routed before the call is then published to every worker. (The first flush
+        seen may have started before the last routed prompt reached the singleton.)"""
+        deadline = time.monotonic() + timeout
+        for _ in range(2):
+            start = self.index_flushes()
+            while self.index_flushes() <= start:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the routing index was not flushed in {timeout}s:\n{self.log_tail()}")
+                time.sleep(0.02)
 
     def cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()

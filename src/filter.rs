@@ -44,6 +44,8 @@ pub struct RequestFilter {
     looked_up: bool,
     /// How the remote lookup went, for the decision header.
     lookup_note: Option<String>,
+    /// Why the published index could not be read, for the decision header.
+    index_note: Option<String>,
 }
 
 impl RequestFilter {
@@ -62,6 +64,7 @@ impl RequestFilter {
             looking_up: None,
             looked_up: false,
             lookup_note: None,
+            index_note: None,
         }
     }
 
@@ -181,12 +184,17 @@ impl RequestFilter {
         self.apply(&config, &request, hashed, decision, started)
     }
 
-    fn decide_locally(&self, config: &Config, hashed: &HashedPrompt) -> Result<Decision, NoRoute> {
+    fn decide_locally(
+        &mut self,
+        config: &Config,
+        hashed: &HashedPrompt,
+    ) -> Result<Decision, NoRoute> {
         let Ok(mut w) = self.worker.try_borrow_mut() else {
             return Err(NoRoute::NoEndpoints);
         };
-        let seed = w.next_tie_seed();
-        w.cluster.decide(config, hashed, host::now().0, seed)
+        let (decision, unpublished) = w.decide(config, hashed);
+        self.index_note = unpublished.map(|why| format!("index={} (load only)", why.name()));
+        decision
     }
 
     /// The lookup's answer arrived: rank it, or decide locally if it is no use.
@@ -307,13 +315,7 @@ impl RequestFilter {
         if self.looked_up {
             remote::routed(&decision.pod, prompt_blocks);
         } else {
-            w.cluster
-                .record_routed(&decision.pod, prompt_blocks, &hashes, now_s);
-            w.tell_peers(PeerMessage::Routed {
-                pod: decision.pod.clone(),
-                prompt_blocks,
-                hashes: hashes.clone(),
-            });
+            w.routed(&decision.pod, prompt_blocks, &hashes);
         }
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
@@ -614,9 +616,11 @@ impl HttpContext for RequestFilter {
             .explanation
             .take()
             .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())))
-            .map(|text| match self.lookup_note.take() {
-                Some(note) => format!("{text}; {note}"),
-                None => text,
+            .map(|text| {
+                [self.lookup_note.take(), self.index_note.take()]
+                    .into_iter()
+                    .flatten()
+                    .fold(text, |text, note| format!("{text}; {note}"))
             });
         if let Ok(w) = self.worker.try_borrow() {
             if let Some(text) = explanation.filter(|_| !w.config.decision_header.is_empty()) {

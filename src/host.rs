@@ -101,6 +101,15 @@ pub fn shared_get(key: &str) -> Option<(Bytes, u32)> {
     }
 }
 
+/// Shared data as the published index's readers see it.
+pub struct SharedData;
+
+impl kvroute_core::index::published::KeyReader for SharedData {
+    fn read(&self, key: &str) -> Option<Vec<u8>> {
+        shared_get(key).map(|(value, _)| value)
+    }
+}
+
 /// Sets a shared-data value if its CAS token still matches (0 = any).
 pub fn shared_set(key: &str, value: &[u8], cas: u32) -> bool {
     hostcalls::set_shared_data(key, Some(value), (cas != 0).then_some(cas)).is_ok()

@@ -72,10 +72,11 @@ pub struct FilterMetrics {
     pub blocks_matched: Metric,
     pub blocks_total: Metric,
     pub decision_us: Metric,
-    pub index_blocks: Metric,
-    pub index_bytes: Metric,
-    pub index_evicted: Metric,
-    pub index_dropped: Metric,
+    /// Decisions on load only: no singleton publishes the index (absent,
+    /// stale or unreadable head).
+    pub index_unpublished: Metric,
+    /// Published buckets or set chunks that did not decode (each a miss).
+    pub index_unreadable: Metric,
     pub peers: Metric,
     pub peer_errors: Metric,
     pub tokenizer_ok: Metric,
@@ -102,10 +103,8 @@ impl FilterMetrics {
             blocks_matched: Metric::counter("kvroute.blocks.matched"),
             blocks_total: Metric::counter("kvroute.blocks.total"),
             decision_us: Metric::histogram("kvroute.decision_us"),
-            index_blocks: Metric::gauge("kvroute.index.blocks"),
-            index_bytes: Metric::gauge("kvroute.index.bytes"),
-            index_evicted: Metric::gauge("kvroute.index.evicted"),
-            index_dropped: Metric::gauge("kvroute.index.dropped"),
+            index_unpublished: Metric::counter("kvroute.index.unpublished"),
+            index_unreadable: Metric::counter("kvroute.index.unreadable"),
             peers: Metric::gauge("kvroute.peers"),
             peer_errors: Metric::counter("kvroute.peer.errors"),
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
@@ -132,6 +131,32 @@ impl FilterMetrics {
     pub fn fallback(&self, cause: FailOpen) {
         if let Some(m) = self.fallback.get(cause.index()) {
             m.inc();
+        }
+    }
+}
+
+/// Stats of the singleton: the index it writes and publishes.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexMetrics {
+    pub blocks: Metric,
+    pub bytes: Metric,
+    pub evicted: Metric,
+    pub dropped: Metric,
+    /// Shared-data keys written by index flushes.
+    pub flushed: Metric,
+    /// Changed keys the last flush left for the next (its bound was reached).
+    pub deferred: Metric,
+}
+
+impl IndexMetrics {
+    pub fn define() -> IndexMetrics {
+        IndexMetrics {
+            blocks: Metric::gauge("kvroute.index.blocks"),
+            bytes: Metric::gauge("kvroute.index.bytes"),
+            evicted: Metric::gauge("kvroute.index.evicted"),
+            dropped: Metric::gauge("kvroute.index.dropped"),
+            flushed: Metric::counter("kvroute.index.flushed"),
+            deferred: Metric::gauge("kvroute.index.deferred"),
         }
     }
 }

@@ -8,13 +8,14 @@
 //! the filter's VM on the main thread that never does. Every VM starts as
 //! serving; one that has served nothing after `QUIET_AFTER_MS` goes quiet
 //! and gets no more per-request messages (routed, finished) until its first
-//! request. Indexer feed updates go to every VM, so that a worker knows the
-//! pods before its first request.
+//! request. Indexer feed updates (pods and their load) go to every VM, so
+//! that a worker knows the pods before its first request. What routed
+//! prompts teach goes only to the singleton, the index's one writer.
 
 use crate::host;
 
 const REGISTRY_KEY: &str = "kvroute/peers/v1";
-/// The singleton's queue, where workers send their routing decisions.
+/// The singleton's queue, where workers send what their routed prompts teach.
 pub const SINGLETON_QUEUE: &str = "kvroute/singleton";
 /// A peer silent for longer is not sent to.
 const LIVE_FOR_S: u32 = 10;
@@ -90,16 +91,15 @@ impl Peers {
         peers
     }
 
-    /// Records that this VM serves a request. Returns true when it was
-    /// quiet until now (it then missed routing decisions of its peers).
-    pub fn start_serving(&mut self, now_s: u32) -> bool {
+    /// Records that this VM serves a request; a quiet VM takes per-request
+    /// messages again.
+    pub fn start_serving(&mut self, now_s: u32) {
         self.served_any = true;
         if self.serving || self.own_name.is_none() {
-            return false;
+            return;
         }
         self.serving = true;
         self.heartbeat(now_s);
-        true
     }
 
     pub fn is_serving(&self) -> bool {
@@ -116,10 +116,6 @@ impl Peers {
 
     pub fn own_queue(&self) -> Option<u32> {
         self.own_queue
-    }
-
-    pub fn name(&self) -> &str {
-        self.own_name.as_deref().unwrap_or("")
     }
 
     /// Live peers that serve requests.

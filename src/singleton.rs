@@ -1,26 +1,42 @@
-//! The singleton (bootstrap `wasm_service`, main thread): makes the indexer
-//! feed calls that `kvroute_core::feed_client` asks for (a poll per tick,
-//! snapshot pages and waiting deltas at once) and passes each decoded update
-//! on to every worker VM's queue; collects the workers' routing decisions and
-//! reports them to the indexer, which shares them with every other proxy
-//! (with the bearer token named by `indexer.token_env`, when
-//! `indexer.share_learned`).
+//! The singleton (bootstrap `wasm_service`, main thread): the only writer of
+//! the proxy's routing index. It applies the indexer feed (the calls
+//! `kvroute_core::feed_client` asks for: a poll per `indexer.poll_ms`,
+//! snapshot pages and waiting deltas at once) and what the workers' routed
+//! prompts teach (its queue), and publishes what changed to shared data
+//! every `index.flush_ms`, where every worker VM reads it. Workers get from
+//! the feed only the pods and their load. It reports the workers' confirmed
+//! decisions to the indexer, which shares them with every other proxy (with
+//! the bearer token named by `indexer.token_env`, when `indexer.share_learned`).
 
 use crate::host;
-use crate::metrics::FeedMetrics;
+use crate::metrics::{FeedMetrics, IndexMetrics};
 use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
 use kvroute_core::config::{Config, IndexerSettings};
 use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
+use kvroute_core::router::Cluster;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::rc::Rc;
+
+/// Shared-data keys one flush writes at most (about 1.6 µs each for a 4 KiB
+/// bucket: ≈ 13 ms of the main thread; a full 1,000-pod index is published
+/// in 4 flushes); the rest waits for the next flush (`kvroute.index.deferred`).
+const MAX_FLUSH_WRITES: usize = 8192;
 
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
 const MAX_PENDING_LEARNED: usize = 1 << 16;
 
 pub struct Singleton {
+    /// The proxy's one block index, and the pods it names.
+    cluster: Cluster,
+    /// This writer's id in the published head (readers re-read the pod
+    /// table of a new writer).
+    writer: u64,
+    flush_ms: u32,
+    last_flush_ms: u64,
+    index_metrics: IndexMetrics,
     indexer: Option<IndexerSettings>,
     /// `authorization` header value of learned reports (from `indexer.token_env`).
     authorization: Option<String>,
@@ -59,15 +75,21 @@ impl Singleton {
         let authorization = authorization(&config)?;
         let indexer = config.indexer.clone();
         let poll_ms = indexer.as_ref().map_or(1000, |i| i.poll_ms);
-        if let Some(i) = &indexer {
-            host::set_tick_period(i.poll_ms);
-        } else {
+        if indexer.is_none() {
             host::log(
-                LogLevel::Warn,
-                "kvroute singleton: no `indexer` configured; nothing to poll",
+                LogLevel::Info,
+                "kvroute singleton: no `indexer` configured; the index holds what the workers route",
             );
         }
+        host::set_tick_period(tick_ms(&config));
+        let mut cluster = Cluster::default();
+        cluster.configure_index(&config, now_s);
         Ok(Singleton {
+            cluster,
+            writer: host::random_u64(),
+            flush_ms: config.index.flush_ms,
+            last_flush_ms: 0,
+            index_metrics: IndexMetrics::define(),
             indexer,
             authorization,
             metrics: FeedMetrics::define(),
@@ -88,15 +110,21 @@ impl Singleton {
         self.authorization = authorization(&config)?;
         self.indexer = config.indexer.clone();
         if let Some(i) = &self.indexer {
-            host::set_tick_period(i.poll_ms);
             self.feed.set_poll_ms(i.poll_ms);
         }
+        host::set_tick_period(tick_ms(&config));
+        self.flush_ms = config.index.flush_ms;
+        self.cluster.configure_index(&config, host::now().0);
         Ok(())
     }
 
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
         self.peers.tick(now_s, now_ms);
+        if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
+            self.last_flush_ms = now_ms;
+            self.flush(now_ms);
+        }
         let Some(indexer) = self.indexer.clone() else {
             return;
         };
@@ -131,26 +159,82 @@ impl Singleton {
         }
     }
 
-    /// Workers' routing decisions, kept for the next learned report.
+    /// Publishes what changed in the index since the last flush (pod
+    /// table, new sets, buckets, then the head with its heartbeat).
+    fn flush(&mut self, now_ms: u64) {
+        let Some(publication) = self.cluster.publish(MAX_FLUSH_WRITES, self.writer, now_ms) else {
+            return;
+        };
+        let mut written = 0;
+        for (key, value) in &publication.writes {
+            if host::shared_set(key, value, 0) {
+                written += 1;
+            } else {
+                host::log(
+                    LogLevel::Warn,
+                    &format!("kvroute singleton: could not write shared data key {key}"),
+                );
+            }
+        }
+        let m = &self.index_metrics;
+        m.flushed.add(written);
+        m.deferred.record(publication.deferred as u64);
+        if let Some(index) = self.cluster.index() {
+            let stats = index.stats();
+            m.blocks.record(stats.blocks as u64);
+            m.bytes.record(stats.bytes as u64);
+            m.evicted.record(stats.evicted);
+            m.dropped.record(stats.dropped);
+        }
+    }
+
+    /// The workers' messages: what routed prompts teach, refusals and
+    /// failures (applied to the index), and confirmed decisions (kept for
+    /// the next learned report).
     pub fn drain_queue(&mut self) {
         let Some(queue) = self.queue else {
             return;
         };
+        let (now_s, _) = host::now();
         while let Some(bytes) = host::queue_dequeue(queue) {
-            let Ok(messages) = wire::decode_batch(&bytes) else {
-                continue;
+            let messages = match wire::decode_batch(&bytes) {
+                Ok(messages) => messages,
+                Err(e) => {
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute singleton: dropped a worker message: {e}"),
+                    );
+                    continue;
+                }
             };
             for message in messages {
-                if let PeerMessage::Learned { pod, hashes } = message {
-                    let sharing = self.indexer.as_ref().is_some_and(|i| i.share_learned);
-                    if !sharing || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED {
-                        continue;
+                match message {
+                    PeerMessage::Routed { pod, hashes, .. } => {
+                        self.cluster.learn_as_told(&pod, &hashes, now_s)
                     }
-                    self.pending_hashes += hashes.len();
-                    self.pending.entries.push((pod, hashes));
+                    PeerMessage::Unlearned { pod, hashes } => {
+                        self.cluster.forget_learned(&pod, &hashes)
+                    }
+                    PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
+                    PeerMessage::Learned { pod, hashes } => self.keep_for_report(pod, hashes),
+                    // Load and feed messages are the workers' own business.
+                    PeerMessage::PrefillDone { .. }
+                    | PeerMessage::Finished { .. }
+                    | PeerMessage::Released { .. }
+                    | PeerMessage::Charged { .. }
+                    | PeerMessage::Feed(_) => {}
                 }
             }
         }
+    }
+
+    fn keep_for_report(&mut self, pod: String, hashes: Vec<u64>) {
+        let sharing = self.indexer.as_ref().is_some_and(|i| i.share_learned);
+        if !sharing || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED {
+            return;
+        }
+        self.pending_hashes += hashes.len();
+        self.pending.entries.push((pod, hashes));
     }
 
     pub fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize) {
@@ -200,17 +284,20 @@ impl Singleton {
             Some(status) => FeedResponse::Status(u32::from(status)),
             None => FeedResponse::NoResponse,
         };
-        match self.feed.on_response(now_ms, response) {
+        let outcome = self.feed.on_response(now_ms, response);
+        // The next page (or waiting deltas) is asked for before this answer is
+        // applied: the indexer prepares it while the index takes this one.
+        if let Some(request) = self.feed.follow_up(now_ms) {
+            if let Some(indexer) = self.indexer.clone() {
+                self.send_feed(&indexer, request, now_ms);
+            }
+        }
+        match outcome {
             Ok(received) => {
                 self.metrics.bytes.add(body_size as u64);
                 self.received(received);
             }
             Err(fault) => self.failed(&fault.to_string()),
-        }
-        if let Some(request) = self.feed.follow_up(now_ms) {
-            if let Some(indexer) = self.indexer.clone() {
-                self.send_feed(&indexer, request, now_ms);
-            }
         }
     }
 
@@ -251,10 +338,17 @@ impl Singleton {
         self.apply(&received.update);
     }
 
-    /// What this proxy does with one decoded feed update: every worker VM
-    /// applies it to its own index.
+    /// What this proxy does with one decoded feed update: the index takes
+    /// its block operations; every worker VM gets its pods and their load.
     fn apply(&mut self, update: &FeedUpdate) {
-        match wire::encode_batch(&[PeerMessage::Feed(feed::encode(update))]) {
+        // The singleton decides nothing: trusting precise entries is the
+        // workers' call, from when the feed last reached them.
+        self.cluster.apply_feed(update, host::now().0, 0);
+        let pods_and_load = FeedUpdate {
+            ops: Vec::new(),
+            ..update.clone()
+        };
+        match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {
             Ok(message) => {
                 self.peers.broadcast(&message, Audience::All, false);
             }
@@ -293,4 +387,11 @@ fn first_failure_level(failing: &mut bool) -> LogLevel {
     } else {
         LogLevel::Debug
     }
+}
+
+/// The singleton's tick: the flush period, or the poll period when shorter.
+fn tick_ms(config: &Config) -> u32 {
+    config.indexer.as_ref().map_or(config.index.flush_ms, |i| {
+        i.poll_ms.min(config.index.flush_ms)
+    })
 }

@@ -1,23 +1,29 @@
 //! Routing state of one worker VM, shared by its root context and its HTTP
-//! contexts: the cluster view, peers, stats and the snapshot duty.
+//! contexts: the pods and their load, the reader of the index the singleton
+//! publishes, this VM's recent decisions (the flush gap), peers and stats.
+//! The VM holds no index: its routed prompts go to the singleton's queue.
 
-use crate::host;
+use crate::host::{self, SharedData};
 use crate::metrics::{FailOpen, FilterMetrics};
 use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
+use kvroute_core::index::published::{PublishedView, Unpublished};
+use kvroute_core::index::{match_lengths, LookupCost, PodMatch};
 use kvroute_core::outcome::Outcome;
-use kvroute_core::router::Cluster;
+use kvroute_core::recent::RecentRoutes;
+use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-const SNAPSHOT_KEY: &str = "kvroute/snapshot/v1";
-const LEASE_KEY: &str = "kvroute/snapshot/lease";
 /// Precise entries stay trusted this long after the last feed update when
 /// no indexer poll period is configured.
 const DEFAULT_TRUST_S: u32 = 5;
+/// An index whose head (rewritten at every flush) is older than this is not
+/// read: its writer stopped, and the VM routes on load only.
+const STALE_AFTER_MS: u64 = 5000;
 
 pub type SharedWorker = Rc<RefCell<Worker>>;
 
@@ -40,57 +46,166 @@ pub struct Worker {
     pub peers: Peers,
     pub metrics: FilterMetrics,
     tie_seed: u64,
-    last_snapshot_ms: u64,
     logged_causes: u32,
+    /// The published index's head and pod table.
+    index: PublishedView,
+    /// Position in `cluster` of each published pod id, and the versions
+    /// (published pod table, cluster pods) it was built for.
+    positions: Vec<Option<usize>>,
+    positions_of: (Option<(u64, u64)>, u64),
+    /// Why the index was last unusable (logged when it changes).
+    unpublished: Option<Unpublished>,
+    recent: RecentRoutes,
 }
 
 impl Worker {
     /// A worker VM joining the proxy's peers (it registers its queue).
     pub fn start(config: Rc<Config>, vm_id: &str) -> Worker {
         let (now_s, now_ms) = host::now();
-        let mut cluster = Cluster::default();
+        let mut cluster = Cluster::load_only();
         cluster.set_configured(&config, now_s);
-        let mut worker = Worker {
+        Worker {
+            recent: RecentRoutes::new(recent_keep_ms(&config)),
             config,
             cluster,
             peers: Peers::join(vm_id, now_s, now_ms),
             metrics: FilterMetrics::define(),
             tie_seed: host::random_u64(),
-            last_snapshot_ms: 0,
             logged_causes: 0,
-        };
-        worker.restore_snapshot(now_s);
-        worker
+            index: PublishedView::default(),
+            positions: Vec::new(),
+            positions_of: (None, 0),
+            unpublished: None,
+        }
     }
 
-    /// Called for every request. A VM that had gone quiet (it served nothing
-    /// for a while, like Envoy's main-thread copy) missed its peers' routing
-    /// decisions: it serves again and catches up from the index snapshot.
+    /// Called for every request: a VM that had gone quiet (like Envoy's
+    /// main-thread copy) takes per-request load messages again.
     pub fn serve(&mut self) {
-        let (now_s, _) = host::now();
-        if self.peers.start_serving(now_s) {
-            self.restore_snapshot(now_s);
-        }
-    }
-
-    /// Adds what the newest index snapshot knows, so the VM starts warm.
-    fn restore_snapshot(&mut self, now_s: u32) {
-        if let Some((raw, _)) = host::shared_get(SNAPSHOT_KEY) {
-            if let Some((&flag, body)) = raw.split_first() {
-                match feed::decode(body) {
-                    Ok(snapshot) => self.cluster.restore(&snapshot, flag == 1, now_s),
-                    Err(e) => host::log(
-                        LogLevel::Warn,
-                        &format!("kvroute: ignoring unreadable index snapshot: {e}"),
-                    ),
-                }
-            }
-        }
+        self.peers.start_serving(host::now().0);
     }
 
     pub fn reconfigure(&mut self, config: Rc<Config>) {
         self.cluster.set_configured(&config, host::now().0);
+        self.recent.set_keep_ms(recent_keep_ms(&config));
         self.config = config;
+    }
+
+    /// Picks the pod for `prompt`: the published index's matches and this
+    /// VM's own recent decisions, ranked with the pods' load. Without a
+    /// published index, on load only, and the reason.
+    pub fn decide(
+        &mut self,
+        config: &Config,
+        prompt: &HashedPrompt,
+    ) -> (Result<Decision, NoRoute>, Option<Unpublished>) {
+        if self.cluster.is_empty() {
+            // Nothing to route to, whatever the index says (a sidecar's local fallback).
+            return (Err(NoRoute::NoEndpoints), None);
+        }
+        let (now_s, now_ms) = host::now();
+        let seed = self.next_tie_seed();
+        let mut matches: Vec<LocalMatch> = Vec::new();
+        let mut lookup = LookupCost::default();
+        let unpublished = match self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
+            Ok(()) => {
+                self.refresh_positions();
+                if let Some(source) = self.index.source(&SharedData) {
+                    let rules = self.cluster.match_rules(config, now_s);
+                    let mut found: Vec<PodMatch> = Vec::new();
+                    lookup = match_lengths(&source, &prompt.hashes, now_s, &rules, &mut found);
+                    self.metrics.index_unreadable.add(source.unreadable());
+                    matches.extend(found.iter().filter_map(|m| {
+                        Some(LocalMatch {
+                            pod: (*self.positions.get(m.pod.slot())?)?,
+                            blocks: m.blocks,
+                            credit: m.credit,
+                        })
+                    }));
+                }
+                // The flush gap: what this VM routed and the index may not show yet.
+                for (pod, blocks) in self.recent.matches(&prompt.hashes, now_ms) {
+                    if let Some(pod) = self.cluster.position(pod) {
+                        LocalMatch::merge_learned(&mut matches, pod, blocks);
+                    }
+                }
+                None
+            }
+            Err(why) => {
+                self.metrics.index_unpublished.inc();
+                Some(why)
+            }
+        };
+        self.note_index_state(unpublished);
+        let decision = self
+            .cluster
+            .decide_on(config, prompt, now_s, seed, &matches, lookup);
+        (decision, unpublished)
+    }
+
+    /// Logs when the published index becomes unusable and when it is back.
+    fn note_index_state(&mut self, now: Option<Unpublished>) {
+        if now == self.unpublished {
+            return;
+        }
+        match now {
+            Some(why) => host::log(
+                LogLevel::Warn,
+                &format!(
+                    "kvroute: no routing index published ({}): routing on load only until the \
+                     singleton (bootstrap wasm_service, same vm_id) publishes one",
+                    why.name()
+                ),
+            ),
+            None => host::log(
+                LogLevel::Info,
+                "kvroute: routing index published; reading it",
+            ),
+        }
+        self.unpublished = now;
+    }
+
+    /// Maps published pod ids to this VM's pods when either side changed.
+    fn refresh_positions(&mut self) {
+        let key = (self.index.pods_version(), self.cluster.pods_version());
+        if key == self.positions_of {
+            return;
+        }
+        let table = self.index.pods();
+        self.positions = vec![None; table.id_span()];
+        for (id, address) in table.addresses() {
+            self.positions[id.slot()] = self.cluster.position(address);
+        }
+        self.positions_of = key;
+    }
+
+    /// A request went to `pod`: its load is counted here and by the peers,
+    /// and the blocks it teaches go to the singleton (and the recent
+    /// decisions, until the singleton's flush shows them).
+    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[u64]) {
+        let (now_s, now_ms) = host::now();
+        self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
+        self.tell_peers(PeerMessage::Routed {
+            pod: pod.to_string(),
+            prompt_blocks,
+            hashes: Vec::new(),
+        });
+        self.teach(pod, hashes, now_ms);
+    }
+
+    /// Sends what `pod` holds (cut to its share) to the singleton.
+    fn teach(&mut self, pod: &str, hashes: &[u64], now_ms: u64) {
+        let learned = self.cluster.learnable(pod, hashes);
+        if learned.is_empty() {
+            return;
+        }
+        self.recent.record(pod, learned, now_ms);
+        let message = PeerMessage::Routed {
+            pod: pod.to_string(),
+            prompt_blocks: 0,
+            hashes: learned.to_vec(),
+        };
+        self.send(message, Audience::None, true);
     }
 
     pub fn next_tie_seed(&mut self) -> u64 {
@@ -123,7 +238,8 @@ impl Worker {
     }
 
     /// Hands confirmed blocks to the singleton, which reports them to the
-    /// indexer as learned entries (when this proxy shares what it learns).
+    /// indexer as learned entries (when this proxy shares what it learns);
+    /// the singleton learned them when they were routed.
     pub fn report_learned(&self, pod: &str, hashes: Vec<u64>) {
         if self
             .config
@@ -155,17 +271,21 @@ impl Worker {
             }
             Outcome::Refused => {
                 let taught = request.hashes.get(request.matched_blocks..).unwrap_or(&[]);
-                self.cluster.forget_learned(chosen, taught);
-                self.tell_peers(PeerMessage::Unlearned {
+                self.recent.forget(chosen);
+                let message = PeerMessage::Unlearned {
                     pod: chosen.clone(),
                     hashes: taught.to_vec(),
-                });
+                };
+                self.send(message, Audience::None, true);
             }
             Outcome::Failed | Outcome::ServedElsewhere { .. } => {
                 self.cluster.record_failure(chosen, now_s);
-                self.tell_peers(PeerMessage::Failed {
+                self.recent.forget(chosen);
+                // Peers pass the pod over; the singleton clears what was learned on it.
+                let message = PeerMessage::Failed {
                     pod: chosen.clone(),
-                });
+                };
+                self.send(message, Audience::Serving, true);
                 host::log(
                     LogLevel::Warn,
                     &format!(
@@ -177,11 +297,7 @@ impl Worker {
             }
         }
         if let Outcome::ServedElsewhere { pod, success: true } = outcome {
-            self.cluster.record_learned(pod, &request.hashes, now_s);
-            self.tell_peers(PeerMessage::Learned {
-                pod: pod.to_string(),
-                hashes: request.hashes.clone(),
-            });
+            self.teach(pod, &request.hashes, host::now().1);
             if request.report {
                 self.report_learned(pod, request.hashes.clone());
             }
@@ -222,17 +338,12 @@ impl Worker {
 
     fn apply(&mut self, message: PeerMessage, now_s: u32) {
         match message {
+            // Peers send load only: what a prompt teaches goes to the singleton.
             PeerMessage::Routed {
-                pod,
-                prompt_blocks,
-                hashes,
-            } => self
-                .cluster
-                .record_routed(&pod, prompt_blocks, &hashes, now_s),
-            PeerMessage::Learned { pod, hashes } => {
-                self.cluster.record_learned(&pod, &hashes, now_s)
-            }
-            PeerMessage::Unlearned { pod, hashes } => self.cluster.forget_learned(&pod, &hashes),
+                pod, prompt_blocks, ..
+            } => self.cluster.record_routed(&pod, prompt_blocks, &[], now_s),
+            // Only the singleton takes these (it writes the index).
+            PeerMessage::Learned { .. } | PeerMessage::Unlearned { .. } => {}
             PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
             PeerMessage::Charged {
                 pod,
@@ -268,54 +379,21 @@ impl Worker {
         }
     }
 
-    /// Periodic duties: heartbeat, gauges, and the index snapshot when this
-    /// VM holds the lease.
+    /// Periodic duties: heartbeat and gauges.
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
         self.peers.tick(now_s, now_ms);
-        if !self.peers.is_serving() {
-            return;
-        }
-        let index = self.cluster.index().stats();
-        self.metrics.index_blocks.record(index.blocks as u64);
-        self.metrics.index_bytes.record(index.bytes as u64);
-        self.metrics.index_evicted.record(index.evicted);
-        self.metrics.index_dropped.record(index.dropped);
-        // Serving VMs sharing what they learn, this one included.
-        self.metrics
-            .peers
-            .record(self.peers.serving_count() as u64 + 1);
-        let interval = u64::from(self.config.index.snapshot_interval_ms);
-        if now_ms.saturating_sub(self.last_snapshot_ms) >= interval
-            && self.take_lease(now_ms, interval)
-        {
-            self.last_snapshot_ms = now_ms;
-            let mut value = vec![u8::from(self.cluster.is_discovered())];
-            value.extend_from_slice(&feed::encode(&self.cluster.snapshot()));
-            if !host::shared_set(SNAPSHOT_KEY, &value, 0) {
-                host::log(
-                    LogLevel::Warn,
-                    "kvroute: could not write the index snapshot",
-                );
-            }
+        if self.peers.is_serving() {
+            // Serving VMs sharing their load, this one included.
+            self.metrics
+                .peers
+                .record(self.peers.serving_count() as u64 + 1);
         }
     }
+}
 
-    /// One VM at a time writes the snapshot: the lease is `<name> <expiry ms>`.
-    fn take_lease(&self, now_ms: u64, interval_ms: u64) -> bool {
-        let me = self.peers.name();
-        if me.is_empty() {
-            return false;
-        }
-        let (raw, cas) = host::shared_get(LEASE_KEY).unwrap_or_default();
-        let text = String::from_utf8_lossy(&raw);
-        let mut parts = text.split(' ');
-        let holder = parts.next().unwrap_or("");
-        let expiry: u64 = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
-        if holder != me && expiry > now_ms {
-            return false;
-        }
-        let lease = format!("{me} {}", now_ms + 3 * interval_ms);
-        host::shared_set(LEASE_KEY, lease.as_bytes(), cas)
-    }
+/// Recent decisions live two flush periods: by then the singleton's flush
+/// that carries them has landed.
+fn recent_keep_ms(config: &Config) -> u64 {
+    2 * u64::from(config.index.flush_ms)
 }

@@ -173,7 +173,7 @@ fn decision(c: &mut Criterion) {
     for pods in [8usize, 1000] {
         let config = config(pods);
         let mut cluster = populated(&config, pods, &hot);
-        let stats = cluster.index().stats();
+        let stats = cluster.index().expect("the writer holds the index").stats();
         println!(
             "{pods} pods: after {CHURN_SECONDS} s of churn the index holds {} blocks in {} bytes ({:.1} B/block), {} pod sets; {} evicted, {} dropped",
             stats.blocks,

@@ -103,9 +103,16 @@ impl Default for TierDiscount {
 /// 13.45 M entries without sharing) with room for learned entries: at most
 /// 18 M blocks at the buckets' 7/8 load.
 pub const DEFAULT_INDEX_BUDGET_BYTES: usize = 192 << 20;
+/// The index flush period: a tenth of a second keeps other workers' view of
+/// a new prefix about as fresh as the indexer feed's (`indexer.poll_ms`).
+pub const DEFAULT_FLUSH_MS: u32 = 100;
+const MIN_FLUSH_MS: u32 = 10;
+/// Readers stop trusting an index whose heartbeat (one per flush) is a few
+/// seconds old: a flush period must stay well below that.
+const MAX_FLUSH_MS: u32 = 1000;
 /// Below this the index holds too few buckets to be worth having.
 pub const MIN_INDEX_BUDGET_BYTES: usize = 1 << 20;
-/// One copy per worker VM must fit in the VM's heap (about 1 GiB in Envoy).
+/// The singleton's copy must fit in its VM's heap (about 1 GiB in Envoy).
 pub const MAX_INDEX_BUDGET_BYTES: usize = 768 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -113,8 +120,9 @@ pub const MAX_INDEX_BUDGET_BYTES: usize = 768 << 20;
 pub struct IndexSettings {
     /// Learned (approximate) entries older than this are not matched.
     pub ttl_seconds: u32,
-    /// How often the snapshot for newly started VMs is refreshed.
-    pub snapshot_interval_ms: u32,
+    /// How often the singleton publishes what changed in the index to
+    /// shared data (workers see other workers' routing after at most this).
+    pub flush_ms: u32,
     /// Share of a pod's table one request may claim when its blocks are
     /// learned: a few huge prompts cannot flush what everyone else taught.
     pub max_learn_share: f64,
@@ -130,7 +138,7 @@ impl Default for IndexSettings {
     fn default() -> Self {
         IndexSettings {
             ttl_seconds: 600,
-            snapshot_interval_ms: 2000,
+            flush_ms: DEFAULT_FLUSH_MS,
             max_learn_share: 0.125,
             max_client_share: 0.5,
             budget_bytes: DEFAULT_INDEX_BUDGET_BYTES,
@@ -525,8 +533,11 @@ impl Config {
                 ),
             ));
         }
-        if self.index.snapshot_interval_ms < 100 {
-            return Err(invalid("index.snapshot_interval_ms", "must be >= 100"));
+        if !(MIN_FLUSH_MS..=MAX_FLUSH_MS).contains(&self.index.flush_ms) {
+            return Err(invalid(
+                "index.flush_ms",
+                format!("must be between {MIN_FLUSH_MS} and {MAX_FLUSH_MS}"),
+            ));
         }
         check_capacity(
             "default_capacity_blocks",
@@ -815,6 +826,11 @@ mod tests {
                 "index.budget_bytes"
             );
         }
+        assert_eq!(err(r#"{"index":{"flush_ms":5}}"#).field, "index.flush_ms");
+        assert_eq!(
+            err(r#"{"index":{"flush_ms":5000}}"#).field,
+            "index.flush_ms"
+        );
         assert_eq!(
             err(r#"{"index":{"max_learn_share":0}}"#).field,
             "index.max_learn_share"

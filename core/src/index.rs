@@ -44,6 +44,8 @@
 use crate::hash::index_key;
 use hashbrown::HashTable;
 
+pub mod published;
+
 pub use crate::feed::Tier;
 
 /// A pod's handle in the index, stable while the pod is in the pod set.
@@ -51,6 +53,11 @@ pub use crate::feed::Tier;
 pub struct PodId(u32);
 
 impl PodId {
+    /// A pod id of a cluster that holds no index (never looked up in one).
+    pub fn local(n: u32) -> PodId {
+        PodId(n)
+    }
+
     /// The id's position in dense per-pod tables.
     pub fn slot(self) -> usize {
         self.0 as usize
@@ -89,7 +96,7 @@ const GEN_MASK: u32 = (1 << GEN_BITS) - 1;
 /// One pod in a block's set: pod (top bits, so sets sort by pod), the pod's
 /// generation when written, tier, and the epoch a learned entry was taught.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-struct Member(u64);
+pub struct Member(u64);
 
 impl Member {
     fn new(pod: PodId, generation: u32, tier: Tier, epoch: u16) -> Member {
@@ -168,10 +175,76 @@ pub struct IndexStats {
     pub dropped: u64,
 }
 
+/// A pod's generations: a member counts only while it carries its pod's
+/// current generation for its kind (learned or precise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-struct PodState {
+pub struct PodState {
     learned_generation: u32,
     precise_generation: u32,
+}
+
+/// How a reader turns seconds into learned ages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clock {
+    epoch_seconds: u32,
+    ttl_epochs: u16,
+}
+
+impl Clock {
+    fn epoch(self, now_s: u32) -> u16 {
+        (now_s / self.epoch_seconds.max(1)) as u16
+    }
+
+    /// True when `member` still says something about its pod (`state`): its
+    /// generation is current and, if learned, it has not expired at `epoch`.
+    fn is_current(self, state: Option<PodState>, member: Member, epoch: u16) -> bool {
+        let Some(state) = state else {
+            return false;
+        };
+        let tier = member.tier();
+        member.generation() == generation_of(&state, tier)
+            && (is_precise(tier) || epoch.wrapping_sub(member.epoch()) <= self.ttl_epochs)
+    }
+}
+
+/// Where a lookup reads the index: the writer's own buckets, or the copy
+/// the singleton publishes in shared data ([`published`]). One lookup
+/// ([`match_lengths`]) runs over either.
+pub trait IndexSource {
+    /// The set reference of the slot holding `key`, if the block is indexed.
+    fn set_of(&self, key: u64) -> Option<u32>;
+    /// The members of set `id`, sorted by pod (empty when unknown).
+    fn members(&self, id: u32) -> std::borrow::Cow<'_, [Member]>;
+    /// The generations of `pod`; `None` for a pod the index does not know.
+    fn pod_state(&self, pod: PodId) -> Option<PodState>;
+    fn clock(&self) -> Clock;
+}
+
+/// Probes open-addressed slots (`len` a power of two) for `key`: `Ok(slot)`
+/// holding it, or `Err(empty slot)` where it would go; `Err(None)` when
+/// there are no slots or none is empty (a bucket read from shared data may
+/// be anything: the walk is bounded by its length).
+fn probe_slots(
+    len: usize,
+    key: u64,
+    slot_at: impl Fn(usize) -> u64,
+) -> Result<usize, Option<usize>> {
+    if len == 0 || !len.is_power_of_two() {
+        return Err(None);
+    }
+    let mask = len - 1;
+    let mut i = key as usize & mask;
+    for _ in 0..len {
+        let slot = slot_at(i);
+        if slot == EMPTY {
+            return Err(Some(i));
+        }
+        if slot_key(slot) == key {
+            return Ok(i);
+        }
+        i = (i + 1) & mask;
+    }
+    Err(None)
 }
 
 /// The generation a member of `tier` must carry to count for `pod`.
@@ -194,6 +267,10 @@ struct PodSets {
     free: Vec<u32>,
     bytes: usize,
     budget: usize,
+    /// Sets interned since the last publication (a set id is written once
+    /// when interned: its members never change; a released id is rewritten
+    /// when reused).
+    fresh: Vec<u32>,
 }
 
 fn hash_members(members: &[Member]) -> u64 {
@@ -251,6 +328,7 @@ impl PodSets {
             }
         };
         self.bytes += cost;
+        self.fresh.push(id);
         let all = &self.members;
         self.lookup
             .insert_unique(hash, id, |&i| hash_members(&all[i as usize]));
@@ -315,21 +393,7 @@ impl Bucket {
     /// `Ok(slot)` holding `key`, or `Err(empty slot)` where it would go;
     /// `Err(None)` when the bucket has no slots yet.
     fn find(&self, key: u64) -> Result<usize, Option<usize>> {
-        if self.slots.is_empty() {
-            return Err(None);
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            let slot = self.slots[i];
-            if slot == EMPTY {
-                return Err(Some(i));
-            }
-            if slot_key(slot) == key {
-                return Ok(i);
-            }
-            i = (i + 1) & mask;
-        }
+        probe_slots(self.slots.len(), key, |i| self.slots[i])
     }
 
     fn is_full(&self) -> bool {
@@ -409,6 +473,13 @@ impl Bucket {
     }
 }
 
+/// The bucket of slot key `key` among `buckets`: a multiply-shift of the
+/// key's top 32 bits (of 40), no modulo, no 128-bit product (wasm32 would
+/// emulate either).
+fn bucket_of(key: u64, buckets: usize) -> usize {
+    ((((key >> 8) & 0xffff_ffff) * buckets as u64) >> 32) as usize
+}
+
 /// The slot key of a block hash: its index key, with the empty marker moved aside.
 fn key_of(hash: u64) -> u64 {
     match index_key(hash) {
@@ -441,6 +512,19 @@ pub struct BlockIndex {
     dropped: u64,
     /// The epoch of the newest write.
     latest_epoch: u16,
+    /// Buckets whose slots changed since the last publication, and a flag per bucket.
+    dirty_buckets: Vec<u32>,
+    bucket_dirty: Vec<bool>,
+    /// Buckets this index has not published yet. Each is written once (an
+    /// empty one in two bytes) after the changed ones, so that no key an
+    /// earlier writer or bucket layout left behind lingers, and new routing
+    /// does not wait behind that backlog.
+    unpublished: Vec<u32>,
+    published: Vec<bool>,
+    /// A pod was added, removed or cleared since the last publication.
+    pods_dirty: bool,
+    /// Publications of the pod table so far.
+    pods_version: u64,
 }
 
 impl BlockIndex {
@@ -465,6 +549,12 @@ impl BlockIndex {
             evicted: 0,
             dropped: 0,
             latest_epoch: 0,
+            dirty_buckets: Vec::new(),
+            bucket_dirty: vec![false; buckets],
+            unpublished: (0..buckets as u32).rev().collect(),
+            published: vec![false; buckets],
+            pods_dirty: true,
+            pods_version: 0,
         }
     }
 
@@ -483,6 +573,7 @@ impl BlockIndex {
 
     /// A handle for a new pod; `None` when [`MAX_PODS`] are indexed.
     pub fn add_pod(&mut self) -> Option<PodId> {
+        self.pods_dirty = true;
         if let Some(id) = self.free_pods.pop() {
             self.live_pods += 1;
             return Some(PodId(id));
@@ -506,6 +597,7 @@ impl BlockIndex {
 
     /// Forgets every block of `pod` (it restarted or cleared its cache).
     pub fn clear(&mut self, pod: PodId) {
+        self.pods_dirty = true;
         if let Some(state) = self.pods.get_mut(pod.slot()) {
             state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
             state.precise_generation = state.precise_generation.wrapping_add(1) & GEN_MASK;
@@ -515,13 +607,14 @@ impl BlockIndex {
     /// Forgets every learned entry of `pod` (it failed: what the proxy guessed
     /// about its cache can no longer be trusted); its own reports stay.
     pub fn clear_learned(&mut self, pod: PodId) {
+        self.pods_dirty = true;
         if let Some(state) = self.pods.get_mut(pod.slot()) {
             state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
         }
     }
 
     fn epoch(&self, now_s: u32) -> u16 {
-        (now_s / self.epoch_seconds) as u16
+        self.clock().epoch(now_s)
     }
 
     fn ttl_epochs(&self) -> u16 {
@@ -533,18 +626,30 @@ impl BlockIndex {
     /// True when `member` still says something about its pod: its pod's
     /// generation is current and, if learned, it has not expired.
     fn is_current(&self, member: Member, epoch: u16) -> bool {
-        let Some(state) = self.pods.get(member.pod().slot()) else {
-            return false;
-        };
-        let tier = member.tier();
-        member.generation() == generation_of(state, tier)
-            && (is_precise(tier) || epoch.wrapping_sub(member.epoch()) <= self.ttl_epochs())
+        let state = self.pods.get(member.pod().slot()).copied();
+        self.clock().is_current(state, member, epoch)
     }
 
     fn bucket_of(&self, key: u64) -> usize {
-        // Multiply-shift of the key's top 32 bits (of 40): no modulo, no
-        // 128-bit product (wasm32 would emulate either).
-        ((((key >> 8) & 0xffff_ffff) * self.buckets.len() as u64) >> 32) as usize
+        bucket_of(key, self.buckets.len())
+    }
+
+    /// The learned-age clock readers of this index use.
+    pub fn clock(&self) -> Clock {
+        Clock {
+            epoch_seconds: self.epoch_seconds,
+            ttl_epochs: self.ttl_epochs(),
+        }
+    }
+
+    /// Marks bucket `b` as changed since the last publication.
+    fn touched(&mut self, b: usize) {
+        if let Some(flag) = self.bucket_dirty.get_mut(b) {
+            if !*flag {
+                *flag = true;
+                self.dirty_buckets.push(b as u32);
+            }
+        }
     }
 
     /// Records `hashes` as held by `pod` in `tier`. A learned entry never
@@ -599,6 +704,7 @@ impl BlockIndex {
                         }
                         self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
                         self.sets.release(old);
+                        self.touched(b);
                     }
                 }
                 _ => {
@@ -673,6 +779,7 @@ impl BlockIndex {
                 .copied()
                 .filter(|&m| m.pod() != pod && self.is_current(m, epoch))
                 .collect();
+            self.touched(b);
             if rest.is_empty() {
                 self.buckets[b].delete_at(i);
                 self.blocks -= 1;
@@ -715,6 +822,7 @@ impl BlockIndex {
         }
         bucket.place((key << REF_BITS) | u64::from(set), epoch as u8);
         self.blocks += 1;
+        self.touched(b);
         Ok(())
     }
 
@@ -722,6 +830,7 @@ impl BlockIndex {
     /// its worst sixteenth: learned entries past their TTL, then learned ones,
     /// then the rest; oldest first within each.
     fn make_room(&mut self, b: usize, epoch: u16) {
+        self.touched(b);
         let size = self.buckets[b].slots.len();
         if size < BUCKET_SLOTS {
             self.buckets[b].grow((size * 2).max(MIN_BUCKET_SLOTS));
@@ -768,8 +877,7 @@ impl BlockIndex {
         self.evicted += batch as u64;
     }
 
-    /// Every pod's longest cached prefix of `hashes` (pods with none left
-    /// out, in pod order) into `out`, and what the lookup cost.
+    /// Every pod's longest cached prefix of `hashes` (see [`match_lengths`]).
     pub fn match_lengths(
         &self,
         hashes: &[u64],
@@ -777,92 +885,7 @@ impl BlockIndex {
         rules: &MatchRules,
         out: &mut Vec<PodMatch>,
     ) -> LookupCost {
-        out.clear();
-        let mut cost = LookupCost::default();
-        let n = hashes.len();
-        if n == 0 {
-            return cost;
-        }
-        let mut probe = |i: usize| {
-            cost.probes += 1;
-            self.find(key_of(hashes[i]))
-                .map(|(b, s)| slot_set(self.buckets[b].slots[s]))
-        };
-        let first = probe(0);
-        if first.is_none() {
-            return cost;
-        }
-        let last = probe(n - 1);
-        // Runs of blocks with one set, as (last block of the run, its set):
-        // bisect only where the sets at two probes differ.
-        let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
-        let mut pending = vec![(0usize, first, n - 1, last)];
-        while let Some((lo, s_lo, hi, s_hi)) = pending.pop() {
-            if s_lo == s_hi {
-                continue;
-            }
-            if hi - lo == 1 {
-                runs.push((lo, s_lo));
-                continue;
-            }
-            let mid = lo + (hi - lo) / 2;
-            let s_mid = probe(mid);
-            pending.push((mid, s_mid, hi, s_hi));
-            pending.push((lo, s_lo, mid, s_mid));
-        }
-        runs.push((n - 1, last));
-        runs.sort_unstable_by_key(|&(end, _)| end);
-        cost.runs = runs.len();
-
-        let epoch = self.epoch(now_s);
-        let usable = |m: &Member| {
-            self.is_current(*m, epoch) && (rules.trust_precise || !is_precise(m.tier()))
-        };
-        let credit_of = |tier: Tier| match tier {
-            Tier::Gpu | Tier::Learned => 1.0,
-            Tier::Cpu => rules.cpu_credit,
-            Tier::Disk => rules.disk_credit,
-        };
-        // Pods still matching at the current run, in pod order.
-        let mut active: Vec<PodMatch> = Vec::new();
-        let mut next: Vec<PodMatch> = Vec::new();
-        let mut start = 0;
-        for (k, &(end, set)) in runs.iter().enumerate() {
-            let len = (end + 1 - start) as f64;
-            let mut members = set
-                .map_or(&[][..], |id| self.sets.get(id))
-                .iter()
-                .filter(|m| usable(m))
-                .peekable();
-            if k == 0 {
-                next.extend(members.map(|m| PodMatch {
-                    pod: m.pod(),
-                    blocks: end + 1,
-                    credit: len * credit_of(m.tier()),
-                }));
-            } else {
-                for matched in active.drain(..) {
-                    while members.next_if(|m| m.pod() < matched.pod).is_some() {}
-                    match members.peek() {
-                        Some(m) if m.pod() == matched.pod => next.push(PodMatch {
-                            blocks: end + 1,
-                            credit: matched.credit + len * credit_of(m.tier()),
-                            ..matched
-                        }),
-                        _ => out.push(matched),
-                    }
-                }
-            }
-            std::mem::swap(&mut active, &mut next);
-            next.clear();
-            start = end + 1;
-            if active.is_empty() {
-                break;
-            }
-        }
-        out.extend(active);
-        out.sort_unstable_by_key(|m| m.pod);
-        cost
+        match_lengths(self, hashes, now_s, rules, out)
     }
 
     /// Every entry that still counts, as (pod, index key, tier), oldest
@@ -900,6 +923,7 @@ impl BlockIndex {
     pub fn reconfigured(&self, budget_bytes: usize, ttl_seconds: u32, now_s: u32) -> BlockIndex {
         let mut index = BlockIndex::new(budget_bytes, ttl_seconds);
         index.pods = self.pods.clone();
+        index.pods_version = self.pods_version;
         index.free_pods = self.free_pods.clone();
         index.live_pods = self.live_pods;
         for (pod, key, tier) in self.entries_oldest_first() {
@@ -923,6 +947,125 @@ impl BlockIndex {
     pub fn memory_bytes(&self) -> usize {
         self.buckets.iter().map(Bucket::memory_bytes).sum::<usize>() + self.sets.memory_bytes()
     }
+}
+
+impl IndexSource for BlockIndex {
+    fn set_of(&self, key: u64) -> Option<u32> {
+        self.find(key)
+            .map(|(b, i)| slot_set(self.buckets[b].slots[i]))
+    }
+
+    fn members(&self, id: u32) -> std::borrow::Cow<'_, [Member]> {
+        std::borrow::Cow::Borrowed(self.sets.get(id))
+    }
+
+    fn pod_state(&self, pod: PodId) -> Option<PodState> {
+        self.pods.get(pod.slot()).copied()
+    }
+
+    fn clock(&self) -> Clock {
+        BlockIndex::clock(self)
+    }
+}
+
+/// Every pod's longest cached prefix of `hashes` (pods with none left out,
+/// in pod order) into `out`, and what the lookup cost, read from `source`.
+pub fn match_lengths<S: IndexSource + ?Sized>(
+    source: &S,
+    hashes: &[u64],
+    now_s: u32,
+    rules: &MatchRules,
+    out: &mut Vec<PodMatch>,
+) -> LookupCost {
+    out.clear();
+    let mut cost = LookupCost::default();
+    let n = hashes.len();
+    if n == 0 {
+        return cost;
+    }
+    let mut probe = |i: usize| {
+        cost.probes += 1;
+        source.set_of(key_of(hashes[i]))
+    };
+    let first = probe(0);
+    if first.is_none() {
+        return cost;
+    }
+    let last = probe(n - 1);
+    // Runs of blocks with one set, as (last block of the run, its set):
+    // bisect only where the sets at two probes differ.
+    let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
+    let mut pending = vec![(0usize, first, n - 1, last)];
+    while let Some((lo, s_lo, hi, s_hi)) = pending.pop() {
+        if s_lo == s_hi {
+            continue;
+        }
+        if hi - lo == 1 {
+            runs.push((lo, s_lo));
+            continue;
+        }
+        let mid = lo + (hi - lo) / 2;
+        let s_mid = probe(mid);
+        pending.push((mid, s_mid, hi, s_hi));
+        pending.push((lo, s_lo, mid, s_mid));
+    }
+    runs.push((n - 1, last));
+    runs.sort_unstable_by_key(|&(end, _)| end);
+    cost.runs = runs.len();
+
+    let clock = source.clock();
+    let epoch = clock.epoch(now_s);
+    let usable = |m: &Member| {
+        clock.is_current(source.pod_state(m.pod()), *m, epoch)
+            && (rules.trust_precise || !is_precise(m.tier()))
+    };
+    let credit_of = |tier: Tier| match tier {
+        Tier::Gpu | Tier::Learned => 1.0,
+        Tier::Cpu => rules.cpu_credit,
+        Tier::Disk => rules.disk_credit,
+    };
+    // Pods still matching at the current run, in pod order.
+    let mut active: Vec<PodMatch> = Vec::new();
+    let mut next: Vec<PodMatch> = Vec::new();
+    let mut start = 0;
+    for (k, &(end, set)) in runs.iter().enumerate() {
+        let len = (end + 1 - start) as f64;
+        let set_members = set.map(|id| source.members(id));
+        let mut members = set_members
+            .as_deref()
+            .unwrap_or(&[])
+            .iter()
+            .filter(|m| usable(m))
+            .peekable();
+        if k == 0 {
+            next.extend(members.map(|m| PodMatch {
+                pod: m.pod(),
+                blocks: end + 1,
+                credit: len * credit_of(m.tier()),
+            }));
+        } else {
+            for matched in active.drain(..) {
+                while members.next_if(|m| m.pod() < matched.pod).is_some() {}
+                match members.peek() {
+                    Some(m) if m.pod() == matched.pod => next.push(PodMatch {
+                        blocks: end + 1,
+                        credit: matched.credit + len * credit_of(m.tier()),
+                        ..matched
+                    }),
+                    _ => out.push(matched),
+                }
+            }
+        }
+        std::mem::swap(&mut active, &mut next);
+        next.clear();
+        start = end + 1;
+        if active.is_empty() {
+            break;
+        }
+    }
+    out.extend(active);
+    out.sort_unstable_by_key(|m| m.pod);
+    cost
 }
 
 #[cfg(test)]
@@ -1204,6 +1347,157 @@ mod tests {
             1
         );
         assert!(out.is_empty());
+    }
+
+    /// Shared data as a map: what a flush wrote, read back by key.
+    #[derive(Default)]
+    struct SharedMap(HashMap<String, Vec<u8>>);
+
+    impl published::KeyReader for SharedMap {
+        fn read(&self, key: &str) -> Option<Vec<u8>> {
+            self.0.get(key).cloned()
+        }
+    }
+
+    impl SharedMap {
+        /// Applies one flush of at most `max` writes; returns what it deferred.
+        fn flush(&mut self, index: &mut BlockIndex, max: usize) -> usize {
+            self.flush_as(7, index, max)
+        }
+
+        /// [`SharedMap::flush`] by the writer `writer`.
+        fn flush_as(&mut self, writer: u64, index: &mut BlockIndex, max: usize) -> usize {
+            let publication =
+                index.publish(max, writer, 1_000, &|id| Some(format!("pod-{}", id.slot())));
+            self.0.extend(publication.writes);
+            publication.deferred
+        }
+
+        fn lookup(&self, hashes: &[u64], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
+            let mut view = published::PublishedView::default();
+            view.refresh(self, 1_000, 5_000).unwrap();
+            let source = view.source(self).unwrap();
+            let mut out = Vec::new();
+            match_lengths(&source, hashes, now_s, rules, &mut out);
+            assert_eq!(source.unreadable(), 0);
+            out
+        }
+    }
+
+    /// The published copy answers every lookup as the writer's own index
+    /// does, after any operations and a flush; a flush bounded per tick
+    /// catches up within a few ticks.
+    #[test]
+    fn the_published_index_answers_as_the_writer_does() {
+        for seed in 0..4u64 {
+            let mut index = BlockIndex::new(1 << 20, 30);
+            let mut shared = SharedMap::default();
+            let pods: Vec<PodId> = (0..8).filter_map(|_| index.add_pod()).collect();
+            let chains: Vec<Vec<u64>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
+            let mut rng = seed;
+            let mut now = 0;
+            for step in 0..200 {
+                now += (next(&mut rng) % 4) as u32;
+                let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
+                let c = &chains[(next(&mut rng) % chains.len() as u64) as usize];
+                let cut = (next(&mut rng) % (c.len() as u64 + 1)) as usize;
+                match next(&mut rng) % 6 {
+                    0..=2 => index.touch_chain(pod, &c[..cut], tier_of(next(&mut rng)), now),
+                    3 => index.remove(pod, &c[cut..]),
+                    4 => index.clear_learned(pod),
+                    _ => index.clear(pod),
+                }
+                // Every tenth step the flush is bounded to 3 writes and catches up.
+                let max = if step % 10 == 0 { 3 } else { usize::MAX };
+                let mut ticks = 0;
+                while shared.flush(&mut index, max) > 0 {
+                    ticks += 1;
+                    assert!(ticks < 200, "the flush never caught up");
+                }
+                for c in &chains {
+                    let mut own = Vec::new();
+                    index.match_lengths(c, now, &TRUST_ALL, &mut own);
+                    assert_eq!(
+                        shared.lookup(c, now, &TRUST_ALL),
+                        own,
+                        "seed {seed} step {step}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A writer that starts over (a new singleton) rewrites every bucket and
+    /// its pod table: readers see nothing of the old writer's entries, even
+    /// where the new index holds nothing, and re-read the pods although the
+    /// new table's version number is the old one's.
+    #[test]
+    fn a_new_writer_leaves_nothing_of_the_old_one() {
+        let mut shared = SharedMap::default();
+        let mut old = BlockIndex::new(1 << 20, 60);
+        let (a, b) = (old.add_pod().unwrap(), old.add_pod().unwrap());
+        let c = chain(9, 30);
+        old.touch_chain(b, &c, Tier::Gpu, 1);
+        while shared.flush_as(1, &mut old, 16) > 0 {}
+        let mut view = published::PublishedView::default();
+        view.refresh(&shared, 1_000, 5_000).unwrap();
+        assert_eq!(view.pods().addresses().count(), 2);
+        let mut new = BlockIndex::new(1 << 20, 60);
+        assert_eq!(new.add_pod(), Some(a));
+        let mut flushes = 0;
+        while shared.flush_as(2, &mut new, 16) > 0 {
+            flushes += 1;
+        }
+        assert!(flushes > 0, "every bucket is written, a few per flush");
+        view.refresh(&shared, 1_000, 5_000).unwrap();
+        assert_eq!(
+            view.pods().addresses().collect::<Vec<_>>(),
+            vec![(a, "pod-0")]
+        );
+        assert!(shared.lookup(&c, 1, &TRUST_ALL).is_empty());
+    }
+
+    /// Readers of a stale or absent head route on load only; bytes that are
+    /// not a bucket, a chunk or a head are misses, counted, never a panic.
+    #[test]
+    fn a_reader_refuses_absent_stale_and_garbled_keys() {
+        let mut view = published::PublishedView::default();
+        let mut shared = SharedMap::default();
+        assert_eq!(
+            view.refresh(&shared, 0, 5_000),
+            Err(published::Unpublished::Absent)
+        );
+        let mut index = BlockIndex::new(1 << 20, 60);
+        let pod = index.add_pod().unwrap();
+        let c = chain(5, 20);
+        index.touch_chain(pod, &c, Tier::Gpu, 1);
+        shared.flush(&mut index, usize::MAX);
+        assert_eq!(
+            view.refresh(&shared, 7_000, 5_000),
+            Err(published::Unpublished::Stale)
+        );
+        assert_eq!(view.refresh(&shared, 2_000, 5_000), Ok(()));
+        assert_eq!(
+            view.pods().addresses().collect::<Vec<_>>(),
+            vec![(pod, "pod-0")]
+        );
+        let keys: Vec<String> = shared.0.keys().cloned().collect();
+        for key in keys
+            .iter()
+            .filter(|k| k.contains("/b/") || k.contains("/s/"))
+        {
+            shared.0.insert(key.clone(), vec![0xff; 11]);
+        }
+        let source = view.source(&shared).unwrap();
+        let mut out = Vec::new();
+        match_lengths(&source, &c, 1, &TRUST_ALL, &mut out);
+        assert!(out.is_empty());
+        assert!(source.unreadable() > 0);
+        shared.0.insert(published::HEAD_KEY.into(), vec![1, 2, 3]);
+        assert_eq!(
+            view.refresh(&shared, 2_000, 5_000),
+            Err(published::Unpublished::Unreadable)
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod hash;
 pub mod index;
 pub mod lookup;
 pub mod outcome;
+pub mod recent;
 pub mod request;
 pub mod router;
 pub mod score;

@@ -281,7 +281,7 @@ def kvroute_timers_scale_with_the_pods():
     import strategies
 
     assert strategies.kvroute_timers(1.0) == strategies.KVROUTE_TIMERS
-    assert strategies.kvroute_timers(0.25) == {"poll_ms": 25, "ttl_seconds": 150, "snapshot_interval_ms": 500}
+    assert strategies.kvroute_timers(0.25) == {"poll_ms": 25, "ttl_seconds": 150, "flush_ms": 25}
     assert strategies.kvroute_timers(0.01)["poll_ms"] == 10  # the config's minimum
     eps = ["127.0.0.1:1001"]
     plugin = strategies.kvroute_plugin_config("precise", eps, 100, 16, time_scale=0.25)
@@ -290,7 +290,7 @@ def kvroute_timers_scale_with_the_pods():
     hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filt = json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
     assert single["indexer"]["poll_ms"] == 25 and filt["indexer"]["poll_ms"] == 25
-    assert filt["index"] == {"ttl_seconds": 150, "snapshot_interval_ms": 500}
+    assert filt["index"] == single["index"] == {"ttl_seconds": 150, "flush_ms": 25}
 
 
 @check

@@ -140,8 +140,8 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 # ---------------------------------------------------------------- kvroute
 
 # kvroute's shipped wall-clock timers (envoy/gateway-precise.yaml, schema/plugin-config.schema.json defaults).
-KVROUTE_TIMERS = {"poll_ms": 100, "ttl_seconds": 600, "snapshot_interval_ms": 2000}
-KVROUTE_TIMER_MINIMA = {"poll_ms": 10, "ttl_seconds": 1, "snapshot_interval_ms": 100}
+KVROUTE_TIMERS = {"poll_ms": 100, "ttl_seconds": 600, "flush_ms": 100}
+KVROUTE_TIMER_MINIMA = {"poll_ms": 10, "ttl_seconds": 1, "flush_ms": 10}
 
 
 def kvroute_timers(time_scale: float) -> Dict[str, int]:
@@ -184,7 +184,7 @@ def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: Any,
     cfg: Dict[str, Any] = {
         "block_size": block_size,
         "endpoints": eps,
-        "index": {"ttl_seconds": t["ttl_seconds"], "snapshot_interval_ms": t["snapshot_interval_ms"]},
+        "index": {"ttl_seconds": t["ttl_seconds"], "flush_ms": t["flush_ms"]},
     }
     if priority:
         cfg["priority"] = kvroute_priority()
@@ -261,7 +261,7 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         t = kvroute_timers(sim.time_scale)
         notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
                      f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "
-                     f"snapshot interval {t['snapshot_interval_ms']} ms (2,000 ms)")
+                     f"index flush {t['flush_ms']} ms (100 ms)")
         idx = None
         if mode == "precise":
             idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size,

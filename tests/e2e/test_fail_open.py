@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import yaml
 
-from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
+from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system, wait_for
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from simcluster import SimCluster
 
@@ -120,6 +121,7 @@ def test_a_refused_request_teaches_the_index_nothing(envoy):
         r = chat(envoy, system, f"probe {i}", model="no-such-model")
         assert r.status_code == 404
         refused.append(decision(r))
+        envoy.wait_for_index_flush()  # every worker would see what it taught
     # Nothing was learned, so no later request matched what the first one sent.
     assert all(d["matched"] == 0 for d in refused), refused
     ok = chat(envoy, system, "real")
@@ -280,6 +282,7 @@ def test_one_tenant_teaches_a_pod_only_its_budget(pods):
 
         def twice(tenant: str, system: str) -> tuple[int, int]:
             first = chat(proxy, system, "q", headers={"x-tenant": tenant})
+            proxy.wait_for_index_flush()  # the other worker sees what the first taught
             again = chat(proxy, system, "q", headers={"x-tenant": tenant})
             assert first.status_code == again.status_code == 200
             d = decision(again)
@@ -293,3 +296,25 @@ def test_one_tenant_teaches_a_pod_only_its_budget(pods):
         # Another tenant has a budget of its own.
         matched, total = twice("tenant-b", unique_system(40))
         assert 0 < total <= 40 and matched == total, (matched, total)
+
+
+def test_without_a_singleton_the_filter_routes_on_load_only(pods):
+    """The index lives in the singleton: a gateway configured without it still serves every
+    request, decided on load only, counted, explained in the decision header and logged once."""
+    require_wasm()
+    config = yaml.safe_load(render_gateway([p.addresses[0] for p in pods]))
+    del config["bootstrap_extensions"]
+    with EnvoyProcess(yaml.safe_dump(config, sort_keys=False)) as proxy:
+        proxy.wait_for_peers()
+        system = unique_system()
+        decisions = []
+        for i in range(6):
+            r = chat(proxy, system, f"q{i}")
+            assert r.status_code == 200, r.text
+            decisions.append(decision(r))
+        assert all(d["matched"] == 0 and "index=absent (load only)" in d["raw"] for d in decisions), decisions
+        unpublished = proxy.stats("kvroute.index.unpublished")["wasmcustom.kvroute.index.unpublished"]
+        assert unpublished == len(decisions)
+        logged = "no routing index published (absent)"
+        wait_for("the log line (Envoy flushes its log file every 10 s)", lambda: logged in proxy.log_text(), 20)
+        assert proxy.log_text().count(logged) <= proxy.concurrency, "once per worker VM"

@@ -64,9 +64,10 @@ def feed_polls(envoy) -> int:
 
 
 def settle(envoy, polls=3):
+    """A few more feed polls, and the singleton's publication of what they brought."""
     start = feed_polls(envoy)
     wait_for("feed polls", lambda: feed_polls(envoy) >= start + polls)
-    time.sleep(0.1)
+    envoy.wait_for_index_flush()
 
 
 def published(sims, replicas, pod: int, seed: int) -> list[int]:

@@ -6,7 +6,6 @@ holders of the indexer's token: a client without it cannot steer anyone's routin
 
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -44,10 +43,10 @@ def feed_ok(envoy) -> int:
 
 
 def settle(envoy, polls=3):
-    """Lets the singleton poll the feed a few more times and the workers apply it."""
+    """Lets the singleton poll the feed a few more times and publish what it applied."""
     start = feed_ok(envoy)
     wait_for("feed polls", lambda: feed_ok(envoy) >= start + polls)
-    time.sleep(0.1)
+    envoy.wait_for_index_flush()
 
 
 def tokens(seed: int, blocks: int) -> list[int]:
@@ -290,6 +289,7 @@ def test_hot_restart_loses_the_proxy_index_and_the_feed_refills_it(stack, precis
         before, reported = {}, 0
         for p in prompts:
             reported += route(p)["total"]
+            envoy.wait_for_index_flush()  # the singleton publishes what the first taught
             d = route(p)
             reported += d["total"]
             assert d["matched"] == d["total"] > 0, d["raw"]
@@ -300,10 +300,11 @@ def test_hot_restart_loses_the_proxy_index_and_the_feed_refills_it(stack, precis
         envoy.hot_restart()
         envoy.wait_for_peers()
         if precise:
-            settle(envoy)  # the new singleton's first polls
+            settle(envoy)  # the new singleton's first polls, published
         after = [route(p) for p in prompts]
         if precise:
             assert [(d["pod"], d["matched"] == d["total"]) for d in after] == [(before[p], True) for p in prompts]
         else:
             assert [d["matched"] for d in after] == [0] * len(prompts)
+            envoy.wait_for_index_flush()
             assert all(route(p)["matched"] > 0 for p in prompts), "learned again"

@@ -60,10 +60,11 @@ def lds_gateway(sims, directory, plugin: dict):
 
 
 def test_config_update_keeps_the_index(sims, tmp_path):
-    # No snapshot refresh during the test: only state kept inside the VMs can explain a match.
-    with lds_gateway(sims, tmp_path, {"index": {"snapshot_interval_ms": 600000}}) as (envoy, listener, lds):
+    # The index lives in the singleton and shared data: a filter configuration update leaves it.
+    with lds_gateway(sims, tmp_path, {}) as (envoy, listener, lds):
         system = unique_system()
         first = decision(chat(envoy, system, "same question"))
+        envoy.wait_for_index_flush()
 
         configuration = plugin_of(listener)
         updated = json.loads(configuration["value"])
@@ -77,20 +78,24 @@ def test_config_update_keeps_the_index(sims, tmp_path):
         r = chat(envoy, system, "same question")
         raw = r.headers["x-kvroute-why"]
         assert f"pod={first['pod']};" in raw and f"matched={first['total']}/{first['total']}" in raw, raw
-        # Peer messages still reach every worker after the update (queues re-registered).
+        # What a worker routes still reaches the singleton after the update (queues
+        # re-registered), and every worker reads what it publishes.
         fresh = unique_system()
-        pods = {chat(envoy, fresh, f"q{i}").headers["x-vllm-sim-pod"] for i in range(10)}
+        pods = {chat(envoy, fresh, "q0").headers["x-vllm-sim-pod"]}
+        envoy.wait_for_index_flush()
+        pods |= {chat(envoy, fresh, f"q{i}").headers["x-vllm-sim-pod"] for i in range(1, 10)}
         assert len(pods) == 1, pods
         assert requests.get(envoy.admin_url + "/ready", timeout=5).status_code == 200
 
 
-def test_new_vms_start_warm_from_the_snapshot(sims, tmp_path):
-    """A new VM configuration (as a module upgrade would bring) starts new VMs with the same
-    vm_id: they restore the index snapshot that the old VMs keep in shared data."""
-    with lds_gateway(sims, tmp_path, {"index": {"snapshot_interval_ms": 500}}) as (envoy, listener, lds):
+def test_new_worker_vms_read_the_index_at_once(sims, tmp_path):
+    """A new VM configuration (as a module upgrade would bring) starts new worker VMs with the
+    same vm_id: they hold no index, and read the one the singleton keeps publishing in shared
+    data from their first request."""
+    with lds_gateway(sims, tmp_path, {}) as (envoy, listener, lds):
         system = unique_system()
         first = decision(chat(envoy, system, "same question"))
-        time.sleep(1.5)  # a snapshot is written after the decision
+        envoy.wait_for_index_flush()
 
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         vm_config = hcm["http_filters"][0]["typed_config"]["config"]["vm_config"]

@@ -6,7 +6,8 @@ import time
 
 import requests
 
-from e2elib import MODEL, POD, chat, decision, unique_system
+from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
+from envoyctl import EnvoyProcess, render_gateway
 
 
 def test_shared_prefix_sticks_to_one_pod_across_workers(gateway):
@@ -20,10 +21,32 @@ def test_shared_prefix_sticks_to_one_pod_across_workers(gateway):
         pods.append(d["pod"])
         if i > 0:
             assert d["matched"] >= d["total"] - 2, d["raw"]
+        else:
+            # The singleton publishes what the first taught; every worker reads it there.
+            gateway.wait_for_index_flush()
     assert len(set(pods)) == 1, pods
-    # Both workers' VMs (and the main thread's) see each other, so the stickiness held
-    # whichever worker took each connection.
+    # Both workers' VMs (and the main thread's) see each other's load.
     assert gateway.stats("wasmcustom.kvroute.peers")["wasmcustom.kvroute.peers"] >= 1
+
+
+def test_one_worker_sticks_before_the_flush(sims):
+    """On one connection (one worker), a prefix routed a moment ago sticks before the singleton's
+    flush publishes it (index.flush_ms at its 1 s maximum here): the worker keeps its recent
+    decisions for two flush periods."""
+    require_wasm()
+    with EnvoyProcess(render_gateway(sims.addresses, {"index": {"flush_ms": 1000}})) as envoy:
+        envoy.wait_for_peers()
+        system = unique_system()
+        with requests.Session() as one_connection:
+            def ask(question):
+                body = {"model": MODEL, "max_tokens": 2,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+                r = one_connection.post(envoy.url + "/v1/chat/completions", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                return decision(r)
+            first = ask("one")
+            again = ask("two")
+        assert (again["pod"], again["matched"] >= again["total"] - 2) == (first["pod"], True), again["raw"]
 
 
 def test_distinct_prefixes_spread_over_pods(gateway):
@@ -72,6 +95,7 @@ def test_pretokenized_requests_route_on_token_blocks(gateway):
         assert d["total"] == 20
         if first is None:
             first = d["pod"]
+            gateway.wait_for_index_flush()
         else:
             assert (d["pod"], d["matched"]) == (first, 20), d["raw"]
 
@@ -111,6 +135,7 @@ def test_client_abort_mid_stream_releases_load(gateway):
 def test_forged_destination_header_is_ignored(gateway, sims):
     system = unique_system()
     home = decision(chat(gateway, system, "first"))["pod"]
+    gateway.wait_for_index_flush()
     forged = next(a for a in sims.addresses if a != home)
     for i in range(6):
         r = chat(gateway, system, f"q{i}", headers={"x-gateway-destination-endpoint": forged})

@@ -32,6 +32,7 @@ def completion(envoy, prompt, **extra) -> requests.Response:
 def test_the_same_chat_under_other_salts_never_matches(scoped):
     system = unique_system()
     first = decision(chat(scoped, system, "q", cache_salt="tenant-a"))
+    scoped.wait_for_index_flush()
     again = decision(chat(scoped, system, "q", cache_salt="tenant-a"))
     assert (again["pod"], again["matched"]) == (first["pod"], first["total"]), again["raw"]
     assert again["domain"] == "bytes" and again["total"] > 10, again["raw"]
@@ -44,6 +45,7 @@ def test_the_same_token_prompt_under_other_salts_never_matches(scoped):
     ids = [(i * 7919) % 40000 + 100 for i in range(16 * 12)]
     first = completion(scoped, ids, cache_salt="tenant-a")
     assert first.status_code == 200, first.text
+    scoped.wait_for_index_flush()
     again = decision(completion(scoped, ids, cache_salt="tenant-a"))
     assert (again["domain"], again["matched"], again["total"]) == ("tokens", 12, 12), again["raw"]
     assert again["pod"] == decision(first)["pod"]
@@ -65,6 +67,8 @@ def test_a_request_without_model_sticks_to_its_prefix_pod(scoped):
         pods.append(d["pod"])
         if i > 0:
             assert d["matched"] == d["total"] > 10, d["raw"]
+        else:
+            scoped.wait_for_index_flush()
     assert len(set(pods)) == 1, pods
     # Routed in the served model's scope: the same prompt naming the model shares its blocks.
     named = decision(chat(scoped, system, "q", max_tokens=2))
@@ -95,6 +99,7 @@ def test_tenants_get_their_own_salt_whatever_the_client_sends(isolated):
     system = unique_system()
     first = chat(isolated, system, "q", headers={"x-tenant": "spiffe://td/ns/a/sa/app"}, cache_salt="forged-1")
     assert first.status_code == 200, first.text
+    isolated.wait_for_index_flush()
     # The body was rewritten and the pod accepted it; a client salt changes nothing.
     same = chat(isolated, system, "q", headers={"x-tenant": "spiffe://td/ns/a/sa/app"}, cache_salt="forged-2")
     assert same.status_code == 200, same.text

@@ -31,6 +31,12 @@ def guide_metrics() -> dict[str, str]:
     return out
 
 
+def singleton_metrics() -> set[str]:
+    """Metrics the guide's table says the singleton exports (proxies without one have none)."""
+    table = guide_text().split("<!-- metrics:begin", 1)[1].split("<!-- metrics:end -->", 1)[0]
+    return set(re.findall(r"^\|\s*`(kvroute_[a-z0-9_]+)`\s*\|\s*\w+\s*\|\s*singleton\s*\|", table, re.M))
+
+
 def dashboard():
     return json.loads(DASHBOARD.read_text(encoding="utf-8"))
 
@@ -43,6 +49,8 @@ def test_guide_lists_metrics():
     metrics = guide_metrics()
     assert len(metrics) >= 20
     assert "kvroute_requests" in metrics and "kvroute_feed_errors" in metrics
+    assert {"kvroute_feed_errors", "kvroute_index_blocks"} <= singleton_metrics()
+    assert "kvroute_requests" not in singleton_metrics()
 
 
 def test_dashboard_structure():

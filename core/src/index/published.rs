@@ -1,0 +1,450 @@
+//! The index as the singleton publishes it in Envoy's shared data, one
+//! copy per proxy process, and the reader the worker VMs look it up with.
+//!
+//! Keys, all under `kvroute/index/v1/` (shared data never deletes a key, so
+//! the key set is bounded by the budget: one key per bucket, one per
+//! [`SETS_PER_CHUNK`] set ids, and two more):
+//! - `head`: the format, the writer (drawn at its start), its heartbeat, the
+//!   pod table's version, the bucket count and the learned-age clock.
+//!   Written at every flush.
+//! - `pods`: per index pod id, its generations and address.
+//! - `b/<bucket>`: the bucket's slots (written once by each new writer or
+//!   layout, then when they change).
+//! - `s/<chunk>`: the interned sets of ids `chunk × 16 ..`, members sorted.
+//!
+//! A flush writes the pod table, then new sets, then buckets, so a reader
+//! never meets a slot whose set is not written yet. Every decoder here takes
+//! any bytes without panicking: what does not decode is a miss, counted.
+
+use super::{
+    bucket_of, probe_slots, slot_set, BlockIndex, Clock, IndexSource, Member, PodId, PodState,
+    BUCKET_SLOTS, EMPTY,
+};
+use crate::codec::{put_u16, put_u32, put_u64, CodecError, Reader};
+use std::borrow::Cow;
+use std::cell::Cell;
+
+/// The head key: what a reader needs to read the rest.
+pub const HEAD_KEY: &str = "kvroute/index/v1/head";
+/// The pod table key.
+pub const PODS_KEY: &str = "kvroute/index/v1/pods";
+/// Interned sets per shared-data key.
+pub const SETS_PER_CHUNK: u32 = 16;
+/// The head's format byte.
+const FORMAT: u8 = 1;
+
+/// The key of bucket `b`.
+pub fn bucket_key(b: usize) -> String {
+    format!("kvroute/index/v1/b/{b}")
+}
+
+/// The key of the chunk holding set `id`.
+pub fn set_chunk_key(id: u32) -> String {
+    format!("kvroute/index/v1/s/{}", id / SETS_PER_CHUNK)
+}
+
+/// What the head key says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    /// Drawn by each writer when it starts: a pod-table version of another
+    /// writer means nothing.
+    pub writer: u64,
+    /// When the writer last flushed (ms since the epoch).
+    pub heartbeat_ms: u64,
+    /// Bumped whenever the pod table is rewritten.
+    pub pods_version: u64,
+    pub buckets: u32,
+    pub clock: Clock,
+}
+
+impl Head {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(35);
+        out.push(FORMAT);
+        put_u64(&mut out, self.writer);
+        put_u64(&mut out, self.heartbeat_ms);
+        put_u64(&mut out, self.pods_version);
+        put_u32(&mut out, self.buckets);
+        put_u32(&mut out, self.clock.epoch_seconds);
+        put_u16(&mut out, self.clock.ttl_epochs);
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Head, CodecError> {
+        let mut r = Reader::new(bytes);
+        if r.u8("head format")? != FORMAT {
+            return Err(CodecError::Truncated {
+                what: "head of a known format",
+            });
+        }
+        let head = Head {
+            writer: r.u64("writer")?,
+            heartbeat_ms: r.u64("heartbeat")?,
+            pods_version: r.u64("pods version")?,
+            buckets: r.u32("bucket count")?,
+            clock: Clock {
+                epoch_seconds: r.u32("epoch seconds")?.max(1),
+                ttl_epochs: r.u16("ttl epochs")?,
+            },
+        };
+        if head.buckets == 0 {
+            return Err(CodecError::Truncated {
+                what: "a non-zero bucket count",
+            });
+        }
+        Ok(head)
+    }
+}
+
+/// The published pods: per index pod id, its generations and address.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodTable {
+    pods: Vec<Option<(PodState, String)>>,
+}
+
+impl PodTable {
+    pub fn decode(bytes: &[u8]) -> Result<PodTable, CodecError> {
+        let mut r = Reader::new(bytes);
+        let count = r.u32("pod count")?;
+        let count = r.checked_count(u64::from(count), 1, "pods")?;
+        let mut pods = Vec::with_capacity(count);
+        for _ in 0..count {
+            if r.u8("pod present")? == 0 {
+                pods.push(None);
+                continue;
+            }
+            let state = PodState {
+                learned_generation: r.u32("learned generation")?,
+                precise_generation: r.u32("precise generation")?,
+            };
+            let len = usize::from(r.u16("address length")?);
+            pods.push(Some((state, r.str(len, "address")?)));
+        }
+        Ok(PodTable { pods })
+    }
+
+    /// Every pod: (index id, address).
+    pub fn addresses(&self) -> impl Iterator<Item = (PodId, &str)> {
+        self.pods
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.as_ref().map(|(_, a)| (PodId(i as u32), a.as_str())))
+    }
+
+    /// How many ids the table spans (removed pods included).
+    pub fn id_span(&self) -> usize {
+        self.pods.len()
+    }
+}
+
+/// A bucket as published: its slot count, then its slots.
+fn encode_bucket(slots: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + slots.len() * 8);
+    put_u16(&mut out, slots.len() as u16);
+    for &slot in slots {
+        put_u64(&mut out, slot);
+    }
+    out
+}
+
+/// The set reference of `key` in a published bucket; an error when the
+/// bytes are not a bucket.
+pub fn find_in_bucket(bytes: &[u8], key: u64) -> Result<Option<u32>, CodecError> {
+    let mut r = Reader::new(bytes);
+    let len = usize::from(r.u16("slot count")?);
+    let slots = r.take(len.saturating_mul(8), "slots")?;
+    if !r.is_empty() || len > BUCKET_SLOTS || (len > 0 && !len.is_power_of_two()) {
+        return Err(CodecError::Truncated {
+            what: "a bucket of the published shape",
+        });
+    }
+    let slot_at = |i: usize| {
+        slots
+            .get(i * 8..i * 8 + 8)
+            .and_then(|b| b.try_into().ok())
+            .map_or(EMPTY, u64::from_le_bytes)
+    };
+    Ok(probe_slots(len, key, slot_at)
+        .ok()
+        .map(|i| slot_set(slot_at(i))))
+}
+
+/// The members of set `id` in a published chunk (`None`: not in it); an
+/// error when the bytes are not a chunk.
+pub fn find_in_chunk(bytes: &[u8], id: u32) -> Result<Option<Vec<Member>>, CodecError> {
+    let mut r = Reader::new(bytes);
+    while !r.is_empty() {
+        let at = r.u32("set id")?;
+        let n = usize::from(r.u16("member count")?);
+        if at == id {
+            return Ok(Some(
+                r.u64s(n, "members")?.into_iter().map(Member).collect(),
+            ));
+        }
+        r.take(n.saturating_mul(8), "members")?;
+    }
+    Ok(None)
+}
+
+/// Key writes of one flush, in the order they must be applied.
+#[derive(Debug, Default)]
+pub struct Publication {
+    pub writes: Vec<(String, Vec<u8>)>,
+    /// Changed keys left for the next flush (the per-flush bound was reached).
+    pub deferred: usize,
+}
+
+impl BlockIndex {
+    /// Drains what changed since the last publication into at most
+    /// `max_writes` key writes (plus the head): the pod table when a pod was
+    /// added, removed or cleared, the chunks of new sets, changed buckets,
+    /// then buckets this index never wrote. Buckets wait while new sets do
+    /// (a slot is never published before its set). `address` names each
+    /// live pod.
+    pub fn publish(
+        &mut self,
+        max_writes: usize,
+        writer: u64,
+        heartbeat_ms: u64,
+        address: &dyn Fn(PodId) -> Option<String>,
+    ) -> Publication {
+        let mut out = Publication::default();
+        if self.pods_dirty {
+            self.pods_dirty = false;
+            self.pods_version += 1;
+            out.writes
+                .push((PODS_KEY.to_string(), self.encode_pods(address)));
+        }
+        let mut chunks: Vec<u32> = self
+            .sets
+            .fresh
+            .drain(..)
+            .map(|id| id / SETS_PER_CHUNK)
+            .collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        let room = max_writes.saturating_sub(out.writes.len());
+        for &chunk in chunks.iter().take(room) {
+            out.writes.push((
+                set_chunk_key(chunk * SETS_PER_CHUNK),
+                self.encode_chunk(chunk),
+            ));
+        }
+        if chunks.len() > room {
+            // Re-queued as one id per chunk: the chunk is rewritten whole.
+            let left = &chunks[room..];
+            self.sets
+                .fresh
+                .extend(left.iter().map(|c| c * SETS_PER_CHUNK));
+            out.deferred = left.len() + self.dirty_buckets.len() + self.unpublished.len();
+        } else {
+            let room = max_writes.saturating_sub(out.writes.len());
+            let take = room.min(self.dirty_buckets.len());
+            let rest = self.dirty_buckets.split_off(take);
+            for b in std::mem::replace(&mut self.dirty_buckets, rest) {
+                let b = b as usize;
+                self.bucket_dirty[b] = false;
+                self.published[b] = true;
+                out.writes
+                    .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
+            }
+            // Then the buckets not written yet, with the room left.
+            while out.writes.len() < max_writes {
+                let Some(b) = self.unpublished.pop() else {
+                    break;
+                };
+                let b = b as usize;
+                if !std::mem::replace(&mut self.published[b], true) {
+                    out.writes
+                        .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
+                }
+            }
+            out.deferred = self.dirty_buckets.len() + self.unpublished.len();
+        }
+        let head = Head {
+            writer,
+            heartbeat_ms,
+            pods_version: self.pods_version,
+            buckets: self.buckets.len() as u32,
+            clock: self.clock(),
+        };
+        out.writes.push((HEAD_KEY.to_string(), head.encode()));
+        out
+    }
+
+    fn encode_pods(&self, address: &dyn Fn(PodId) -> Option<String>) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_u32(&mut out, self.pods.len() as u32);
+        for (i, state) in self.pods.iter().enumerate() {
+            let id = PodId(i as u32);
+            let named =
+                address(id).filter(|a| !self.free_pods.contains(&id.0) && a.len() <= 0xffff);
+            match named {
+                Some(address) => {
+                    out.push(1);
+                    put_u32(&mut out, state.learned_generation);
+                    put_u32(&mut out, state.precise_generation);
+                    put_u16(&mut out, address.len() as u16);
+                    out.extend_from_slice(address.as_bytes());
+                }
+                None => out.push(0),
+            }
+        }
+        out
+    }
+
+    fn encode_chunk(&self, chunk: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        let first = chunk * SETS_PER_CHUNK;
+        for id in first..first + SETS_PER_CHUNK {
+            let members = self.sets.get(id);
+            if members.is_empty() {
+                continue;
+            }
+            put_u32(&mut out, id);
+            put_u16(&mut out, members.len() as u16);
+            for m in members {
+                put_u64(&mut out, m.0);
+            }
+        }
+        out
+    }
+}
+
+/// Reads shared data by key (the host in a worker VM, a map in tests).
+pub trait KeyReader {
+    fn read(&self, key: &str) -> Option<Vec<u8>>;
+}
+
+/// Why a worker cannot read the published index: it then routes on load only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unpublished {
+    /// No head: no singleton has published (none configured, or not yet).
+    Absent,
+    /// The head's heartbeat is older than the staleness limit: the writer stopped.
+    Stale,
+    /// The head or the pod table does not decode.
+    Unreadable,
+}
+
+impl Unpublished {
+    pub fn name(self) -> &'static str {
+        match self {
+            Unpublished::Absent => "absent",
+            Unpublished::Stale => "stale",
+            Unpublished::Unreadable => "unreadable",
+        }
+    }
+}
+
+/// A worker's view of the published index: the head and the pod table,
+/// re-read when the writer changes them.
+#[derive(Debug, Default)]
+pub struct PublishedView {
+    head: Option<Head>,
+    pods: PodTable,
+}
+
+impl PublishedView {
+    /// Reads the head (one key) and, when its version moved, the pod table.
+    /// An error says why the index cannot be used now.
+    pub fn refresh(
+        &mut self,
+        reader: &dyn KeyReader,
+        now_ms: u64,
+        stale_after_ms: u64,
+    ) -> Result<(), Unpublished> {
+        let Some(bytes) = reader.read(HEAD_KEY) else {
+            self.head = None;
+            return Err(Unpublished::Absent);
+        };
+        let head = Head::decode(&bytes).map_err(|_| Unpublished::Unreadable)?;
+        if now_ms.saturating_sub(head.heartbeat_ms) > stale_after_ms {
+            return Err(Unpublished::Stale);
+        }
+        if self.pods_version() != Some((head.writer, head.pods_version)) {
+            let table = reader.read(PODS_KEY).ok_or(Unpublished::Unreadable)?;
+            self.pods = PodTable::decode(&table).map_err(|_| Unpublished::Unreadable)?;
+        }
+        self.head = Some(head);
+        Ok(())
+    }
+
+    /// The writer and version of the pod table last read (to cache what
+    /// depends on it).
+    pub fn pods_version(&self) -> Option<(u64, u64)> {
+        self.head.map(|h| (h.writer, h.pods_version))
+    }
+
+    pub fn pods(&self) -> &PodTable {
+        &self.pods
+    }
+
+    /// A lookup source over `reader`, once [`PublishedView::refresh`] succeeded.
+    pub fn source<'a>(&'a self, reader: &'a dyn KeyReader) -> Option<PublishedIndex<'a>> {
+        Some(PublishedIndex {
+            reader,
+            head: self.head?,
+            pods: &self.pods,
+            unreadable: Cell::new(0),
+        })
+    }
+}
+
+/// The published index as a lookup source: every probe reads one bucket key,
+/// every set met one chunk key.
+pub struct PublishedIndex<'a> {
+    reader: &'a dyn KeyReader,
+    head: Head,
+    pods: &'a PodTable,
+    unreadable: Cell<u64>,
+}
+
+impl PublishedIndex<'_> {
+    /// Buckets and chunks that did not decode (each counted a miss).
+    pub fn unreadable(&self) -> u64 {
+        self.unreadable.get()
+    }
+
+    fn count_unreadable(&self) {
+        self.unreadable.set(self.unreadable.get() + 1);
+    }
+}
+
+impl IndexSource for PublishedIndex<'_> {
+    fn set_of(&self, key: u64) -> Option<u32> {
+        let b = bucket_of(key, self.head.buckets as usize);
+        let bytes = self.reader.read(&bucket_key(b))?;
+        find_in_bucket(&bytes, key).unwrap_or_else(|_| {
+            self.count_unreadable();
+            None
+        })
+    }
+
+    fn members(&self, id: u32) -> Cow<'_, [Member]> {
+        let found = self
+            .reader
+            .read(&set_chunk_key(id))
+            .map(|bytes| find_in_chunk(&bytes, id));
+        match found {
+            Some(Ok(Some(members))) => Cow::Owned(members),
+            Some(Err(_)) => {
+                self.count_unreadable();
+                Cow::Borrowed(&[])
+            }
+            _ => Cow::Borrowed(&[]),
+        }
+    }
+
+    fn pod_state(&self, pod: PodId) -> Option<PodState> {
+        self.pods
+            .pods
+            .get(pod.slot())?
+            .as_ref()
+            .map(|(state, _)| *state)
+    }
+
+    fn clock(&self) -> Clock {
+        self.head.clock
+    }
+}

@@ -1,0 +1,143 @@
+//! A worker VM's own recent routing decisions, for the flush gap: the
+//! singleton publishes what workers learn every `index.flush_ms`, so until
+//! then a worker would not see the prefix it just routed. Concurrent
+//! requests with one prefix on one worker still stick to one pod; other
+//! workers see it after the flush.
+//!
+//! Bounded by entries and by hashes held; an entry lives two flush periods
+//! (by then its flush has landed).
+
+use std::collections::VecDeque;
+
+/// Recent decisions kept at most.
+pub const RECENT_ENTRIES: usize = 256;
+/// Block hashes kept at most over all entries (512 KiB).
+pub const RECENT_HASHES: usize = 1 << 16;
+
+#[derive(Debug, Clone)]
+struct Recent {
+    at_ms: u64,
+    pod: String,
+    hashes: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct RecentRoutes {
+    entries: VecDeque<Recent>,
+    hashes: usize,
+    keep_ms: u64,
+}
+
+impl RecentRoutes {
+    /// Entries are kept `keep_ms` (two flush periods).
+    pub fn new(keep_ms: u64) -> RecentRoutes {
+        RecentRoutes {
+            keep_ms,
+            ..RecentRoutes::default()
+        }
+    }
+
+    pub fn set_keep_ms(&mut self, keep_ms: u64) {
+        self.keep_ms = keep_ms;
+    }
+
+    /// `pod` was taught `hashes` at `now_ms`.
+    pub fn record(&mut self, pod: &str, hashes: &[u64], now_ms: u64) {
+        if hashes.is_empty() {
+            return;
+        }
+        let hashes = hashes[..hashes.len().min(RECENT_HASHES)].to_vec();
+        self.hashes += hashes.len();
+        self.entries.push_back(Recent {
+            at_ms: now_ms,
+            pod: pod.to_string(),
+            hashes,
+        });
+        while self.entries.len() > RECENT_ENTRIES || self.hashes > RECENT_HASHES {
+            self.pop_oldest();
+        }
+    }
+
+    /// Forgets what was taught `pod` (it refused or failed).
+    pub fn forget(&mut self, pod: &str) {
+        self.entries.retain(|e| e.pod != pod);
+        self.hashes = self.entries.iter().map(|e| e.hashes.len()).sum();
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some(old) = self.entries.pop_front() {
+            self.hashes -= old.hashes.len();
+        }
+    }
+
+    /// Each pod's longest prefix of `hashes` among the recent decisions, as
+    /// (pod, blocks), after dropping expired entries.
+    pub fn matches(&mut self, hashes: &[u64], now_ms: u64) -> Vec<(&str, usize)> {
+        while self
+            .entries
+            .front()
+            .is_some_and(|e| now_ms.saturating_sub(e.at_ms) > self.keep_ms)
+        {
+            self.pop_oldest();
+        }
+        let mut out: Vec<(&str, usize)> = Vec::new();
+        let Some(&first) = hashes.first() else {
+            return out;
+        };
+        for entry in self.entries.iter().filter(|e| e.hashes[0] == first) {
+            let blocks = entry
+                .hashes
+                .iter()
+                .zip(hashes)
+                .take_while(|(a, b)| a == b)
+                .count();
+            match out.iter_mut().find(|(pod, _)| *pod == entry.pod) {
+                Some(known) => known.1 = known.1.max(blocks),
+                None => out.push((entry.pod.as_str(), blocks)),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_recent_prefix_per_pod_until_it_expires() {
+        let mut recent = RecentRoutes::new(200);
+        recent.record("a", &[1, 2, 3, 4], 0);
+        recent.record("a", &[1, 2], 50);
+        recent.record("b", &[1, 2, 9], 100);
+        recent.record("c", &[7, 8], 100);
+        let mut got = recent.matches(&[1, 2, 3, 5], 150);
+        got.sort_unstable();
+        assert_eq!(got, vec![("a", 3), ("b", 2)]);
+        // The first entry expired (kept 200 ms): only the shorter one is left for a.
+        let mut got = recent.matches(&[1, 2, 3, 5], 240);
+        got.sort_unstable();
+        assert_eq!(got, vec![("a", 2), ("b", 2)]);
+        recent.forget("b");
+        assert_eq!(recent.matches(&[1, 2, 3, 5], 240), vec![("a", 2)]);
+        assert!(recent.matches(&[], 260).is_empty());
+    }
+
+    #[test]
+    fn entries_and_hashes_stay_bounded() {
+        let mut recent = RecentRoutes::new(u64::MAX);
+        for i in 0..(RECENT_ENTRIES as u64 + 10) {
+            recent.record("a", &[i, 1], 0);
+        }
+        assert_eq!(recent.entries.len(), RECENT_ENTRIES);
+        assert!(
+            recent.matches(&[0, 1], 0).is_empty(),
+            "the oldest went first"
+        );
+        let big: Vec<u64> = (0..RECENT_HASHES as u64 / 2 + 1).collect();
+        recent.record("a", &big, 0);
+        recent.record("b", &big, 0);
+        assert!(recent.hashes <= RECENT_HASHES);
+        assert_eq!(recent.matches(&big, 0), vec![("b", big.len())]);
+    }
+}

@@ -1,0 +1,66 @@
+//! The routing index as the singleton publishes it in shared data: a worker
+//! reads keys another VM wrote, so every decoder (head, pod table, bucket,
+//! set chunk) must return on any bytes, never panic or loop; a lookup over
+//! garbled keys is a miss, counted.
+#![no_main]
+
+use kvroute_core::index::published::{
+    find_in_bucket, find_in_chunk, Head, KeyReader, PodTable, PublishedView, HEAD_KEY, PODS_KEY,
+};
+use kvroute_core::index::{match_lengths, MatchRules};
+use libfuzzer_sys::fuzz_target;
+
+/// Shared data cut from the fuzzer's bytes: the first two bytes give the
+/// lengths of the head and the pod table; every other key reads the rest.
+struct Garbage<'a> {
+    head: &'a [u8],
+    pods: &'a [u8],
+    rest: &'a [u8],
+}
+
+impl<'a> Garbage<'a> {
+    fn cut(data: &'a [u8]) -> Garbage<'a> {
+        let (lengths, body) = data.split_at(data.len().min(2));
+        let head_len = lengths.first().map_or(0, |&n| usize::from(n)).min(body.len());
+        let (head, body) = body.split_at(head_len);
+        let pods_len = lengths.get(1).map_or(0, |&n| usize::from(n)).min(body.len());
+        let (pods, rest) = body.split_at(pods_len);
+        Garbage { head, pods, rest }
+    }
+}
+
+impl KeyReader for Garbage<'_> {
+    fn read(&self, key: &str) -> Option<Vec<u8>> {
+        Some(match key {
+            HEAD_KEY => self.head.to_vec(),
+            PODS_KEY => self.pods.to_vec(),
+            _ => self.rest.to_vec(),
+        })
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let key = data
+        .iter()
+        .take(8)
+        .fold(0u64, |k, &b| k << 8 | u64::from(b))
+        & ((1 << 40) - 1);
+    let _ = Head::decode(data);
+    let _ = PodTable::decode(data);
+    let _ = find_in_bucket(data, key);
+    let _ = find_in_chunk(data, key as u32);
+    let reader = Garbage::cut(data);
+    let mut view = PublishedView::default();
+    if view.refresh(&reader, u64::MAX, u64::MAX).is_ok() {
+        let source = view.source(&reader).expect("a refreshed view is a source");
+        let rules = MatchRules {
+            trust_precise: true,
+            cpu_credit: 0.5,
+            disk_credit: 0.25,
+        };
+        let mut out = Vec::new();
+        let hashes: Vec<u64> = (0..64).map(|i| key.wrapping_mul(i + 1)).collect();
+        match_lengths(&source, &hashes, 1, &rules, &mut out);
+        assert!(out.iter().all(|m| m.blocks <= hashes.len()));
+    }
+});
