@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -78,6 +78,28 @@ class WorkloadSpec:
 
 
 @dataclass
+class ConversationSpec:
+    """Multi-turn conversations (inference-perf's `conversation_replay` data) instead of shared_prefix.
+
+    Turn t of a conversation sends its system prompt, every earlier user message and answer, and a
+    new user message: each turn's prompt is the previous prompt + the previous answer + a new
+    message. Request i of a stage is turn i // conversations of conversation i % conversations, so
+    the conversations are interleaved and each turn waits for the previous one's answer. Each stage
+    starts new conversations (inference-perf gives every stage its own shared system prompt)."""
+    conversations: int = 64
+    turns: int = 6
+    shared_system_prompt_len: int = 100  # one system prompt every conversation of a stage starts with
+    system_prompt_len: int = 1000  # then one of its own (a document, a persona)
+    user_len: int = 200  # tokens of each new user message
+    output_len: int = 32  # tokens of each answer (ignore_eos)
+    seed: int = 42  # text of every prompt and message (conversation_replay.seed)
+
+    def final_context(self) -> int:
+        """Tokens of a conversation after its last answer: what a pod holds for it."""
+        return self.shared_system_prompt_len + self.system_prompt_len + self.turns * (self.user_len + self.output_len)
+
+
+@dataclass
 class LoadSpec:
     warmup: Tuple[float, int] = (15.0, 50)  # (QPS, seconds) — stage 0, excluded from the table
     stages: List[Tuple[float, int]] = field(default_factory=list)
@@ -86,10 +108,14 @@ class LoadSpec:
     request_timeout: float = 900.0  # per request, seconds; a timeout is a counted failure
     stage_teardown_grace_seconds: float = 120.0
     interval: float = 1.0  # seconds between stages (inference-perf load.interval)
+    # Load generators, each with its own router (the mesh scenario: one proxy per client, as sidecars).
+    # Client k sends at rate / clients with arrival seed arrival_seed + k and every clients-th request
+    # of the data set from the k-th (ipwrap.py), so together they send what one client would.
+    clients: int = 1
 
     @property
     def inflight_cap(self) -> int:
-        return self.num_workers * self.worker_max_concurrency
+        return self.clients * self.num_workers * self.worker_max_concurrency
 
 
 @dataclass
@@ -99,6 +125,7 @@ class Profile:
     workload: WorkloadSpec
     load: LoadSpec
     description: str = ""
+    conversation: Optional[ConversationSpec] = None  # multi-turn data instead of workload's shared_prefix
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -126,14 +153,35 @@ class Profile:
         return simulated * self.sim.time_scale
 
     def expected_requests(self) -> List[int]:
-        """Requests inference-perf sends per stage: int(rate × duration), warm-up first."""
+        """Requests inference-perf sends per stage: int(rate × duration), warm-up first (with several
+        clients: the sum of theirs, each sending int(rate / clients × duration))."""
         stages = [self.load.warmup] + list(self.load.stages)
-        return [int(r * d) for r, d in stages]
+        k = self.load.clients
+        return [k * int(r / k * d) for r, d in stages]
+
+    def client_stages(self) -> List[Tuple[float, int]]:
+        """One client's stages as sent, warm-up first: wall_stages() at 1 / clients of the rate,
+        each client sending its int(rate / clients × duration) requests."""
+        k = self.load.clients
+        if k == 1:
+            return self.wall_stages()
+        out = []
+        for (rate, dur), n in zip([self.load.warmup] + list(self.load.stages), self.expected_requests()):
+            if self.sim.time_scale == 1.0:
+                out.append((rate / k, int(dur)))
+            else:
+                wall = max(1, int(round(dur * self.sim.time_scale)))
+                out.append(((n // k + 0.5) / wall, wall))
+        return out
 
     def resident_fraction(self) -> float:
-        """Resident prefix set (groups × (system + prompts × question)) / cluster KV tokens."""
+        """Resident prefix set / cluster KV tokens: groups × (system + prompts × question), or for
+        conversations every conversation of a stage at its full length."""
         w, s = self.workload, self.sim
-        resident = w.groups * (w.system_prompt_len + w.prompts_per_group * w.question_len)
+        if self.conversation:
+            resident = self.conversation.conversations * self.conversation.final_context()
+        else:
+            resident = w.groups * (w.system_prompt_len + w.prompts_per_group * w.question_len)
         return resident / (sum(s.capacities()) * s.block_size)
 
 
@@ -242,7 +290,68 @@ def overload() -> Profile:
 # rate measured, so the sustainable rate is at least this.
 OVERLOAD_SUSTAINABLE_QPS = 20.0
 
-PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload}
+def multiturn() -> Profile:
+    # The quick cluster (4 pods × 3,072 blocks = 196,608 KV tokens) at SCENARIO_SPEED. 64 conversations
+    # of 5 turns: 100 shared + 1,000 own system tokens, then per turn a 200-token message and a
+    # 32-token answer; a conversation ends at 1,100 + 5 × 232 = 2,260 tokens, 64 of them 144,640 =
+    # 74 % of the cluster's KV (the quick profile's 73 %): one pod holds ~21 conversations. A turn
+    # that reaches the pod holding its conversation computes ~250 new tokens; anywhere else, its whole
+    # prompt (up to ~2,000). Each stage is 320 requests = the 64 conversations' 5 turns, so no
+    # conversation is replayed; the next turn of a conversation comes 64 / rate seconds after the
+    # previous one (12.8 s at 5 QPS, 6.4 s at 10), longer than a turn takes when its prefix is found
+    # (~4-5 s: 32 decode steps of ~0.12 s at this speed); a cache-blind router falls behind at 10 QPS.
+    conv = ConversationSpec(conversations=64, turns=5, shared_system_prompt_len=100, system_prompt_len=1000,
+                            user_len=200, output_len=32)
+    n = conv.conversations * conv.turns
+    return Profile(
+        name="multiturn",
+        description=f"4 pods, {conv.conversations} interleaved conversations x {conv.turns} turns, "
+                    f"{conv.shared_system_prompt_len}+{conv.system_prompt_len} system tokens, "
+                    f"+{conv.user_len} -> {conv.output_len} tokens per turn, 74% resident, Poisson 5/10 QPS "
+                    f"({n} requests per stage), 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=0, prompts_per_group=0, system_prompt_len=0, question_len=0,
+                              output_len=conv.output_len),
+        conversation=conv,
+        load=LoadSpec(
+            warmup=(5.0, 13),  # 65 requests: every conversation's first turn (warm-up has its own conversations)
+            stages=[(5.0, n // 5), (10.0, n // 10)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            request_timeout=60.0,  # as in mixed(): bounds the cache-blind routers' drain
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+def mesh() -> Profile:
+    # The quick cluster and workload (4 pods × 3,072 blocks, 48 groups × 5 prompts, 73 % resident) at
+    # SCENARIO_SPEED, sent by 4 clients, each through its own router (one Envoy per client as a
+    # sidecar; one peer router process per client). A group's 5 prompts reach different clients, so
+    # a router that learns only from its own decisions sees a quarter of each group's traffic and
+    # places the rest blind; the pods' KV events (kvroute precise, one indexer feeding every Envoy)
+    # show every router where each prefix is. Stages at half and at the single-gateway sustainable
+    # rate (OVERLOAD_SUSTAINABLE_QPS): 2.5 and 5 QPS per client.
+    r = OVERLOAD_SUSTAINABLE_QPS
+    return Profile(
+        name="mesh",
+        description=f"4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
+                    f"router, Poisson {r / 2:g}/{r:g} QPS in all x 20 s, 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
+        load=LoadSpec(
+            warmup=(r / 2, 20),
+            stages=[(r / 2, 20), (r, 20)],
+            num_workers=1,
+            worker_max_concurrency=80,  # per client: 320 in flight in all, as the other quick-sized profiles
+            request_timeout=60.0,
+            stage_teardown_grace_seconds=30.0,
+            clients=4,
+        ),
+    )
+
+
+PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload, "multiturn": multiturn, "mesh": mesh}
 
 
 def get(name: str, overrides: List[str] | None = None) -> Profile:
@@ -255,7 +364,8 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
         section, _, fld = key.partition(".")
         target = getattr(p, section, None)
         if target is None or not fld or not hasattr(target, fld):
-            raise SystemExit(f"bad override {ov!r}: expected section.field=value (sections: sim, workload, load)")
+            raise SystemExit(f"bad override {ov!r}: expected section.field=value "
+                             "(sections: sim, workload, load; conversation in the multiturn profile)")
         try:
             val = json.loads(raw)
         except json.JSONDecodeError:
