@@ -378,4 +378,10 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
     if not (isinstance(p.sim.time_scale, (int, float)) and 0 < p.sim.time_scale <= 1):
         raise SystemExit(f"sim.time_scale must be in (0, 1], got {p.sim.time_scale!r}")
     p.sim.time_scale = float(p.sim.time_scale)
+    if not (isinstance(p.load.clients, int) and p.load.clients >= 1):
+        raise SystemExit(f"load.clients must be an integer >= 1, got {p.load.clients!r}")
+    if p.conversation and p.conversation.conversations % p.load.clients:
+        # Client k keeps every clients-th request (ipwrap.py): whole conversations only when they divide evenly.
+        raise SystemExit(f"conversation.conversations ({p.conversation.conversations}) must be a multiple of "
+                         f"load.clients ({p.load.clients})")
     return p

@@ -267,6 +267,11 @@ def scenarios_multiturn_and_mesh():
     scaled = profiles.get("mesh", ["sim.time_scale=0.5"])
     for (rate, wall), n in zip(scaled.client_stages(), scaled.expected_requests()):
         assert int(rate * wall) == n // 4  # each client sends its share on the faster clock
+    try:  # conversations split between clients whole, or not at all
+        profiles.get("multiturn", ["load.clients=3"])
+        raise AssertionError("64 conversations accepted for 3 clients")
+    except SystemExit as e:
+        assert "multiple of load.clients" in str(e)
 
 
 @check
