@@ -291,31 +291,35 @@ def overload() -> Profile:
 OVERLOAD_SUSTAINABLE_QPS = 20.0
 
 def multiturn() -> Profile:
-    # The quick cluster (4 pods × 3,072 blocks = 196,608 KV tokens) at SCENARIO_SPEED. 64 conversations
+    # The quick cluster (4 pods × 3,072 blocks = 196,608 KV tokens) at SCENARIO_SPEED. 48 conversations
     # of 5 turns: 100 shared + 1,000 own system tokens, then per turn a 200-token message and a
-    # 32-token answer; a conversation ends at 1,100 + 5 × 232 = 2,260 tokens, 64 of them 144,640 =
-    # 74 % of the cluster's KV (the quick profile's 73 %): one pod holds ~21 conversations. A turn
-    # that reaches the pod holding its conversation computes ~250 new tokens; anywhere else, its whole
-    # prompt (up to ~2,000). Each stage is 320 requests = the 64 conversations' 5 turns, so no
-    # conversation is replayed; the next turn of a conversation comes 64 / rate seconds after the
-    # previous one (12.8 s at 5 QPS, 6.4 s at 10), longer than a turn takes when its prefix is found
-    # (~4-5 s: 32 decode steps of ~0.12 s at this speed); a cache-blind router falls behind at 10 QPS.
-    conv = ConversationSpec(conversations=64, turns=5, shared_system_prompt_len=100, system_prompt_len=1000,
+    # 32-token answer; a conversation ends at 1,100 + 5 × 232 = 2,260 tokens, the 48 of a stage at
+    # 108,480 = 55 % of the cluster's KV (one pod holds ~21 conversations: 12 each when balanced, all
+    # 48 spread over every pod when placed blind). A turn that reaches the pod holding its
+    # conversation computes ~250 new tokens, elsewhere its whole prompt (up to ~2,000); a first turn
+    # ~1,200. Each stage is 240 requests = the 48 conversations' 5 turns, so no conversation is
+    # replayed; a conversation's next turn comes 48 / rate s after the previous one (12 s at 4 QPS,
+    # 6 s at 8), longer than a turn takes when its prefix is found (~4-5 s: 32 decode steps of ~0.12 s).
+    # Measured with 64 conversations at 5 / 10 QPS: kvroute precise TTFT p90 2.15 / 5.71 s (10 QPS was
+    # past its capacity: achieved 7.0), random 6.47 / 11.67 s at ~3 QPS achieved (each turn waits for
+    # the previous answer); random took 4.4 min, too long for nine strategies in ~30 min. 8 QPS here
+    # asks ~3.5k prefill tokens/s of the pods' ~6.8k when every prefix is found.
+    conv = ConversationSpec(conversations=48, turns=5, shared_system_prompt_len=100, system_prompt_len=1000,
                             user_len=200, output_len=32)
     n = conv.conversations * conv.turns
     return Profile(
         name="multiturn",
         description=f"4 pods, {conv.conversations} interleaved conversations x {conv.turns} turns, "
                     f"{conv.shared_system_prompt_len}+{conv.system_prompt_len} system tokens, "
-                    f"+{conv.user_len} -> {conv.output_len} tokens per turn, 74% resident, Poisson 5/10 QPS "
+                    f"+{conv.user_len} -> {conv.output_len} tokens per turn, 55% resident, Poisson 4/8 QPS "
                     f"({n} requests per stage), 60 s request timeout",
         sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
         workload=WorkloadSpec(groups=0, prompts_per_group=0, system_prompt_len=0, question_len=0,
                               output_len=conv.output_len),
         conversation=conv,
         load=LoadSpec(
-            warmup=(5.0, 13),  # 65 requests: every conversation's first turn (warm-up has its own conversations)
-            stages=[(5.0, n // 5), (10.0, n // 10)],
+            warmup=(4.0, 12),  # 48 requests: every conversation's first turn (warm-up has its own conversations)
+            stages=[(4.0, n // 4), (8.0, n // 8)],
             num_workers=1,
             worker_max_concurrency=320,
             request_timeout=60.0,  # as in mixed(): bounds the cache-blind routers' drain
