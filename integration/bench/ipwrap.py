@@ -24,7 +24,11 @@ strategy), `sheddable` for the rest. Routers that know no priority ignore it.
 With $KVROUTE_BENCH_CLIENT=k/K (the mesh scenario: K load generators, one
 router each), this client keeps item k, k + K, k + 2K, ... of the data
 generator's sequence, so the K clients together send the requests one client
-would have sent, and a group's prompts reach different clients.
+would have sent, and a group's prompts reach different clients. With
+$KVROUTE_BENCH_STAGE_BARRIER (a directory) as well, a client starts each stage
+only when all K have finished the previous one (a file per client and stage),
+so the K clients' stages begin together, as one client's would; a client that
+dies leaves the others waiting until the harness's time limit stops them.
 
 Multi-turn data (`conversation_replay`): inference-perf 0.7.0 clears its
 sessions between stages and re-primes each with its system prompt as context
@@ -37,6 +41,7 @@ generator does when it first builds a session.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -139,6 +144,21 @@ def _install_client_split(k: int, clients: int) -> None:
         cls.get_data = get_data  # type: ignore[method-assign]
 
 
+def _install_stage_barrier(directory: str, k: int, clients: int) -> None:
+    from inference_perf.loadgen.load_generator import LoadGenerator
+
+    orig = LoadGenerator.run_stage
+
+    async def run_stage(self, stage_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        mark = os.path.join(directory, "stage{}.client{}")
+        open(mark.format(stage_id, k), "w").close()
+        while not all(os.path.exists(mark.format(stage_id, j)) for j in range(clients)):
+            await asyncio.sleep(0.02)
+        return await orig(self, stage_id, *args, **kwargs)
+
+    LoadGenerator.run_stage = run_stage  # type: ignore[method-assign]
+
+
 def _install_conversation_reprime_fix() -> None:
     from inference_perf.datagen.replay import conversation_replay_datagen as crd
 
@@ -155,7 +175,10 @@ def main() -> None:
     _install_seeded_timers(seed, os.environ.get("KVROUTE_BENCH_SCHEDULE_OUT"))
     _install_conversation_reprime_fix()
     if os.environ.get("KVROUTE_BENCH_CLIENT"):
-        _install_client_split(*client_of(os.environ["KVROUTE_BENCH_CLIENT"]))
+        k, clients = client_of(os.environ["KVROUTE_BENCH_CLIENT"])
+        _install_client_split(k, clients)
+        if os.environ.get("KVROUTE_BENCH_STAGE_BARRIER"):
+            _install_stage_barrier(os.environ["KVROUTE_BENCH_STAGE_BARRIER"], k, clients)
     share = float(os.environ.get("KVROUTE_BENCH_CRITICAL_SHARE", "0") or 0)
     if share > 0:
         _install_priority_header(os.environ.get("KVROUTE_BENCH_PRIORITY_HEADER", "x-kvroute-priority"), share)

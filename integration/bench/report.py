@@ -499,8 +499,9 @@ def write(out: str) -> str:
                  "data set (integration/bench/ipwrap.py), so together they send the requests one client would and every "
                  "client draws from every prompt group. Per stage, the clients' requests are merged into one table "
                  "(counts summed; TTFT percentiles and throughput recomputed over the union with inference-perf's own "
-                 "formulas, run.merge_stage); each client runs its stages on its own clock, so a stage's window runs "
-                 "from the first client's start to the last one's end. Routers: kvroute as one Envoy per client, "
+                 "formulas, run.merge_stage); the clients start each stage together (a barrier in ipwrap.py: each "
+                 "waits until all have finished the previous stage), so a stage's window runs from their common "
+                 "start to the last client's end. Routers: kvroute as one Envoy per client, "
                  "each with its own state (precise mode: every Envoy's singleton polls the same kvroute-indexer); "
                  "Envoy's LBs one Envoy per client; the peers one router process per client.")
     L.append(f"- Load: Poisson; warm-up {ld['warmup'][0]:g} QPS × {ld['warmup'][1]} s (excluded), then "

@@ -365,15 +365,19 @@ def mesh_client_config(profile: profiles.Profile, cfg: Dict[str, Any], k: int, b
 
 def run_mesh_clients(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str, base_urls: List[str]) -> Dict[str, Any]:
     """The mesh scenario's load: one inference-perf per router, all at once (ipwrap.py splits the data
-    set between them: client k sends items k, k + K, ...). The schedule digest covers every client's."""
+    set between them: client k sends items k, k + K, ...; and starts each stage with the others: a
+    file barrier in sdir/stage-barrier). The schedule digest covers every client's."""
     n = profile.load.clients
     if len(base_urls) != n:
         raise RuntimeError(f"{n} clients need {n} routers, got {len(base_urls)}")
     limit = client_time_limit(profile)
+    barrier = os.path.join(sdir, "stage-barrier")
+    shutil.rmtree(barrier, ignore_errors=True)
+    os.makedirs(barrier)
     t0 = time.time()
     started = [_start_ipwrap(profile, mesh_client_config(profile, cfg, k, url, cfg["storage"]["local_storage"]["path"]),
                              sdir, suffix=f"-client{k}", arrival_seed=profile.workload.arrival_seed + k,
-                             extra_env={"KVROUTE_BENCH_CLIENT": f"{k}/{n}"})
+                             extra_env={"KVROUTE_BENCH_CLIENT": f"{k}/{n}", "KVROUTE_BENCH_STAGE_BARRIER": barrier})
                for k, url in enumerate(base_urls)]
     clients = []
     for k, (p, sched) in enumerate(started):
@@ -542,8 +546,8 @@ def merge_stage(raw: List[Dict[str, Any]]) -> Dict[str, Any]:
 def parse_mesh_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
     """The mesh scenario's clients merged into one per-stage table: counts summed from each client's
     inference-perf report, TTFT and throughput recomputed over the union of their requests
-    (merge_stage), the stage window from the first client's start to the last one's end. Each
-    client runs its stages on its own: a stage's window spans the clients' drains."""
+    (merge_stage), the stage window from the first client's start to the last one's end (the clients
+    start each stage together, ipwrap.py's barrier, and end it when their own requests have)."""
     dirs = [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]
     per_client = [[_stage_report(d, st["stage"]) for st in _stage_heads(profile)] for d in dirs]
     staged = [_staged_requests(d, [st["recorded"] for st in rows]) for d, rows in zip(dirs, per_client)]

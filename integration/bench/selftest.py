@@ -13,7 +13,7 @@ per-class and longest-queue summaries), the multiturn and mesh scenarios (stage
 sizes, conversation data, per-client configs, the clients' merge with
 inference-perf's formulas, the routers' stats merge, inference-perf's
 conversations growing across stages with ipwrap's fix, the clients' data
-split), and the report on
+split and stage barrier), and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -360,6 +360,36 @@ def conversations_grow_and_clients_split():
             for name in ("get_data", "_new_session"):
                 if name in attrs:
                     setattr(cls, name, attrs[name])
+
+
+@check
+def mesh_clients_start_each_stage_together():
+    import asyncio
+
+    import ipwrap
+    from inference_perf.loadgen.load_generator import LoadGenerator
+
+    d = tempfile.mkdtemp(prefix="bench-barrier-")
+    orig = LoadGenerator.run_stage
+    started = []
+
+    async def stub(self, stage_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(stage_id)
+
+    async def scenario():
+        task = asyncio.ensure_future(LoadGenerator.run_stage(None, 3))
+        await asyncio.sleep(0.2)
+        assert started == [] and os.path.exists(os.path.join(d, "stage3.client0"))  # client 1 not there yet
+        open(os.path.join(d, "stage3.client1"), "w").close()
+        await asyncio.wait_for(task, 5)
+        assert started == [3]
+
+    try:
+        LoadGenerator.run_stage = stub
+        ipwrap._install_stage_barrier(d, 0, 2)
+        asyncio.run(scenario())
+    finally:
+        LoadGenerator.run_stage = orig
 
 
 def main() -> int:
