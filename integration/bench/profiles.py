@@ -334,18 +334,20 @@ def mesh() -> Profile:
     # sidecar; one peer router process per client). A group's 5 prompts reach different clients, so
     # a router that learns only from its own decisions sees a quarter of each group's traffic and
     # places the rest blind; the pods' KV events (kvroute precise, one indexer feeding every Envoy)
-    # show every router where each prefix is. Stages at half and at the single-gateway sustainable
-    # rate (OVERLOAD_SUSTAINABLE_QPS): 2.5 and 5 QPS per client.
-    r = OVERLOAD_SUSTAINABLE_QPS
+    # show every router where each prefix is. Stages at 0.4 and 0.8 of the single-gateway sustainable
+    # rate (OVERLOAD_SUSTAINABLE_QPS = 20): 2 and 4 QPS per client. Measured at 10 / 20 QPS (build/bench,
+    # not published): kvroute precise TTFT p90 0.27 / 4.03 s (20 QPS is its capacity here), 2.8 min;
+    # Envoy random 24.2 / 28.5 s with 24 + 149 of 600 requests timed out, 5.0 min: nine strategies
+    # would take ~40 min. At 8 / 16 QPS a stage sends 4/5 of the requests, and below precise's capacity.
     return Profile(
         name="mesh",
-        description=f"4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
-                    f"router, Poisson {r / 2:g}/{r:g} QPS in all x 20 s, 60 s request timeout",
+        description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
+                    "router, Poisson 8/16 QPS in all x 20 s, 60 s request timeout",
         sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
         workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
         load=LoadSpec(
-            warmup=(r / 2, 20),
-            stages=[(r / 2, 20), (r, 20)],
+            warmup=(8.0, 20),  # 160 requests: most groups seen once
+            stages=[(8.0, 20), (16.0, 20)],
             num_workers=1,
             worker_max_concurrency=80,  # per client: 320 in flight in all, as the other quick-sized profiles
             request_timeout=60.0,

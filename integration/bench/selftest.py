@@ -256,14 +256,14 @@ def scenarios_multiturn_and_mesh():
 
     mesh = profiles.get("mesh")
     assert mesh.load.clients == 4 and mesh.load.inflight_cap == 320
-    assert mesh.expected_requests() == [200, 200, 400]
-    assert mesh.client_stages() == [(2.5, 20), (2.5, 20), (5.0, 20)]
+    assert mesh.expected_requests() == [160, 160, 320]
+    assert mesh.client_stages() == [(2.0, 20), (2.0, 20), (4.0, 20)]
     cfg = run.ip_config(mesh, "/tok", "http://router-0", "/out/inference-perf")
     c2 = run.mesh_client_config(mesh, cfg, 2, "http://router-2", "/out/inference-perf")
     assert c2["server"]["base_url"] == "http://router-2" and c2["load"]["base_seed"] == 44
-    assert [st["rate"] for st in c2["load"]["stages"]] == [2.5, 2.5, 5.0]
+    assert [st["rate"] for st in c2["load"]["stages"]] == [2.0, 2.0, 4.0]
     assert c2["storage"]["local_storage"]["path"] == "/out/inference-perf/client-2"
-    assert cfg["load"]["stages"][2]["rate"] == 20.0  # the base config is untouched
+    assert cfg["load"]["stages"][2]["rate"] == 16.0  # the base config is untouched
     scaled = profiles.get("mesh", ["sim.time_scale=0.5"])
     for (rate, wall), n in zip(scaled.client_stages(), scaled.expected_requests()):
         assert int(rate * wall) == n // 4  # each client sends its share on the faster clock
