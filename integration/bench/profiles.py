@@ -338,7 +338,9 @@ def mesh() -> Profile:
     # rate (OVERLOAD_SUSTAINABLE_QPS = 20): 2 and 4 QPS per client. Measured at 10 / 20 QPS (build/bench,
     # not published): kvroute precise TTFT p90 0.27 / 4.03 s (20 QPS is its capacity here), 2.8 min;
     # Envoy random 24.2 / 28.5 s with 24 + 149 of 600 requests timed out, 5.0 min: nine strategies
-    # would take ~40 min. At 8 / 16 QPS a stage sends 4/5 of the requests, and below precise's capacity.
+    # would take ~40 min. At 8 / 16 QPS (warm-up 8 × 20 s): TTFT p90 precise 0.26 / 1.20 s, approximate
+    # 3.41 / 28.2 s, random 27.8 / 16.1 s (186 of 320 timed out at 16); random 4.3 min, approximate 3.75,
+    # precise 2.6. The 12 s warm-up takes ~0.5 min off a cache-blind strategy: ~33 min for nine.
     return Profile(
         name="mesh",
         description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
@@ -346,7 +348,7 @@ def mesh() -> Profile:
         sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
         workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
         load=LoadSpec(
-            warmup=(8.0, 20),  # 160 requests: most groups seen once
+            warmup=(8.0, 12),  # 96 of the 240 prompts: all but ~4 of the 48 groups seen (0.6^5 unseen)
             stages=[(8.0, 20), (16.0, 20)],
             num_workers=1,
             worker_max_concurrency=80,  # per client: 320 in flight in all, as the other quick-sized profiles

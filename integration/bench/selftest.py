@@ -256,8 +256,8 @@ def scenarios_multiturn_and_mesh():
 
     mesh = profiles.get("mesh")
     assert mesh.load.clients == 4 and mesh.load.inflight_cap == 320
-    assert mesh.expected_requests() == [160, 160, 320]
-    assert mesh.client_stages() == [(2.0, 20), (2.0, 20), (4.0, 20)]
+    assert mesh.expected_requests() == [96, 160, 320]
+    assert mesh.client_stages() == [(2.0, 12), (2.0, 20), (4.0, 20)]
     cfg = run.ip_config(mesh, "/tok", "http://router-0", "/out/inference-perf")
     c2 = run.mesh_client_config(mesh, cfg, 2, "http://router-2", "/out/inference-perf")
     assert c2["server"]["base_url"] == "http://router-2" and c2["load"]["base_seed"] == 44
