@@ -341,7 +341,7 @@ def mesh() -> Profile:
     # Envoy random 24.2 / 28.5 s with 24 + 149 of 600 requests timed out, 5.0 min: nine strategies
     # would take ~40 min. At 8 / 16 QPS (warm-up 8 × 20 s): TTFT p90 precise 0.26 / 1.20 s, approximate
     # 3.41 / 28.2 s, random 27.8 / 16.1 s (186 of 320 timed out at 16); random 4.3 min, approximate 3.75,
-    # precise 2.6. The 12 s warm-up takes ~0.5 min off a cache-blind strategy: ~33 min for nine.
+    # precise 2.6. With the 12 s warm-up: random 4.1 min, sglang-router 3.2: ~34 min for nine.
     return Profile(
         name="mesh",
         description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
