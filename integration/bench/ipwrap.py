@@ -20,10 +20,28 @@ With $KVROUTE_BENCH_CRITICAL_SHARE (a fraction) and $KVROUTE_BENCH_PRIORITY_HEAD
 set, every request carries that header: `critical` for the share of prompts
 `priority_of` picks (a hash of the prompt text, so the same requests for every
 strategy), `sheddable` for the rest. Routers that know no priority ignore it.
+
+With $KVROUTE_BENCH_CLIENT=k/K (the mesh scenario: K load generators, one
+router each), this client keeps item k, k + K, k + 2K, ... of the data
+generator's sequence, so the K clients together send the requests one client
+would have sent, and a group's prompts reach different clients. With
+$KVROUTE_BENCH_STAGE_BARRIER (a directory) as well, a client starts each stage
+only when all K have finished the previous one (a file per client and stage),
+so the K clients' stages begin together, as one client's would; a client that
+dies leaves the others waiting until the harness's time limit stops them.
+
+Multi-turn data (`conversation_replay`): inference-perf 0.7.0 clears its
+sessions between stages and re-primes each with its system prompt as context
+but not as `system_prompt`; with a tokenizer configured, a turn's prompt is
+built from `system_prompt` and the history only, so from the second stage on
+every turn would be sent as its bare user message, without its conversation.
+`_install_conversation_reprime_fix` passes the system prompt as both, as the
+generator does when it first builds a session.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -102,9 +120,65 @@ def _install_priority_header(header: str, critical_share: float) -> None:
     session.process_request = process_request  # type: ignore[method-assign]
 
 
+def client_of(spec: str) -> tuple[int, int]:
+    """(k, K) from "k/K" with 0 <= k < K."""
+    k, _, n = spec.partition("/")
+    k_i, n_i = int(k), int(n)
+    if not 0 <= k_i < n_i:
+        raise ValueError(f"client {spec!r}: expected k/K with 0 <= k < K")
+    return k_i, n_i
+
+
+def _install_client_split(k: int, clients: int) -> None:
+    from inference_perf.datagen.replay.conversation_replay_datagen import ConversationReplayDataGenerator
+    from inference_perf.datagen.synthetic.shared_prefix_datagen import SharedPrefixDataGenerator
+
+    for cls in (SharedPrefixDataGenerator, ConversationReplayDataGenerator):
+        orig = cls.get_data
+
+        def get_data(self, _orig=orig):  # type: ignore[no-untyped-def]
+            for item in _orig(self):
+                if item.data_index % clients == k:
+                    yield item
+
+        cls.get_data = get_data  # type: ignore[method-assign]
+
+
+def _install_stage_barrier(directory: str, k: int, clients: int) -> None:
+    from inference_perf.loadgen.load_generator import LoadGenerator
+
+    orig = LoadGenerator.run_stage
+
+    async def run_stage(self, stage_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        mark = os.path.join(directory, "stage{}.client{}")
+        open(mark.format(stage_id, k), "w").close()
+        while not all(os.path.exists(mark.format(stage_id, j)) for j in range(clients)):
+            await asyncio.sleep(0.02)
+        return await orig(self, stage_id, *args, **kwargs)
+
+    LoadGenerator.run_stage = run_stage  # type: ignore[method-assign]
+
+
+def _install_conversation_reprime_fix() -> None:
+    from inference_perf.datagen.replay import conversation_replay_datagen as crd
+
+    orig = crd.ConversationReplayDataGenerator._new_session
+
+    def new_session(self, user_session_id, context, system_prompt=""):  # type: ignore[no-untyped-def]
+        return orig(self, user_session_id, context, system_prompt or context)
+
+    crd.ConversationReplayDataGenerator._new_session = new_session  # type: ignore[method-assign]
+
+
 def main() -> None:
     seed = int(os.environ.get("KVROUTE_BENCH_ARRIVAL_SEED", "0"))
     _install_seeded_timers(seed, os.environ.get("KVROUTE_BENCH_SCHEDULE_OUT"))
+    _install_conversation_reprime_fix()
+    if os.environ.get("KVROUTE_BENCH_CLIENT"):
+        k, clients = client_of(os.environ["KVROUTE_BENCH_CLIENT"])
+        _install_client_split(k, clients)
+        if os.environ.get("KVROUTE_BENCH_STAGE_BARRIER"):
+            _install_stage_barrier(os.environ["KVROUTE_BENCH_STAGE_BARRIER"], k, clients)
     share = float(os.environ.get("KVROUTE_BENCH_CRITICAL_SHARE", "0") or 0)
     if share > 0:
         _install_priority_header(os.environ.get("KVROUTE_BENCH_PRIORITY_HEADER", "x-kvroute-priority"), share)

@@ -9,8 +9,10 @@ strategy's TTFT p90 was ~9 s instead of 1.3–1.9 s, whichever router it was. So
 workload is sent once to `POST /tokenize` (the tokenizer is shared by every pod
 of the process), and all strategies start from the same warm tokenizer.
 
-The prompts are inference-perf's own: its shared_prefix generator is built from
-the run's inference-perf config, with the same seed and tokenizer.
+The prompts are inference-perf's own: its shared_prefix generator (or, for
+multi-turn data, its conversation_replay generator: each conversation's system
+prompt and user messages) is built from the run's inference-perf config, with
+the same seed and tokenizer.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from typing import Any, Dict, List
 
 def workload_prompts(config_path: str) -> List[str]:
     from inference_perf.config import read_config
-    from inference_perf.datagen.synthetic.shared_prefix_datagen import SharedPrefixDataGenerator
     from inference_perf.utils.custom_tokenizer import CustomTokenizer
 
     cfg = read_config(config_path)
+    if cfg.data.conversation_replay is not None:
+        # Multi-turn: a conversation's text without its answers (the pods' own, 16 fixed words).
+        from inference_perf.datagen.replay.conversation_replay_datagen import ConversationReplayDataGenerator
+
+        conv = ConversationReplayDataGenerator(cfg.api, cfg.data, CustomTokenizer(cfg.tokenizer))
+        return [" ".join([bp.system_prompt, *bp.turn_prompts]) for bp in conv.blueprints]
+    from inference_perf.datagen.synthetic.shared_prefix_datagen import SharedPrefixDataGenerator
+
     gen = SharedPrefixDataGenerator(cfg.api, cfg.data, CustomTokenizer(cfg.tokenizer))
     return list(gen.prompts)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -85,6 +85,28 @@ class WorkloadSpec:
 
 
 @dataclass
+class ConversationSpec:
+    """Multi-turn conversations (inference-perf's `conversation_replay` data) instead of shared_prefix.
+
+    Turn t of a conversation sends its system prompt, every earlier user message and answer, and a
+    new user message: each turn's prompt is the previous prompt + the previous answer + a new
+    message. Request i of a stage is turn i // conversations of conversation i % conversations, so
+    the conversations are interleaved and each turn waits for the previous one's answer. Each stage
+    starts new conversations (inference-perf gives every stage its own shared system prompt)."""
+    conversations: int = 64
+    turns: int = 6
+    shared_system_prompt_len: int = 100  # one system prompt every conversation of a stage starts with
+    system_prompt_len: int = 1000  # then one of its own (a document, a persona)
+    user_len: int = 200  # tokens of each new user message
+    output_len: int = 32  # tokens of each answer (ignore_eos)
+    seed: int = 42  # text of every prompt and message (conversation_replay.seed)
+
+    def final_context(self) -> int:
+        """Tokens of a conversation after its last answer: what a pod holds for it."""
+        return self.shared_system_prompt_len + self.system_prompt_len + self.turns * (self.user_len + self.output_len)
+
+
+@dataclass
 class LoadSpec:
     warmup: Tuple[float, int] = (15.0, 50)  # (QPS, seconds) — stage 0, excluded from the table
     stages: List[Tuple[float, int]] = field(default_factory=list)
@@ -93,10 +115,14 @@ class LoadSpec:
     request_timeout: float = 900.0  # per request, seconds; a timeout is a counted failure
     stage_teardown_grace_seconds: float = 120.0
     interval: float = 1.0  # seconds between stages (inference-perf load.interval)
+    # Load generators, each with its own router (the mesh scenario: one proxy per client, as sidecars).
+    # Client k sends at rate / clients with arrival seed arrival_seed + k and every clients-th request
+    # of the data set from the k-th (ipwrap.py), so together they send what one client would.
+    clients: int = 1
 
     @property
     def inflight_cap(self) -> int:
-        return self.num_workers * self.worker_max_concurrency
+        return self.clients * self.num_workers * self.worker_max_concurrency
 
 
 @dataclass
@@ -106,6 +132,7 @@ class Profile:
     workload: WorkloadSpec
     load: LoadSpec
     description: str = ""
+    conversation: Optional[ConversationSpec] = None  # multi-turn data instead of workload's shared_prefix
     # Plugin-config values merged over every kvroute strategy's config (nested; run.py --kvroute-set).
     kvroute_overrides: Dict[str, Any] = field(default_factory=dict)
 
@@ -137,14 +164,35 @@ class Profile:
         return simulated * self.sim.time_scale
 
     def expected_requests(self) -> List[int]:
-        """Requests inference-perf sends per stage: int(rate × duration), warm-up first."""
+        """Requests inference-perf sends per stage: int(rate × duration), warm-up first (with several
+        clients: the sum of theirs, each sending int(rate / clients × duration))."""
         stages = [self.load.warmup] + list(self.load.stages)
-        return [int(r * d) for r, d in stages]
+        k = self.load.clients
+        return [k * int(r / k * d) for r, d in stages]
+
+    def client_stages(self) -> List[Tuple[float, int]]:
+        """One client's stages as sent, warm-up first: wall_stages() at 1 / clients of the rate,
+        each client sending its int(rate / clients × duration) requests."""
+        k = self.load.clients
+        if k == 1:
+            return self.wall_stages()
+        out = []
+        for (rate, dur), n in zip([self.load.warmup] + list(self.load.stages), self.expected_requests()):
+            if self.sim.time_scale == 1.0:
+                out.append((rate / k, int(dur)))
+            else:
+                wall = max(1, int(round(dur * self.sim.time_scale)))
+                out.append(((n // k + 0.5) / wall, wall))
+        return out
 
     def resident_fraction(self) -> float:
-        """Resident prefix set (groups × (system + prompts × question)) / cluster KV tokens."""
+        """Resident prefix set / cluster KV tokens: groups × (system + prompts × question), or for
+        conversations every conversation of a stage at its full length."""
         w, s = self.workload, self.sim
-        resident = w.groups * (w.system_prompt_len + w.prompts_per_group * w.question_len)
+        if self.conversation:
+            resident = self.conversation.conversations * self.conversation.final_context()
+        else:
+            resident = w.groups * (w.system_prompt_len + w.prompts_per_group * w.question_len)
         return resident / (sum(s.capacities()) * s.block_size)
 
 
@@ -322,8 +370,78 @@ def restart() -> Profile:
     )
 
 
+def multiturn() -> Profile:
+    # The quick cluster (4 pods × 3,072 blocks = 196,608 KV tokens) at SCENARIO_SPEED. 48 conversations
+    # of 5 turns: 100 shared + 1,000 own system tokens, then per turn a 200-token message and a
+    # 32-token answer; a conversation ends at 1,100 + 5 × 232 = 2,260 tokens, the 48 of a stage at
+    # 108,480 = 55 % of the cluster's KV (one pod holds ~21 conversations: 12 each when balanced, all
+    # 48 spread over every pod when placed blind). A turn that reaches the pod holding its
+    # conversation computes ~250 new tokens, elsewhere its whole prompt (up to ~2,000); a first turn
+    # ~1,200. Each stage is 240 requests = the 48 conversations' 5 turns, so no conversation is
+    # replayed; a conversation's next turn comes 48 / rate s after the previous one (12 s at 4 QPS,
+    # 6 s at 8), longer than a turn takes when its prefix is found (~4-5 s: 32 decode steps of ~0.12 s).
+    # Measured with 64 conversations at 5 / 10 QPS: kvroute precise TTFT p90 2.15 / 5.71 s (10 QPS was
+    # past its capacity: achieved 7.0), random 6.47 / 11.67 s at ~3 QPS achieved (each turn waits for
+    # the previous answer); random took 4.4 min, too long for nine strategies in ~30 min. 8 QPS here
+    # asks ~3.5k prefill tokens/s of the pods' ~6.8k when every prefix is found. Measured at this size:
+    # precise 0.95 / 2.40 s, 2.7 min; random 3.82 / 5.63 s, 3.6 min.
+    conv = ConversationSpec(conversations=48, turns=5, shared_system_prompt_len=100, system_prompt_len=1000,
+                            user_len=200, output_len=32)
+    n = conv.conversations * conv.turns
+    return Profile(
+        name="multiturn",
+        description=f"4 pods, {conv.conversations} interleaved conversations x {conv.turns} turns, "
+                    f"{conv.shared_system_prompt_len}+{conv.system_prompt_len} system tokens, "
+                    f"+{conv.user_len} -> {conv.output_len} tokens per turn, 55% resident, Poisson 4/8 QPS "
+                    f"({n} requests per stage), 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=0, prompts_per_group=0, system_prompt_len=0, question_len=0,
+                              output_len=conv.output_len),
+        conversation=conv,
+        load=LoadSpec(
+            warmup=(4.0, 12),  # 48 requests: every conversation's first turn (warm-up has its own conversations)
+            stages=[(4.0, n // 4), (8.0, n // 8)],
+            num_workers=1,
+            worker_max_concurrency=320,
+            request_timeout=60.0,  # as in mixed(): bounds the cache-blind routers' drain
+            stage_teardown_grace_seconds=30.0,
+        ),
+    )
+
+
+def mesh() -> Profile:
+    # The quick cluster and workload (4 pods × 3,072 blocks, 48 groups × 5 prompts, 73 % resident) at
+    # SCENARIO_SPEED, sent by 4 clients, each through its own router (one Envoy per client as a
+    # sidecar; one peer router process per client). A group's 5 prompts reach different clients, so
+    # a router that learns only from its own decisions sees a quarter of each group's traffic and
+    # places the rest blind; the pods' KV events (kvroute precise, one indexer feeding every Envoy)
+    # show every router where each prefix is. Stages at 0.4 and 0.8 of the single-gateway sustainable
+    # rate (OVERLOAD_SUSTAINABLE_QPS = 20): 2 and 4 QPS per client. Measured at 10 / 20 QPS (build/bench,
+    # not published): kvroute precise TTFT p90 0.27 / 4.03 s (20 QPS is its capacity here), 2.8 min;
+    # Envoy random 24.2 / 28.5 s with 24 + 149 of 600 requests timed out, 5.0 min: nine strategies
+    # would take ~40 min. At 8 / 16 QPS (warm-up 8 × 20 s): TTFT p90 precise 0.26 / 1.20 s, approximate
+    # 3.41 / 28.2 s, random 27.8 / 16.1 s (186 of 320 timed out at 16); random 4.3 min, approximate 3.75,
+    # precise 2.6. With the 12 s warm-up: random 4.1 min, sglang-router 3.2: ~34 min for nine.
+    return Profile(
+        name="mesh",
+        description="4 pods, 48x5 prompts, 1500+300 -> 100 tokens, 73% resident, 4 clients each with its own "
+                    "router, Poisson 8/16 QPS in all x 20 s, 60 s request timeout",
+        sim=SimSpec(pods=4, num_gpu_blocks=3072, max_model_len=8192, pod_speeds=[SCENARIO_SPEED] * 4),
+        workload=WorkloadSpec(groups=48, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
+        load=LoadSpec(
+            warmup=(8.0, 12),  # 96 of the 240 prompts: all but ~4 of the 48 groups seen (0.6^5 unseen)
+            stages=[(8.0, 20), (16.0, 20)],
+            num_workers=1,
+            worker_max_concurrency=80,  # per client: 320 in flight in all, as the other quick-sized profiles
+            request_timeout=60.0,
+            stage_teardown_grace_seconds=30.0,
+            clients=4,
+        ),
+    )
+
+
 PROFILES = {"quick": quick, "full": full, "mixed": mixed, "overload": overload, "oversub": oversub,
-            "restart": restart}
+            "restart": restart, "multiturn": multiturn, "mesh": mesh}
 
 
 def get(name: str, overrides: List[str] | None = None) -> Profile:
@@ -336,7 +454,8 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
         section, _, fld = key.partition(".")
         target = getattr(p, section, None)
         if target is None or not fld or not hasattr(target, fld):
-            raise SystemExit(f"bad override {ov!r}: expected section.field=value (sections: sim, workload, load)")
+            raise SystemExit(f"bad override {ov!r}: expected section.field=value "
+                             "(sections: sim, workload, load; conversation in the multiturn profile)")
         try:
             val = json.loads(raw)
         except json.JSONDecodeError:
@@ -349,6 +468,12 @@ def get(name: str, overrides: List[str] | None = None) -> Profile:
     if not (isinstance(p.sim.time_scale, (int, float)) and 0 < p.sim.time_scale <= 1):
         raise SystemExit(f"sim.time_scale must be in (0, 1], got {p.sim.time_scale!r}")
     p.sim.time_scale = float(p.sim.time_scale)
+    if not (isinstance(p.load.clients, int) and p.load.clients >= 1):
+        raise SystemExit(f"load.clients must be an integer >= 1, got {p.load.clients!r}")
+    if p.conversation and p.conversation.conversations % p.load.clients:
+        # Client k keeps every clients-th request (ipwrap.py): whole conversations only when they divide evenly.
+        raise SystemExit(f"conversation.conversations ({p.conversation.conversations}) must be a multiple of "
+                         f"load.clients ({p.load.clients})")
     if p.sim.restart_pod >= p.sim.pods or (p.sim.restart_pod >= 0 and not 0 <= p.sim.restart_stage <= len(p.load.stages)):
         raise SystemExit(f"sim.restart_pod {p.sim.restart_pod} / sim.restart_stage {p.sim.restart_stage}: the pod must be "
                          f"one of the {p.sim.pods} and the stage 0 (warm-up) .. {len(p.load.stages)}")

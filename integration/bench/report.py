@@ -414,14 +414,30 @@ def sessions_section(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> Lis
     return L
 
 
+def prompt_lengths_digest(out: str, res: Dict[str, Any]) -> str:
+    """sha256 (16 hex) of the sorted (stage, prompt tokens) pairs of a strategy's requests."""
+    import hashlib
+
+    pairs = sorted((r.get("stage", 0), r.get("in") or 0) for r in load_requests(out, res))
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+
+
+def workload_words(prof: Dict[str, Any]) -> str:
+    """The workload in a few words for the plot's title."""
+    conv = prof.get("conversation")
+    words = (f"{conv['conversations']} conversations x {conv['turns']} turns" if conv else
+             f"{prof['workload']['groups']}x{prof['workload']['prompts_per_group']} shared_prefix")
+    clients = prof["load"].get("clients", 1)
+    return words + (f", {clients} clients with a router each" if clients > 1 else "")
+
+
 def write(out: str) -> str:
     data = json.load(open(os.path.join(out, "results.json")))
     meta, results = data["meta"], data["results"]
     prof = meta["profile"]
     sums = {r["strategy"]: summarize(out, r) for r in results}
     title = (f"kvroute benchmark, profile {prof['name']}: {prof['sim']['pods']} vllm-sim pods, "
-             f"{prof['workload']['groups']}x{prof['workload']['prompts_per_group']} shared_prefix, "
-             f"cap {prof['load']['inflight_cap']} in flight"
+             f"{workload_words(prof)}, cap {prof['load']['inflight_cap']} in flight"
              + (f", time scale {prof['sim']['time_scale']:g}" if prof["sim"].get("time_scale", 1.0) != 1.0 else "")
              + f" ({meta['started_utc']})")
     png = plot(out, results, title)
@@ -560,21 +576,57 @@ def write(out: str) -> str:
                  + "; ".join(f"`{' '.join(a)}`" for a in argv))
     elif argv:
         L.append(f"- vllm-sim command: `{' '.join(argv)}`")
-    L.append(f"- Workload: inference-perf `shared_prefix`, {w['groups']} groups × {w['prompts_per_group']} prompts, "
-             f"system prompt {w['system_prompt_len']} tokens, question {w['question_len']}, output {w['output_len']} "
-             f"(ignore_eos), `/v1/completions`, streaming; data seed {w['seed']}, arrival seed {w['arrival_seed']}. "
-             f"Resident prefix set = {100 * meta['resident_fraction']:.0f}% of cluster KV.")
+    conv = prof.get("conversation")
+    if conv:
+        L.append(f"- Workload: inference-perf `conversation_replay`, {conv['conversations']} conversations × "
+                 f"{conv['turns']} turns per stage, interleaved (request i of a stage is turn i ÷ {conv['conversations']} "
+                 f"of conversation i mod {conv['conversations']}; a turn is sent once the previous one has its answer), "
+                 f"system prompt {conv['shared_system_prompt_len']} tokens shared by the stage's conversations + "
+                 f"{conv['system_prompt_len']} of its own, then per turn a {conv['user_len']}-token message and a "
+                 f"{conv['output_len']}-token answer (ignore_eos): each turn's prompt is the previous prompt, its answer "
+                 f"and the new message. Every stage starts new conversations (its own shared system prompt). "
+                 "The answers are the pods' (vllm-sim picks each answer's words per request), so their words differ "
+                 "between strategies and their token counts do not. `/v1/completions`, streaming; data seed "
+                 f"{conv['seed']}, arrival seed {w['arrival_seed']}. Every conversation of a stage at full length = "
+                 f"{100 * meta['resident_fraction']:.0f}% of cluster KV.")
+    else:
+        L.append(f"- Workload: inference-perf `shared_prefix`, {w['groups']} groups × {w['prompts_per_group']} prompts, "
+                 f"system prompt {w['system_prompt_len']} tokens, question {w['question_len']}, output {w['output_len']} "
+                 f"(ignore_eos), `/v1/completions`, streaming; data seed {w['seed']}, arrival seed {w['arrival_seed']}. "
+                 f"Resident prefix set = {100 * meta['resident_fraction']:.0f}% of cluster KV.")
+    clients = ld.get("clients", 1)
+    if clients > 1:
+        L.append(f"- **{clients} clients, one router each** (the mesh scenario: proxies beside their clients, as "
+                 f"sidecars): {clients} inference-perf processes, client k sending to its own router only, at 1/{clients} "
+                 f"of each stage's rate with arrival seed {w['arrival_seed']} + k, and items k, k + {clients}, … of the "
+                 "data set (integration/bench/ipwrap.py), so together they send the requests one client would and every "
+                 "client draws from every prompt group. Per stage, the clients' requests are merged into one table "
+                 "(counts summed; TTFT percentiles and throughput recomputed over the union with inference-perf's own "
+                 "formulas, run.merge_stage); the clients start each stage together (a barrier in ipwrap.py: each "
+                 "waits until all have finished the previous stage), so a stage's window runs from their common "
+                 "start to the last client's end. Routers: kvroute as one Envoy per client, "
+                 "each with its own state (precise mode: every Envoy's singleton polls the same kvroute-indexer); "
+                 "Envoy's LBs one Envoy per client; the peers one router process per client.")
     L.append(f"- Load: Poisson; warm-up {ld['warmup'][0]:g} QPS × {ld['warmup'][1]} s (excluded), then "
              + ", ".join(f"{r:g}×{d}s" for r, d in ld["stages"])
              + (f" (sent as " + ", ".join(f"{r:.4g}×{d}s" for r, d in ld["wall_stages"]) + " wall)" if ld.get("wall_stages") else "")
-            + f". Client cap on requests in flight: {ld['num_workers']} workers × {ld['worker_max_concurrency']} = "
+            + f". Client cap on requests in flight: "
+             + (f"{ld['clients']} clients × " if ld.get("clients", 1) > 1 else "")
+             + f"{ld['num_workers']} workers × {ld['worker_max_concurrency']} = "
              f"**{ld['inflight_cap']}** (TTFT is timed from dispatch). Per-request timeout {ld['request_timeout']:g} s.")
     fps = {r.get("workload_fingerprint") for r in results if r.get("workload_fingerprint")}
     scheds = {(r.get("inference_perf") or {}).get("schedule_sha") for r in results if (r.get("inference_perf") or {}).get("schedule_sha")}
     L.append(f"- Same workload for every strategy: inference-perf config fingerprint(s) {', '.join(sorted(fps)) or '—'} "
              f"({'identical' if len(fps) == 1 else 'NOT identical'}); arrival schedule sha256 {', '.join(sorted(scheds)) or '—'} "
              f"({'identical' if len(scheds) == 1 else 'NOT identical'}). Arrivals are seeded by integration/bench/ipwrap.py "
-             "(inference-perf 0.7.0 does not seed its Poisson timer); nothing else in inference-perf is changed.")
+             "(inference-perf 0.7.0 does not seed its Poisson timer); it also keeps multi-turn sessions' system prompt "
+             "across stages and splits the data set between several clients (README); nothing else in inference-perf "
+             "is changed.")
+    if conv:
+        lengths = {r["strategy"]: prompt_lengths_digest(out, r) for r in results if r.get("requests_file")}
+        L.append(f"- Prompt lengths (tokens per request, by stage; they depend on the answers' lengths): digest "
+                 f"{', '.join(sorted(set(lengths.values()))) or '—'} "
+                 f"({'identical' if len(set(lengths.values())) == 1 else 'NOT identical: requests failed or were not sent'}).")
     if meta.get("tokenizer_prime"):
         tp = meta["tokenizer_prime"]
         L.append(f"- Before the first strategy, every workload prompt ({tp['tokenized']} of {tp['prompts']}) went once through the "

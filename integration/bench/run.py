@@ -226,6 +226,38 @@ def flush_pods(addresses: List[str]) -> Dict[str, Any]:
 
 # ------------------------------------------------------------------ inference-perf
 
+def data_config(profile: profiles.Profile) -> Dict[str, Any]:
+    """inference-perf's `data` section: shared_prefix, or conversation_replay for a profile with conversations."""
+    conv = profile.conversation
+    if conv:
+        def fixed(n: int) -> Dict[str, Any]:
+            return {"type": "fixed", "mean": n, "min": n, "max": n}
+
+        return {"type": "conversation_replay", "conversation_replay": {
+            "seed": conv.seed,
+            "num_conversations": conv.conversations,
+            "shared_system_prompt_len": conv.shared_system_prompt_len,
+            "dynamic_system_prompt_len": fixed(conv.system_prompt_len),
+            "turns_per_conversation": fixed(conv.turns),
+            "input_tokens_per_turn": fixed(conv.user_len),
+            "output_tokens_per_turn": fixed(conv.output_len),
+            # The pods' limit: conversations stay far below it, so inference-perf never truncates one.
+            "max_model_len": profile.sim.max_model_len,
+        }}
+    w = profile.workload
+    return {
+        "type": "shared_prefix",
+        "shared_prefix": {
+            "num_groups": w.groups,
+            "num_prompts_per_group": w.prompts_per_group,
+            "system_prompt_len": w.system_prompt_len,
+            "question_len": w.question_len,
+            "output_len": w.output_len,
+            "seed": w.seed,
+        },
+    }
+
+
 def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_dir: str) -> Dict[str, Any]:
     w, ld = profile.workload, profile.load
     stages = profile.wall_stages()
@@ -233,17 +265,7 @@ def ip_config(profile: profiles.Profile, tokenizer_dir: str, base_url: str, out_
         "api": {"type": "completion", "streaming": True},
         "server": {"type": "vllm", "model_name": profile.sim.served_model_name, "base_url": base_url, "ignore_eos": True},
         "tokenizer": {"pretrained_model_name_or_path": tokenizer_dir},
-        "data": {
-            "type": "shared_prefix",
-            "shared_prefix": {
-                "num_groups": w.groups,
-                "num_prompts_per_group": w.prompts_per_group,
-                "system_prompt_len": w.system_prompt_len,
-                "question_len": w.question_len,
-                "output_len": w.output_len,
-                "seed": w.seed,
-            },
-        },
+        "data": data_config(profile),
         "load": {
             "type": "poisson",
             "interval": ld.interval,
@@ -283,13 +305,15 @@ def planned_seconds(profile: profiles.Profile) -> float:
     return sum(d for _, d in profile.wall_stages())
 
 
-def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str) -> Dict[str, Any]:
+def _start_ipwrap(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str, suffix: str = "",
+                  arrival_seed: Optional[int] = None, extra_env: Optional[Dict[str, str]] = None) -> tuple:
+    """Write inference-perf{suffix}.yaml and start ipwrap.py on it; returns (Proc, schedule path)."""
     import yaml
 
-    cfg_path = os.path.join(sdir, "inference-perf.yaml")
+    cfg_path = os.path.join(sdir, f"inference-perf{suffix}.yaml")
     with open(cfg_path, "w") as fh:
         yaml.safe_dump(cfg, fh, sort_keys=False)
-    sched = os.path.join(sdir, "arrival-schedule.jsonl")
+    sched = os.path.join(sdir, f"arrival-schedule{suffix}.jsonl")
     if os.path.exists(sched):
         os.remove(sched)
     env = dict(os.environ)
@@ -297,22 +321,29 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
-        "KVROUTE_BENCH_ARRIVAL_SEED": str(profile.workload.arrival_seed),
+        "KVROUTE_BENCH_ARRIVAL_SEED": str(profile.workload.arrival_seed if arrival_seed is None else arrival_seed),
         "KVROUTE_BENCH_SCHEDULE_OUT": sched,
         "TOKENIZERS_PARALLELISM": "false",
     })
     if profile.workload.critical_share > 0:
         env["KVROUTE_BENCH_CRITICAL_SHARE"] = str(profile.workload.critical_share)
         env["KVROUTE_BENCH_PRIORITY_HEADER"] = strategies.PRIORITY_HEADER
+    env.update(extra_env or {})
     argv = [sys.executable, os.path.join(HERE, "ipwrap.py"), "-c", cfg_path, "--log-level", "INFO"]
-    # A guard against a hung client, not a budget: arrivals, one timeout, and every
-    # output token at 1,000 tok/s (a cache-blind router on the full profile does ~4,000).
+    return Proc(f"inference-perf{suffix}", argv, os.path.join(sdir, f"inference-perf{suffix}.log"), env=env), sched
+
+
+def client_time_limit(profile: profiles.Profile) -> float:
+    """A guard against a hung client, not a budget: arrivals, one timeout, and every
+    output token at 1,000 tok/s (a cache-blind router on the full profile does ~4,000)."""
     tokens = sum(profile.expected_requests()) * profile.workload.output_len
-    limit = 3 * planned_seconds(profile) + profile.wall_seconds(profile.load.request_timeout + tokens / 1000.0) + 600
-    t0 = time.time()
-    p = Proc("inference-perf", argv, os.path.join(sdir, "inference-perf.log"), env=env)
+    return 3 * planned_seconds(profile) + profile.wall_seconds(profile.load.request_timeout + tokens / 1000.0) + 600
+
+
+def _wait_client(p: Proc, timeout: float) -> tuple:
+    """(rc, timed_out) of a client, stopped if it outlived `timeout`."""
     try:
-        rc = p.wait(timeout=limit)
+        rc = p.wait(timeout=max(1.0, timeout))
     except BaseException:  # the run is being stopped (signal): take the client down with it
         p.stop(grace=5)
         raise
@@ -322,11 +353,57 @@ def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str
         rc = p.poll()
     else:
         p.stop()
-    sched_sha = None
-    if os.path.exists(sched):
-        sched_sha = hashlib.sha256(open(sched, "rb").read()).hexdigest()[:16]
+    return rc, timed_out
+
+
+def _file_sha(path: str) -> Optional[str]:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if os.path.exists(path) else None
+
+
+def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str) -> Dict[str, Any]:
+    limit = client_time_limit(profile)
+    t0 = time.time()
+    p, sched = _start_ipwrap(profile, cfg, sdir)
+    rc, timed_out = _wait_client(p, limit)
     return {"argv": ["inference-perf (via ipwrap.py)", "-c", "inference-perf.yaml"], "rc": rc, "timed_out": timed_out,
-            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": sched_sha}
+            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": _file_sha(sched)}
+
+
+def mesh_client_config(profile: profiles.Profile, cfg: Dict[str, Any], k: int, base_url: str, ip_dir: str) -> Dict[str, Any]:
+    """Client k's inference-perf config in the mesh scenario: its own router, 1 / clients of every
+    stage's rate (profile.client_stages), its own arrival seed and report directory."""
+    c = json.loads(json.dumps(cfg))
+    c["server"]["base_url"] = base_url
+    c["load"]["stages"] = [{"rate": float(r), "duration": int(d)} for r, d in profile.client_stages()]
+    c["load"]["base_seed"] = profile.workload.arrival_seed + k
+    c["storage"]["local_storage"]["path"] = os.path.join(ip_dir, f"client-{k}")
+    return c
+
+
+def run_mesh_clients(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str, base_urls: List[str]) -> Dict[str, Any]:
+    """The mesh scenario's load: one inference-perf per router, all at once (ipwrap.py splits the data
+    set between them: client k sends items k, k + K, ...; and starts each stage with the others: a
+    file barrier in sdir/stage-barrier). The schedule digest covers every client's."""
+    n = profile.load.clients
+    if len(base_urls) != n:
+        raise RuntimeError(f"{n} clients need {n} routers, got {len(base_urls)}")
+    limit = client_time_limit(profile)
+    barrier = os.path.join(sdir, "stage-barrier")
+    shutil.rmtree(barrier, ignore_errors=True)
+    os.makedirs(barrier)
+    t0 = time.time()
+    started = [_start_ipwrap(profile, mesh_client_config(profile, cfg, k, url, cfg["storage"]["local_storage"]["path"]),
+                             sdir, suffix=f"-client{k}", arrival_seed=profile.workload.arrival_seed + k,
+                             extra_env={"KVROUTE_BENCH_CLIENT": f"{k}/{n}", "KVROUTE_BENCH_STAGE_BARRIER": barrier})
+               for k, url in enumerate(base_urls)]
+    clients = []
+    for k, (p, sched) in enumerate(started):
+        rc, timed_out = _wait_client(p, limit - (time.time() - t0))
+        clients.append({"client": k, "rc": rc, "timed_out": timed_out, "schedule_sha": _file_sha(sched)})
+    digest = hashlib.sha256("".join(c["schedule_sha"] or "-" for c in clients).encode()).hexdigest()[:16]
+    return {"argv": ["inference-perf (via ipwrap.py)", "-c", f"inference-perf-client<k>.yaml, k < {n}"],
+            "rc": next((c["rc"] for c in clients if c["rc"] != 0), 0), "timed_out": any(c["timed_out"] for c in clients),
+            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": digest, "clients": clients}
 
 
 def _div(x: Optional[float], d: float) -> Optional[float]:
@@ -349,84 +426,172 @@ def to_simulated_time(stage: Dict[str, Any], time_scale: float) -> Dict[str, Any
     return stage
 
 
-def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
-    """Per-stage numbers from inference-perf's own reports + a slim per-request record."""
-    import yaml
-
-    expected = profile.expected_requests()
+def _stage_heads(profile: profiles.Profile) -> List[Dict[str, Any]]:
+    """Every stage's identity (warm-up first): rate, duration, the requests it sends (all clients)."""
     rates = [profile.load.warmup[0]] + [r for r, _ in profile.load.stages]
     durs = [profile.load.warmup[1]] + [d for _, d in profile.load.stages]
-    stages = []
-    for i, exp in enumerate(expected):
-        f = os.path.join(ip_dir, f"stage_{i}_lifecycle_metrics.json")
-        st: Dict[str, Any] = {"stage": i, "rate": rates[i], "duration": durs[i], "expected": exp, "warmup": i == 0}
-        if os.path.exists(f):
-            d = json.load(open(f))
-            succ, fail = d.get("successes", {}), d.get("failures", {})
-            ttft = (succ.get("latency") or {}).get("time_to_first_token") or {}
-            thr = succ.get("throughput") or {}
-            st.update({
-                "recorded": d.get("load_summary", {}).get("count", 0),
-                "successes": succ.get("count", 0),
-                "failures": fail.get("count", 0),
-                "failure_labels": {k: (v.get("count") if isinstance(v, dict) else v) for k, v in (fail.get("by_label") or {}).items()},
-                "output_tok_s": thr.get("output_tokens_per_sec"),
-                "requests_s": thr.get("requests_per_sec"),
-                "ttft_mean": ttft.get("mean"),
-                "ttft_p50": ttft.get("median", ttft.get("p50")),
-                "ttft_p90": ttft.get("p90"),
-                "ttft_p99": ttft.get("p99"),
-                "achieved_rate": d.get("load_summary", {}).get("achieved_rate"),
-                "benchmark_time_s": d.get("benchmark_time_seconds"),
-            })
-        else:
-            st.update({"recorded": 0, "successes": 0, "failures": 0})
-        st["not_recorded"] = max(0, exp - st["recorded"])  # never sent or lost: counted as errors
-        pf = os.path.join(ip_dir, f"inference-perf.partial.stage_{i}.yaml")
-        if os.path.exists(pf):
-            try:
-                t = (yaml.safe_load(open(pf)) or {}).get("run", {}).get("time", {})
-                st["t_start"] = dt.datetime.fromisoformat(t["start"].replace("Z", "+00:00")).timestamp()
-                st["t_end"] = dt.datetime.fromisoformat(t["end"].replace("Z", "+00:00")).timestamp()
-            except Exception:
-                pass
-        stages.append(to_simulated_time(st, profile.sim.time_scale))
+    return [{"stage": i, "rate": rates[i], "duration": durs[i], "expected": exp, "warmup": i == 0}
+            for i, exp in enumerate(profile.expected_requests())]
 
-    # Per request, slim: sorted by start; stage by inference-perf's per-stage counts
-    # (stages run one after another: a stage ends only when all its requests have).
-    reqs: List[Dict[str, Any]] = []
+
+def _stage_report(ip_dir: str, i: int) -> Dict[str, Any]:
+    """One client's numbers for stage i from inference-perf's own per-stage report (wall time)."""
+    f = os.path.join(ip_dir, f"stage_{i}_lifecycle_metrics.json")
+    if not os.path.exists(f):
+        return {"recorded": 0, "successes": 0, "failures": 0}
+    d = json.load(open(f))
+    succ, fail = d.get("successes", {}), d.get("failures", {})
+    ttft = (succ.get("latency") or {}).get("time_to_first_token") or {}
+    thr = succ.get("throughput") or {}
+    return {
+        "recorded": d.get("load_summary", {}).get("count", 0),
+        "successes": succ.get("count", 0),
+        "failures": fail.get("count", 0),
+        "failure_labels": {k: (v.get("count") if isinstance(v, dict) else v) for k, v in (fail.get("by_label") or {}).items()},
+        "output_tok_s": thr.get("output_tokens_per_sec"),
+        "requests_s": thr.get("requests_per_sec"),
+        "ttft_mean": ttft.get("mean"),
+        "ttft_p50": ttft.get("median", ttft.get("p50")),
+        "ttft_p90": ttft.get("p90"),
+        "ttft_p99": ttft.get("p99"),
+        "achieved_rate": d.get("load_summary", {}).get("achieved_rate"),
+        "benchmark_time_s": d.get("benchmark_time_seconds"),
+    }
+
+
+def _stage_window(ip_dir: str, i: int) -> Dict[str, float]:
+    """Stage i's start and end (epoch seconds) from inference-perf's partial report, if written."""
+    import yaml
+
+    pf = os.path.join(ip_dir, f"inference-perf.partial.stage_{i}.yaml")
+    if not os.path.exists(pf):
+        return {}
+    try:
+        t = (yaml.safe_load(open(pf)) or {}).get("run", {}).get("time", {})
+        return {"t_start": dt.datetime.fromisoformat(t["start"].replace("Z", "+00:00")).timestamp(),
+                "t_end": dt.datetime.fromisoformat(t["end"].replace("Z", "+00:00")).timestamp()}
+    except Exception:
+        return {}
+
+
+def _staged_requests(ip_dir: str, recorded: List[int]) -> List[tuple]:
+    """(stage, raw record) for every request of one client, sorted by start; the stage from
+    inference-perf's per-stage counts (stages run one after another: a stage ends only when all its
+    requests have)."""
     f = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
-    if os.path.exists(f):
-        raw = json.load(open(f))
-        raw.sort(key=lambda x: x.get("start_time", 0.0))
-        bounds = []
-        acc = 0
-        for st in stages:
-            acc += st["recorded"]
-            bounds.append(acc)
-        k = 0
-        for idx, r in enumerate(raw):
-            while k < len(bounds) - 1 and idx >= bounds[k]:
-                k += 1
-            cm = r.get("computed_metrics") or {}
-            err = r.get("error")
-            scale = profile.sim.time_scale
-            extra = {}
-            if profile.workload.critical_share > 0:
-                extra["priority"] = ipwrap.priority_of(_prompt_of(r.get("request")), profile.workload.critical_share)
-            reqs.append({
-                "stage": k,
-                "start": _div(r.get("start_time"), scale),
-                "end": _div(r.get("end_time"), scale),
-                "ttft": _div(cm.get("time_to_first_token"), scale),
-                "out": cm.get("output_tokens"),
-                "in": cm.get("input_tokens"),
-                "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
-                **extra,
-            })
+    if not os.path.exists(f):
+        return []
+    raw = json.load(open(f))
+    raw.sort(key=lambda x: x.get("start_time", 0.0))
+    bounds = []
+    acc = 0
+    for n in recorded:
+        acc += n
+        bounds.append(acc)
+    out = []
+    k = 0
+    for idx, r in enumerate(raw):
+        while k < len(bounds) - 1 and idx >= bounds[k]:
+            k += 1
+        out.append((k, r))
+    return out
+
+
+def _slim_request(stage: int, r: Dict[str, Any], profile: profiles.Profile) -> Dict[str, Any]:
+    cm = r.get("computed_metrics") or {}
+    err = r.get("error")
+    scale = profile.sim.time_scale
+    extra = {}
+    if profile.workload.critical_share > 0:
+        extra["priority"] = ipwrap.priority_of(_prompt_of(r.get("request")), profile.workload.critical_share)
+    return {
+        "stage": stage,
+        "start": _div(r.get("start_time"), scale),
+        "end": _div(r.get("end_time"), scale),
+        "ttft": _div(cm.get("time_to_first_token"), scale),
+        "out": cm.get("output_tokens"),
+        "in": cm.get("input_tokens"),
+        "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
+        **extra,
+    }
+
+
+def _add_priorities(profile: profiles.Profile, stages: List[Dict[str, Any]], reqs: List[Dict[str, Any]]) -> None:
     if profile.workload.critical_share > 0:
         for st in stages:
             st["by_priority"] = by_priority([r for r in reqs if r["stage"] == st["stage"]])
+
+
+def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
+    """Per-stage numbers from inference-perf's own reports + a slim per-request record."""
+    stages = []
+    for st in _stage_heads(profile):
+        st.update(_stage_report(ip_dir, st["stage"]))
+        st["not_recorded"] = max(0, st["expected"] - st["recorded"])  # never sent or lost: counted as errors
+        st.update(_stage_window(ip_dir, st["stage"]))
+        stages.append(to_simulated_time(st, profile.sim.time_scale))
+    reqs = [_slim_request(k, r, profile) for k, r in _staged_requests(ip_dir, [st["recorded"] for st in stages])]
+    _add_priorities(profile, stages, reqs)
+    return {"stages": stages, "requests": reqs}
+
+
+def merge_stage(raw: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A stage's numbers from several clients' raw per-request records, with inference-perf's own
+    formulas (reportgen.base.summarize_requests): throughput over max(end) - min(start) of every
+    request, achieved rate over the span of starts, TTFT percentiles by its `summarize` (numpy)."""
+    from inference_perf.reportgen.base import summarize
+
+    if not raw:
+        return {}
+    total = max(r["end_time"] for r in raw) - min(r["start_time"] for r in raw)
+    sending = max(r["start_time"] for r in raw) - min(r["start_time"] for r in raw)
+    ok = [r for r in raw if r.get("error") is None]
+    ttft = summarize([t for t in ((r.get("computed_metrics") or {}).get("time_to_first_token") for r in ok)
+                      if t is not None], [50, 90, 99]) or {}
+    out_tokens = sum((r.get("computed_metrics") or {}).get("output_tokens") or 0 for r in ok)
+    return {
+        "output_tok_s": out_tokens / total if total > 0 else 0.0,
+        "requests_s": len(ok) / total if total > 0 else 0.0,
+        "ttft_mean": ttft.get("mean"),
+        "ttft_p50": ttft.get("median"),
+        "ttft_p90": ttft.get("p90"),
+        "ttft_p99": ttft.get("p99"),
+        "achieved_rate": len(raw) / sending if sending > 0 else 0.0,
+    }
+
+
+def parse_mesh_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
+    """The mesh scenario's clients merged into one per-stage table: counts summed from each client's
+    inference-perf report, TTFT and throughput recomputed over the union of their requests
+    (merge_stage), the stage window from the first client's start to the last one's end (the clients
+    start each stage together, ipwrap.py's barrier, and end it when their own requests have)."""
+    dirs = [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]
+    per_client = [[_stage_report(d, st["stage"]) for st in _stage_heads(profile)] for d in dirs]
+    staged = [_staged_requests(d, [st["recorded"] for st in rows]) for d, rows in zip(dirs, per_client)]
+    stages = []
+    for st in _stage_heads(profile):
+        i = st["stage"]
+        rows = [c[i] for c in per_client]
+        labels: Dict[str, int] = {}
+        for row in rows:
+            for k, v in (row.get("failure_labels") or {}).items():
+                labels[k] = labels.get(k, 0) + (v or 0)
+        st.update({key: sum(row[key] for row in rows) for key in ("recorded", "successes", "failures")})
+        st["failure_labels"] = labels
+        st.update(merge_stage([r for reqs in staged for k, r in reqs if k == i]))
+        times = [row.get("benchmark_time_s") for row in rows if row.get("benchmark_time_s") is not None]
+        st["benchmark_time_s"] = max(times) if times else None
+        st["not_recorded"] = max(0, st["expected"] - st["recorded"])
+        windows = [w for w in (_stage_window(d, i) for d in dirs) if w]
+        if windows:
+            st["t_start"] = min(w["t_start"] for w in windows)
+            st["t_end"] = max(w["t_end"] for w in windows)
+        st["clients"] = [{"client": k, "recorded": row["recorded"], "successes": row["successes"],
+                          "failures": row["failures"]} for k, row in enumerate(rows)]
+        stages.append(to_simulated_time(st, profile.sim.time_scale))
+    reqs = sorted(({**_slim_request(k, r, profile), "client": c} for c, reqs in enumerate(staged) for k, r in reqs),
+                  key=lambda r: r["start"] or 0.0)
+    _add_priorities(profile, stages, reqs)
     return {"stages": stages, "requests": reqs}
 
 
@@ -699,7 +864,10 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                        if profile.sim.restart_pod >= 0 else None)
             with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler, \
                     restart or contextlib.nullcontext():
-                ipres = run_inference_perf(profile, cfg, sdir)
+                if profile.load.clients > 1:
+                    ipres = run_mesh_clients(profile, cfg, sdir, h.base_urls)
+                else:
+                    ipres = run_inference_perf(profile, cfg, sdir)
             if restart:
                 res["restart"] = restart.record
             res["inference_perf"] = ipres
@@ -729,7 +897,7 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         res["after_scrape_error"] = str(e)
     ip_dir = os.path.join(sdir, "inference-perf")
     if os.path.isdir(ip_dir):
-        parsed = parse_ip_reports(ip_dir, profile)
+        parsed = parse_mesh_reports(ip_dir, profile) if profile.load.clients > 1 else parse_ip_reports(ip_dir, profile)
         res["stages"] = parsed["stages"]
         with gzip.open(os.path.join(sdir, "requests.jsonl.gz"), "wt") as fh:
             for r in parsed["requests"]:
@@ -739,12 +907,13 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         if (res.get("restart") or {}).get("status") == "done":
             res["restart"]["windows"] = restart_windows(res["restart"], parsed["requests"],
                                                         os.path.join(sdir, "pod-samples.jsonl"), profile.sim.time_scale)
-        # The big per-request file (every inter-token gap) is summarised above; keep a gzip.
-        big = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
-        if os.path.exists(big):
-            with open(big, "rb") as src, gzip.open(big + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.remove(big)
+        # The big per-request files (every inter-token gap) are summarised above; keep a gzip.
+        for d in [ip_dir] + [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]:
+            big = os.path.join(d, "per_request_lifecycle_metrics.json")
+            if os.path.exists(big):
+                with open(big, "rb") as src, gzip.open(big + ".gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                os.remove(big)
         ipres = res.get("inference_perf", {})
         if res.get("reason") is None:
             if ipres.get("rc") == 0 and not ipres.get("timed_out"):
@@ -780,11 +949,15 @@ def publish(out: str, dst: str) -> None:
             for f in RAW_KEEP:
                 if os.path.exists(os.path.join(sd, f)):
                     tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
+            for f in sorted(os.listdir(sd)):  # the mesh scenario's clients: one config and schedule each
+                if f.startswith(("inference-perf-client", "arrival-schedule-client")) and not f.endswith(".log"):
+                    tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
             ipd = os.path.join(sd, "inference-perf")
-            if os.path.isdir(ipd):
-                for f in sorted(os.listdir(ipd)):
+            for root, _, files in sorted(os.walk(ipd)):
+                for f in sorted(files):
                     if f.endswith(".json") or f.endswith(".yaml"):
-                        tar.add(os.path.join(ipd, f), arcname=f"raw/{strat}/inference-perf/{f}")
+                        rel = os.path.relpath(os.path.join(root, f), sd)
+                        tar.add(os.path.join(root, f), arcname=f"raw/{strat}/{rel}")
     log(f"published report.md, plot.png, results.json, raw.tar.gz to {dst}")
 
 

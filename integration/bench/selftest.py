@@ -11,7 +11,11 @@ scaled with the pods' time scale (singleton and filter), run.py --kvroute-set (s
 and values, merged over each mode's plugin config), the mixed and overload
 scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
 per-class and longest-queue summaries), the oversub and restart profiles (the restart's
-before / after split and its report table), and the report on
+before / after split and its report table), the multiturn and mesh scenarios (stage
+sizes, conversation data, per-client configs, the clients' merge with
+inference-perf's formulas, the routers' stats merge, inference-perf's
+conversations growing across stages with ipwrap's fix, the clients' data
+split and stage barrier), and the report on
 a synthetic run directory (numbers, the not-run line, and the
 "does not beat it everywhere" verdict).
 """
@@ -333,6 +337,158 @@ def report_on_synthetic_run():
     assert "**kvroute does not beat it everywhere**: lower throughput at 30 QPS" in md
     assert "errors / planned" in md and "| 2 / 675 |" in md
     assert os.path.exists(os.path.join(d, "plot.png"))
+
+
+@check
+def scenarios_multiturn_and_mesh():
+    import run
+
+    mt = profiles.get("multiturn")
+    conv = mt.conversation
+    # Every measured stage is the conversations' turns, once: none is replayed within a stage.
+    assert mt.expected_requests()[1:] == [conv.conversations * conv.turns] * 2
+    assert abs(mt.resident_fraction() - 0.552) < 0.01
+    data = run.data_config(mt)["conversation_replay"]
+    assert data["turns_per_conversation"] == {"type": "fixed", "mean": 5, "min": 5, "max": 5}
+    assert data["num_conversations"] == 48 and data["max_model_len"] == mt.sim.max_model_len
+    assert run.data_config(profiles.get("quick"))["type"] == "shared_prefix"
+
+    mesh = profiles.get("mesh")
+    assert mesh.load.clients == 4 and mesh.load.inflight_cap == 320
+    assert mesh.expected_requests() == [96, 160, 320]
+    assert mesh.client_stages() == [(2.0, 12), (2.0, 20), (4.0, 20)]
+    cfg = run.ip_config(mesh, "/tok", "http://router-0", "/out/inference-perf")
+    c2 = run.mesh_client_config(mesh, cfg, 2, "http://router-2", "/out/inference-perf")
+    assert c2["server"]["base_url"] == "http://router-2" and c2["load"]["base_seed"] == 44
+    assert [st["rate"] for st in c2["load"]["stages"]] == [2.0, 2.0, 4.0]
+    assert c2["storage"]["local_storage"]["path"] == "/out/inference-perf/client-2"
+    assert cfg["load"]["stages"][2]["rate"] == 16.0  # the base config is untouched
+    scaled = profiles.get("mesh", ["sim.time_scale=0.5"])
+    for (rate, wall), n in zip(scaled.client_stages(), scaled.expected_requests()):
+        assert int(rate * wall) == n // 4  # each client sends its share on the faster clock
+    try:  # conversations split between clients whole, or not at all
+        profiles.get("multiturn", ["load.clients=5"])
+        raise AssertionError("48 conversations accepted for 5 clients")
+    except SystemExit as e:
+        assert "multiple of load.clients" in str(e)
+
+
+@check
+def mesh_merges_clients_with_inference_perfs_formulas():
+    import run
+
+    def rec(start, end, ttft, out, error=None):
+        r = {"start_time": start, "end_time": end, "error": error}
+        if error is None:
+            r["computed_metrics"] = {"time_to_first_token": ttft, "output_tokens": out}
+        return r
+
+    raw = [rec(0.0, 4.0, 0.5, 10), rec(1.0, 3.0, 1.5, 10), rec(2.0, 10.0, 2.5, 20),
+           rec(3.0, 5.0, None, 0, error={"error_type": "timeout"})]
+    m = run.merge_stage(raw)
+    assert abs(m["output_tok_s"] - 40 / 10.0) < 1e-9  # successes' tokens over max(end) - min(start)
+    assert abs(m["requests_s"] - 3 / 10.0) < 1e-9 and abs(m["achieved_rate"] - 4 / 3.0) < 1e-9
+    assert m["ttft_p50"] == 1.5 and abs(m["ttft_mean"] - 1.5) < 1e-9 and abs(m["ttft_p90"] - 2.3) < 1e-9
+
+
+@check
+def mesh_router_stats_merge():
+    import strategies
+
+    a = {"cpu_seconds": 1.5, "kvroute": {"wasmcustom.kvroute.requests": 10, "wasmcustom.kvroute.feed.pods": 4},
+         "envoy_stats_text": "first"}
+    b = {"cpu_seconds": 2.0, "kvroute": {"wasmcustom.kvroute.requests": 5, "wasmcustom.kvroute.feed.pods": 4},
+         "envoy_stats_text": "second"}
+    m = strategies.merge_router_stats([a, b])
+    assert m["cpu_seconds"] == 3.5 and m["routers"] == 2 and m["envoy_stats_text"] == "first"
+    assert m["kvroute"] == {"wasmcustom.kvroute.requests": 15, "wasmcustom.kvroute.feed.pods": 4}
+    assert strategies.merge_router_stats([a]) is a
+    text = strategies._sum_prometheus(["# HELP x\nx_total{p=\"a\"} 2\ny 1", "x_total{p=\"a\"} 3"])
+    assert 'x_total{p="a"} 5' in text and "y 1" in text and "HELP" not in text
+
+
+@check
+def conversations_grow_and_clients_split():
+    """The pinned inference-perf's conversation_replay data with ipwrap's two patches: every stage's
+    turns carry their conversation (the re-prime fix), and K clients partition the data (split)."""
+    import asyncio
+
+    import ipwrap
+    import run
+    from inference_perf.apis.base import LazyLoadInferenceAPIData
+    from inference_perf.apis.user_session import LocalUserSession
+    from inference_perf.config import APIConfig, CustomTokenizerConfig, DataConfig
+    from inference_perf.datagen.replay.conversation_replay_datagen import ConversationReplayDataGenerator
+    from inference_perf.datagen.synthetic.shared_prefix_datagen import SharedPrefixDataGenerator
+    from inference_perf.utils.custom_tokenizer import CustomTokenizer
+
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    tok = CustomTokenizer(CustomTokenizerConfig(pretrained_model_name_or_path=run.prepare_tokenizer(tempfile.mkdtemp())))
+    p = profiles.get("multiturn", ["conversation.conversations=2", "conversation.turns=3",
+                                   "conversation.system_prompt_len=30", "conversation.user_len=10"])
+    data = DataConfig(**run.data_config(p))
+    saved = {cls: dict(vars(cls)) for cls in (ConversationReplayDataGenerator, SharedPrefixDataGenerator)}
+
+    async def turns(gen, stage):
+        prompts = []
+        for i in range(4):  # 2 conversations, 2 turns each
+            d = gen.load_lazy_data(LazyLoadInferenceAPIData(data_index=i, stage_id=stage))
+            await d.to_request_body("m", 5, True, True)
+            d.model_response = " the cache routes"
+            d.user_session.update_context(d.prompt + " " + d.model_response)
+            prompts.append(d.prompt)
+        return prompts
+
+    try:
+        gen = ConversationReplayDataGenerator(APIConfig(type="completion", streaming=True), data, tok)
+        first = asyncio.run(turns(gen, 0))
+        assert first[2].startswith(first[0]) and " the cache routes" in first[2]  # turn 1 = turn 0 + answer + message
+        LocalUserSession.clear_instances()  # what inference-perf does between stages
+        bare = asyncio.run(turns(gen, 1))
+        assert not bare[2].startswith(bare[0])  # upstream: the second stage's turns lose their conversation
+        ipwrap._install_conversation_reprime_fix()
+        LocalUserSession.clear_instances()
+        fixed = asyncio.run(turns(gen, 2))
+        assert fixed[2].startswith(fixed[0]) and len(fixed[0]) > len(bare[0]) + 50
+        ipwrap._install_client_split(1, 4)
+        assert [d.data_index for d, _ in zip(gen.get_data(), range(3))] == [1, 5, 9]
+        assert ipwrap.client_of("3/4") == (3, 4)
+    finally:
+        LocalUserSession.clear_instances()
+        for cls, attrs in saved.items():
+            for name in ("get_data", "_new_session"):
+                if name in attrs:
+                    setattr(cls, name, attrs[name])
+
+
+@check
+def mesh_clients_start_each_stage_together():
+    import asyncio
+
+    import ipwrap
+    from inference_perf.loadgen.load_generator import LoadGenerator
+
+    d = tempfile.mkdtemp(prefix="bench-barrier-")
+    orig = LoadGenerator.run_stage
+    started = []
+
+    async def stub(self, stage_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(stage_id)
+
+    async def scenario():
+        task = asyncio.ensure_future(LoadGenerator.run_stage(None, 3))
+        await asyncio.sleep(0.2)
+        assert started == [] and os.path.exists(os.path.join(d, "stage3.client0"))  # client 1 not there yet
+        open(os.path.join(d, "stage3.client1"), "w").close()
+        await asyncio.wait_for(task, 5)
+        assert started == [3]
+
+    try:
+        LoadGenerator.run_stage = stub
+        ipwrap._install_stage_barrier(d, 0, 2)
+        asyncio.run(scenario())
+    finally:
+        LoadGenerator.run_stage = orig
 
 
 def main() -> int:

@@ -66,6 +66,7 @@ BY_NAME = {s.name: s for s in STRATEGIES}
 @dataclass
 class RouterHandle:
     base_url: str
+    base_urls: List[str] = field(default_factory=list)  # the mesh scenario: one router per client, in client order
     argv: List[List[str]] = field(default_factory=list)  # every process started for this strategy
     pids: List[int] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -245,7 +246,9 @@ def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, 
 
 @contextlib.contextmanager
 def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluster: Any = None,
-                  profile: Any = None, **_: Any) -> Iterator[RouterHandle]:
+                  profile: Any = None, clients: int = 1, **_: Any) -> Iterator[RouterHandle]:
+    """kvroute in Envoy; `clients` > 1 (the mesh scenario): that many Envoys, each with its own
+    filter state, and in precise mode one kvroute-indexer feeding all of them."""
     envoyctl = _import_integration("envoyctl")
     mode = strategy.params["mode"]
     sim = profile.sim
@@ -266,28 +269,36 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         if mode == "precise":
             idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size,
                                                     require_events=strategy.params.get("require_events", True)))
-            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"])
             notes.append("token ids: kvroute asks the pods' /tokenize (tokenizer call-out) for requests without them; "
                          "see the kvroute.tokenizer.ok / .failed counters below for how many it got")
-        else:
-            text = envoy_bench.kvroute(endpoints, plugin)
-        ep = stack.enter_context(envoyctl.EnvoyProcess(text))
-        ep.wait_for_peers()
-        argv.append([envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"])
-        pids.append(ep.pid)
+        if clients > 1:
+            notes.append(f"{clients} Envoys, one per client (sidecars), each with its own kvroute state"
+                         + ("; every Envoy's singleton polls the same kvroute-indexer" if idx else "")
+                         + f"; {MESH_NOTE}")
+        texts, eps = [], []
+        for _ in range(clients):
+            # Rendered one at a time: each render picks free ports, taken once its Envoy is up.
+            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"] if idx else None)
+            ep = stack.enter_context(envoyctl.EnvoyProcess(text))
+            ep.wait_for_peers()
+            texts.append(text)
+            eps.append(ep)
+            argv.append([envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"])
+            pids.append(ep.pid)
         if idx:
             argv.append(idx["argv"])
             pids.append(idx["pid"])
         h = RouterHandle(
-            base_url=ep.url,
+            base_url=eps[0].url,
+            base_urls=[ep.url for ep in eps] if clients > 1 else [],
             argv=argv,
             pids=pids,
             notes=notes,
-            config_files={"envoy.yaml": text, "plugin.json": json.dumps(envoyctl.plugin_config(text), indent=2)},
+            config_files={"envoy.yaml": texts[0], "plugin.json": json.dumps(envoyctl.plugin_config(texts[0]), indent=2)},
         )
 
         def stats() -> Dict[str, Any]:
-            st = _envoy_stats(ep)
+            st = merge_router_stats([_envoy_stats(ep) for ep in eps])
             if idx:
                 try:
                     st["indexer_metrics"] = http_get(f"http://{idx['address']}/metrics", timeout=5)[1]
@@ -405,7 +416,85 @@ def missing_prerequisite(strategy: Strategy, cluster: Any = None) -> Optional[st
     return f"unknown kind {strategy.kind}"
 
 
+# ---------------------------------------------------------------- mesh (one router per client)
+
+MESH_NOTE = ("the configs differ only in ports (client 0's is kept); counters are summed over the routers, "
+             "kvroute's gauges (index size, peers, feed pods) are the largest, Envoy's stats text is client 0's")
+# kvroute's gauges (src/metrics.rs): summing them over routers would mean nothing.
+KVROUTE_GAUGES = ("kvroute.index.", "kvroute.peers", "kvroute.feed.pods")
+
+
+def _sum_prometheus(texts: List[str]) -> str:
+    """One exposition with every sample summed over the routers (their metric names are the same)."""
+    total: Dict[str, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, _, val = line.rpartition(" ")
+            try:
+                total[key] = total.get(key, 0.0) + float(val)
+            except ValueError:
+                continue
+    return "\n".join(f"{k} {v:g}" for k, v in total.items()) + "\n"
+
+
+def merge_router_stats(stats: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Several routers' stats (one per client) as one router's: CPU and counters summed, kvroute's
+    gauges the largest, the first router's Envoy stats text; a single router's stats unchanged."""
+    if len(stats) == 1:
+        return stats[0]
+    out: Dict[str, Any] = {"routers": len(stats)}
+    cpu = [st.get("cpu_seconds") for st in stats]
+    if all(c is not None for c in cpu):
+        out["cpu_seconds"] = sum(cpu)
+    if all("kvroute" in st for st in stats):
+        merged: Dict[str, Any] = {}
+        for st in stats:
+            for k, v in st["kvroute"].items():
+                if not isinstance(v, (int, float)):
+                    continue
+                merged[k] = max(merged.get(k, v), v) if any(g in k for g in KVROUTE_GAUGES) else merged.get(k, 0) + v
+        out["kvroute"] = merged
+    if stats[0].get("envoy_stats_text"):
+        out["envoy_stats_text"] = stats[0]["envoy_stats_text"]
+    texts = [st["prometheus"] for st in stats if st.get("prometheus")]
+    if texts:
+        out["prometheus"] = _sum_prometheus(texts)
+    errors = {k: v for st in stats for k, v in st.items() if k.endswith("_error")}
+    out.update(errors)
+    return out
+
+
+@contextlib.contextmanager
+def start_mesh(strategy: Strategy, endpoints: List[str], workdir: str, profile: Any = None,
+               **kw: Any) -> Iterator[RouterHandle]:
+    """One router per client (profile.load.clients), every one in front of all the pods: kvroute as
+    that many Envoys (start_kvroute: precise mode shares one indexer), the others as that many
+    instances of their own starter, each in workdir/client-k."""
+    n = profile.load.clients
+    if strategy.kind == "kvroute":
+        with start_kvroute(strategy, endpoints, workdir, profile=profile, clients=n, **kw) as h:
+            yield h
+        return
+    with contextlib.ExitStack() as stack:
+        hs = []
+        for k in range(n):
+            d = os.path.join(workdir, f"client-{k}")
+            os.makedirs(d, exist_ok=True)
+            hs.append(stack.enter_context(STARTERS[strategy.kind](strategy, endpoints, d, profile=profile, **kw)))
+        h = RouterHandle(base_url=hs[0].base_url, base_urls=[x.base_url for x in hs],
+                         argv=[a for x in hs for a in x.argv], pids=[p for x in hs for p in x.pids],
+                         notes=[f"{n} routers, one per client (sidecars); {MESH_NOTE}"] + hs[0].notes,
+                         config_files=hs[0].config_files)
+        h.stats = lambda: merge_router_stats([x.stats() for x in hs])
+        yield h
+
+
 def start(strategy: Strategy, endpoints: List[str], workdir: str, **kw: Any):
+    profile = kw.get("profile")
+    if profile is not None and profile.load.clients > 1:
+        return start_mesh(strategy, endpoints, workdir, **kw)
     return STARTERS[strategy.kind](strategy, endpoints, workdir, **kw)
 
 
