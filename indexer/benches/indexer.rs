@@ -217,6 +217,56 @@ fn fill_shared(ix: &mut Index, pods: usize, per_pod: usize, share: usize, chain_
     }
 }
 
+/// A whole snapshot, paged as a consumer pages it.
+struct Snapshot {
+    pages: usize,
+    bytes: usize,
+    largest: usize,
+    /// Seconds in `Index::feed` and the encoder: wall clock, and on-CPU.
+    secs: f64,
+    cpu_secs: f64,
+}
+
+/// Pages through the snapshot from a fresh consumer; returns the request
+/// that polls for deltas after it, and what the pages cost.
+fn page_snapshot(ix: &Index) -> (FeedRequest, Snapshot) {
+    let mut snap = Snapshot {
+        pages: 0,
+        bytes: 0,
+        largest: 0,
+        secs: 0.0,
+        cpu_secs: f64::NAN,
+    };
+    let mut request = FeedRequest::default();
+    let (t, cpu) = (Instant::now(), cpu_seconds());
+    loop {
+        let m = ix.feed(&request);
+        let len = feed::encode_message(&m).len();
+        snap.pages += 1;
+        snap.bytes += len;
+        snap.largest = snap.largest.max(len);
+        if let FeedKind::Page { number: 0, .. } = m.kind {
+            request.epoch = m.epoch;
+            request.cursor = m.cursor;
+            request.pods_version = m.pods_version;
+            request.load_version = m.load_version;
+        }
+        match m.kind {
+            FeedKind::Page {
+                number,
+                next: Some(token),
+            } => request.page = Some((number + 1, token)),
+            _ => break,
+        }
+    }
+    snap.secs = t.elapsed().as_secs_f64();
+    if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
+        snap.cpu_secs = after - before;
+    }
+    request.page = None;
+    (request, snap)
+}
+
 /// Time this thread has run on a CPU, seconds (Linux schedstat): rates per
 /// core that other load on the machine does not dilute.
 fn cpu_seconds() -> Option<f64> {
@@ -250,11 +300,20 @@ fn scale(entries: usize, pods: usize, share: usize) {
     let secs = fill_shared(&mut ix, pods, per_pod, share, 512);
     let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
     assert_eq_usize(ix.blocks(), total);
-    assert_eq_usize(ix.pod_blocks(), total);
-    assert_eq_usize(ix.distinct_blocks() * share.min(pods), total);
+    // Blocks are keyed by their 40-bit index key: at millions of distinct
+    // blocks a few pairs share one (n^2 / 2^41 expected) and count once.
+    let distinct = total / share.min(pods);
+    let merged = distinct - ix.distinct_blocks().min(distinct);
+    let expected = (distinct as f64).powi(2) / 2f64.powi(41);
+    assert_at_most(merged as f64, 2.0 * expected + 16.0);
+    // Two such blocks on one pod are one (block, pod) entry too.
+    assert_at_most(
+        (total - ix.pod_blocks().min(total)) as f64,
+        2.0 * expected + 16.0,
+    );
     ix.update_gauges();
     println!(
-        "scale: {pods} pods x {per_pod} blocks = {total} (block, pod) entries, each chain on {share} pod(s), {} distinct blocks; delta log {} hashes",
+        "scale: {pods} pods x {per_pod} blocks = {total} (block, pod) entries, each chain on {share} pod(s), {} distinct blocks ({merged} merged with another of the same 40-bit key; {expected:.0} expected); delta log {} hashes",
         ix.distinct_blocks(),
         ix.metrics().feed_log_hashes.get()
     );
@@ -268,6 +327,15 @@ fn scale(entries: usize, pods: usize, share: usize) {
         live as f64 / 1e6,
         live as f64 / total as f64,
         ix.memory_bytes() as f64 / total as f64
+    );
+    let (_, snap) = page_snapshot(&ix);
+    println!(
+        "scale: feed snapshot {:.1} MB in {} pages (largest {:.2} MB), paged in {:.2} s ({:.2} s on-CPU)",
+        snap.bytes as f64 / 1e6,
+        snap.pages,
+        snap.largest as f64 / 1e6,
+        snap.secs,
+        snap.cpu_secs
     );
     match rss() {
         Some((rss, peak)) => println!(
@@ -417,36 +485,13 @@ fn main() {
     }
 
     // 3. Feed sizes: the snapshot of the working set in pages, and one 100 ms tick of churn.
-    let mut pages = 0usize;
-    let mut snap_bytes = 0usize;
-    let mut largest_page = 0usize;
-    let mut request = FeedRequest::default();
-    loop {
-        let m = ix.feed(&request);
-        let len = feed::encode_message(&m).len();
-        pages += 1;
-        snap_bytes += len;
-        largest_page = largest_page.max(len);
-        if let FeedKind::Page { number: 0, .. } = m.kind {
-            request.epoch = m.epoch;
-            request.cursor = m.cursor;
-            request.pods_version = m.pods_version;
-            request.load_version = m.load_version;
-        }
-        match m.kind {
-            FeedKind::Page {
-                number,
-                next: Some(token),
-            } => request.page = Some((number + 1, token)),
-            _ => break,
-        }
-    }
-    request.page = None;
+    let (mut request, snap) = page_snapshot(&ix);
     println!(
-        "feed snapshot at the working set: {:.2} MB in {pages} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
-        snap_bytes as f64 / 1e6,
-        largest_page as f64 / 1e6,
-        snap_bytes as f64 / total_blocks as f64
+        "feed snapshot at the working set: {:.2} MB in {} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
+        snap.bytes as f64 / 1e6,
+        snap.pages,
+        snap.largest as f64 / 1e6,
+        snap.bytes as f64 / total_blocks as f64
     );
     // A tick at the benchmark's peak (60 QPS, ~140 new prompt+output blocks per
     // request, as many evicted once full): 6 requests per 100 ms.
@@ -488,6 +533,13 @@ fn main() {
     request.cursor = ix.cursor();
     let idle = feed::encode_message(&ix.feed(&request));
     println!("feed delta of an idle tick: {} bytes", idle.len());
+}
+
+fn assert_at_most(a: f64, bound: f64) {
+    if a > bound {
+        eprintln!("benchmark invariant failed: {a} > {bound}");
+        std::process::exit(1);
+    }
 }
 
 fn assert_eq_usize(a: usize, b: usize) {
