@@ -3,6 +3,7 @@
 //! `cargo bench -p kvroute-indexer --bench indexer`
 //!
 //! 1. events applied per second on one core (decode + re-hash + index + delta log),
+//!    and the decoding's share of it,
 //! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
 //!    blocks, built from 150 prompt groups), measured with a counting allocator
 //!    and compared with the index's own estimate; with every block on one pod,
@@ -12,7 +13,8 @@
 //! `cargo bench -p kvroute-indexer --bench indexer -- --entries 50000000 [--pods 1000] [--share 1]`
 //! fills one index with that many (block, pod) entries, streamed (`--share K`:
 //! each chain stored by K pods), and prints the allocator's live bytes per
-//! entry, the process RSS and its peak, and the apply rate.
+//! entry, the process RSS and its peak, the apply rate (wall clock and
+//! on-CPU), and the time to page through the whole snapshot.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
