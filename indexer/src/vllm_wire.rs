@@ -1,6 +1,7 @@
-//! vLLM KV-cache events on the wire: the msgpack payload decoder (rmp-serde,
-//! and rmp for token ids), the sequence and topic frames, and an rmp encoder of the same
-//! shapes for tests and benchmarks.
+//! vLLM KV-cache events on the wire: the msgpack payload decoder (rmp-serde;
+//! rmp for the keys, names and token ids of map-encoded events), the sequence
+//! and topic frames, and an rmp encoder of the same shapes for tests and
+//! benchmarks.
 //!
 //! Both event encodings vLLM has used are accepted: maps (vLLM ≥ 0.26,
 //! `{"type": "BlockStored", ...}`, fields in any order) and positional arrays
@@ -422,9 +423,8 @@ fn unsigned_at(payload: &[u8], at: usize) -> Option<(u32, usize)> {
     (len > 0).then_some((value as u32, len))
 }
 
-/// A msgpack string at the cursor, borrowed from the payload: rmp-serde
-/// copies each one through `Read::read_to_end`, which cost most of an
-/// event's decoding (a dozen keys and names per event).
+/// A msgpack string at the cursor, borrowed from the payload (rmp-serde
+/// copies each one through `Read::read_to_end`; a key only needs comparing).
 fn read_str<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a str, EventError> {
     let len = rmp::decode::read_str_len(cursor)? as usize;
     let payload: &'a [u8] = cursor.get_ref();
