@@ -3,6 +3,7 @@
 //! `cargo bench -p kvroute-indexer --bench indexer`
 //!
 //! 1. events applied per second on one core (decode + re-hash + index + delta log),
+//!    and the decoding's share of it,
 //! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
 //!    blocks, built from 150 prompt groups), measured with a counting allocator
 //!    and compared with the index's own estimate; with every block on one pod,
@@ -12,7 +13,8 @@
 //! `cargo bench -p kvroute-indexer --bench indexer -- --entries 50000000 [--pods 1000] [--share 1]`
 //! fills one index with that many (block, pod) entries, streamed (`--share K`:
 //! each chain stored by K pods), and prints the allocator's live bytes per
-//! entry, the process RSS and its peak, and the apply rate.
+//! entry, the process RSS and its peak, the apply rate (wall clock and
+//! on-CPU), and the time to page through the whole snapshot.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,7 +27,7 @@ use kvroute_core::feed::{self, FeedKind};
 use kvroute_core::feed_client::FeedRequest;
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig};
 use kvroute_indexer::metrics::Metrics;
-use kvroute_indexer::vllm_wire::{encode_batch, Encoding, HashForm};
+use kvroute_indexer::vllm_wire::{decode_batch, encode_batch, Encoding, HashForm};
 use kvroute_indexer::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
 struct Counting;
@@ -171,10 +173,38 @@ fn chain(rng: &mut Rng, len: usize) -> Vec<Vec<u8>> {
     payloads
 }
 
+/// Seconds in `Index::handle`: wall clock, and this thread's on-CPU time.
+#[derive(Default)]
+struct Applying {
+    secs: f64,
+    cpu_secs: f64,
+}
+
+/// This thread's CPU time, seconds, exact to the call (a syscall of
+/// ~0.3 µs; schedstat is only brought up to date at scheduler ticks).
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
 /// Fills `pods` pods with `per_pod` blocks each, every chain (of `chain_len`
 /// blocks) stored by `share` consecutive pods. The pods publish in turn, one
-/// message each, as a fleet does; returns the seconds spent in `Index::handle`.
-fn fill_shared(ix: &mut Index, pods: usize, per_pod: usize, share: usize, chain_len: usize) -> f64 {
+/// message each, as a fleet does; returns the time spent in `Index::handle`.
+fn fill_shared(
+    ix: &mut Index,
+    pods: usize,
+    per_pod: usize,
+    share: usize,
+    chain_len: usize,
+) -> Applying {
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ share as u64);
     let mut seqs = vec![0u64; pods];
     let topics: Vec<Vec<u8>> = (0..pods)
@@ -184,7 +214,7 @@ fn fill_shared(ix: &mut Index, pods: usize, per_pod: usize, share: usize, chain_
     let groups = pods.div_ceil(share);
     let mut generated = vec![0usize; groups];
     let mut pending: Vec<std::collections::VecDeque<Vec<u8>>> = vec![Default::default(); groups];
-    let mut applying = 0.0;
+    let mut applying = Applying::default();
     loop {
         let mut sent = false;
         for g in 0..groups {
@@ -206,15 +236,66 @@ fn fill_shared(ix: &mut Index, pods: usize, per_pod: usize, share: usize, chain_
                     received_ms: 0,
                 };
                 seqs[p] += 1;
-                let t = Instant::now();
+                let (t, cpu) = (Instant::now(), thread_cpu_seconds());
                 ix.handle(&m, 0);
-                applying += t.elapsed().as_secs_f64();
+                applying.cpu_secs += thread_cpu_seconds() - cpu;
+                applying.secs += t.elapsed().as_secs_f64();
             }
         }
         if !sent {
             return applying;
         }
     }
+}
+
+/// A whole snapshot, paged as a consumer pages it.
+struct Snapshot {
+    pages: usize,
+    bytes: usize,
+    largest: usize,
+    /// Seconds in `Index::feed` and the encoder: wall clock, and on-CPU.
+    secs: f64,
+    cpu_secs: f64,
+}
+
+/// Pages through the snapshot from a fresh consumer; returns the request
+/// that polls for deltas after it, and what the pages cost.
+fn page_snapshot(ix: &Index) -> (FeedRequest, Snapshot) {
+    let mut snap = Snapshot {
+        pages: 0,
+        bytes: 0,
+        largest: 0,
+        secs: 0.0,
+        cpu_secs: f64::NAN,
+    };
+    let mut request = FeedRequest::default();
+    let (t, cpu) = (Instant::now(), cpu_seconds());
+    loop {
+        let m = ix.feed(&request);
+        let len = feed::encode_message(&m).len();
+        snap.pages += 1;
+        snap.bytes += len;
+        snap.largest = snap.largest.max(len);
+        if let FeedKind::Page { number: 0, .. } = m.kind {
+            request.epoch = m.epoch;
+            request.cursor = m.cursor;
+            request.pods_version = m.pods_version;
+            request.load_version = m.load_version;
+        }
+        match m.kind {
+            FeedKind::Page {
+                number,
+                next: Some(token),
+            } => request.page = Some((number + 1, token)),
+            _ => break,
+        }
+    }
+    snap.secs = t.elapsed().as_secs_f64();
+    if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
+        snap.cpu_secs = after - before;
+    }
+    request.page = None;
+    (request, snap)
 }
 
 /// Time this thread has run on a CPU, seconds (Linux schedstat): rates per
@@ -247,27 +328,47 @@ fn scale(entries: usize, pods: usize, share: usize) {
     let total = per_pod * pods;
     let before = LIVE.load(Ordering::Relaxed);
     let mut ix = index_of(pods, IndexConfig::default().feed_log_hashes);
-    let secs = fill_shared(&mut ix, pods, per_pod, share, 512);
+    let applying = fill_shared(&mut ix, pods, per_pod, share, 512);
     let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
     assert_eq_usize(ix.blocks(), total);
-    assert_eq_usize(ix.pod_blocks(), total);
-    assert_eq_usize(ix.distinct_blocks() * share.min(pods), total);
+    // Blocks are keyed by their 40-bit index key: at millions of distinct
+    // blocks a few pairs share one (n^2 / 2^41 expected) and count once.
+    let distinct = total / share.min(pods);
+    let merged = distinct - ix.distinct_blocks().min(distinct);
+    let expected = (distinct as f64).powi(2) / 2f64.powi(41);
+    assert_at_most(merged as f64, 2.0 * expected + 16.0);
+    // Two such blocks on one pod are one (block, pod) entry too.
+    assert_at_most(
+        (total - ix.pod_blocks().min(total)) as f64,
+        2.0 * expected + 16.0,
+    );
     ix.update_gauges();
     println!(
-        "scale: {pods} pods x {per_pod} blocks = {total} (block, pod) entries, each chain on {share} pod(s), {} distinct blocks; delta log {} hashes",
+        "scale: {pods} pods x {per_pod} blocks = {total} (block, pod) entries, each chain on {share} pod(s), {} distinct blocks ({merged} merged with another of the same 40-bit key; {expected:.0} expected); delta log {} hashes",
         ix.distinct_blocks(),
         ix.metrics().feed_log_hashes.get()
     );
     println!(
-        "scale: apply {:.2} M stored (block, pod)/s ({:.0} ns each, time in Index::handle only)",
-        total as f64 / secs / 1e6,
-        secs * 1e9 / total as f64
+        "scale: apply {:.2} M stored (block, pod)/s ({:.0} ns each, time in Index::handle only); on-CPU time: {:.2} M/s per core ({:.0} ns each)",
+        total as f64 / applying.secs / 1e6,
+        applying.secs * 1e9 / total as f64,
+        total as f64 / applying.cpu_secs / 1e6,
+        applying.cpu_secs * 1e9 / total as f64
     );
     println!(
         "scale: allocator live {:.0} MB = {:.1} bytes per (block, pod); index estimate {:.1}",
         live as f64 / 1e6,
         live as f64 / total as f64,
         ix.memory_bytes() as f64 / total as f64
+    );
+    let (_, snap) = page_snapshot(&ix);
+    println!(
+        "scale: feed snapshot {:.1} MB in {} pages (largest {:.2} MB), paged in {:.2} s ({:.2} s on-CPU)",
+        snap.bytes as f64 / 1e6,
+        snap.pages,
+        snap.largest as f64 / 1e6,
+        snap.secs,
+        snap.cpu_secs
     );
     match rss() {
         Some((rss, peak)) => println!(
@@ -341,6 +442,25 @@ fn main() {
         best * 1e9 / total_blocks as f64,
         fill.len() as f64 / best,
         total_blocks as f64 / best_cpu / 1e6
+    );
+
+    // Of which decoding the msgpack alone.
+    let mut best_decode = f64::MAX;
+    for _ in 0..5 {
+        let cpu = cpu_seconds();
+        let decoded = fill
+            .iter()
+            .filter(|m| decode_batch(&m.payload).is_ok())
+            .count();
+        assert_eq_usize(decoded, fill.len());
+        if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
+            best_decode = best_decode.min(after - before);
+        }
+    }
+    println!(
+        "of which decoding the msgpack: {:.0} ns/block on-CPU, best of 5 ({:.0} ns/block for the whole apply)",
+        best_decode * 1e9 / total_blocks as f64,
+        best_cpu * 1e9 / total_blocks as f64
     );
 
     // Steady churn: each message evicts 16 old blocks and stores 16 new ones.
@@ -417,36 +537,13 @@ fn main() {
     }
 
     // 3. Feed sizes: the snapshot of the working set in pages, and one 100 ms tick of churn.
-    let mut pages = 0usize;
-    let mut snap_bytes = 0usize;
-    let mut largest_page = 0usize;
-    let mut request = FeedRequest::default();
-    loop {
-        let m = ix.feed(&request);
-        let len = feed::encode_message(&m).len();
-        pages += 1;
-        snap_bytes += len;
-        largest_page = largest_page.max(len);
-        if let FeedKind::Page { number: 0, .. } = m.kind {
-            request.epoch = m.epoch;
-            request.cursor = m.cursor;
-            request.pods_version = m.pods_version;
-            request.load_version = m.load_version;
-        }
-        match m.kind {
-            FeedKind::Page {
-                number,
-                next: Some(token),
-            } => request.page = Some((number + 1, token)),
-            _ => break,
-        }
-    }
-    request.page = None;
+    let (mut request, snap) = page_snapshot(&ix);
     println!(
-        "feed snapshot at the working set: {:.2} MB in {pages} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
-        snap_bytes as f64 / 1e6,
-        largest_page as f64 / 1e6,
-        snap_bytes as f64 / total_blocks as f64
+        "feed snapshot at the working set: {:.2} MB in {} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
+        snap.bytes as f64 / 1e6,
+        snap.pages,
+        snap.largest as f64 / 1e6,
+        snap.bytes as f64 / total_blocks as f64
     );
     // A tick at the benchmark's peak (60 QPS, ~140 new prompt+output blocks per
     // request, as many evicted once full): 6 requests per 100 ms.
@@ -488,6 +585,13 @@ fn main() {
     request.cursor = ix.cursor();
     let idle = feed::encode_message(&ix.feed(&request));
     println!("feed delta of an idle tick: {} bytes", idle.len());
+}
+
+fn assert_at_most(a: f64, bound: f64) {
+    if a > bound {
+        eprintln!("benchmark invariant failed: {a} > {bound}");
+        std::process::exit(1);
+    }
 }
 
 fn assert_eq_usize(a: usize, b: usize) {

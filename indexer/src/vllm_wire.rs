@@ -1,6 +1,7 @@
-//! vLLM KV-cache events on the wire: the msgpack payload decoder (with
-//! rmp-serde), the sequence and topic frames, and an rmp encoder of the same
-//! shapes for tests and benchmarks.
+//! vLLM KV-cache events on the wire: the msgpack payload decoder (rmp-serde;
+//! rmp for the keys, names and token ids of map-encoded events), the sequence
+//! and topic frames, and an rmp encoder of the same shapes for tests and
+//! benchmarks.
 //!
 //! Both event encodings vLLM has used are accepted: maps (vLLM ≥ 0.26,
 //! `{"type": "BlockStored", ...}`, fields in any order) and positional arrays
@@ -21,7 +22,7 @@ use std::io::Cursor;
 
 use kvroute_core::feed::Tier;
 use kvroute_core::hash::ExtraKey;
-use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, SeqAccess, Visitor};
 
 /// Deepest nesting followed inside one event (extra keys are nested tuples).
 const MAX_DEPTH: usize = 32;
@@ -285,29 +286,31 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, EventError> {
     }
     let ts = f64::deserialize(&mut d)?;
     let count = rmp::decode::read_array_len(d.get_mut())?;
+    let mut cursor = d.into_inner();
     // Every event takes at least one byte: a count beyond the input is a lie.
-    if u64::from(count) > remaining(&d) {
+    if u64::from(count) > left(&cursor) {
         return Err(EventError::Truncated);
     }
     let mut events = Vec::with_capacity(count as usize);
     let mut skipped = Vec::new();
     for _ in 0..count {
-        let start = d.get_ref().position();
-        match KvEvent::deserialize(&mut d) {
+        let start = cursor.position();
+        let event = match cursor.get_ref().get(start as usize) {
+            Some(&marker) if is_map(marker) => decode_map_event(&mut cursor),
+            _ => value::<KvEvent>(&mut cursor),
+        };
+        match event {
             Ok(e) => events.push(e),
             Err(e) => {
-                // Not an event: step over it as a msgpack value (from a fresh
-                // deserializer: the failed one may hold a peeked marker), or
-                // give up on the batch when it is not even that.
-                let mut cursor = d.into_inner();
+                // Not an event: step over it as a msgpack value, or give up
+                // on the batch when it is not even that.
                 cursor.set_position(start);
-                let mut fresh = deserializer(cursor);
-                IgnoredAny::deserialize(&mut fresh)?;
-                d = fresh;
-                skipped.push(EventError::from(e));
+                value::<IgnoredAny>(&mut cursor)?;
+                skipped.push(e);
             }
         }
     }
+    let mut d = deserializer(cursor);
     let mut data_parallel_rank = None;
     if fields >= 3 {
         data_parallel_rank = Option::<i64>::deserialize(&mut d)?;
@@ -341,8 +344,162 @@ fn deserializer(cursor: Cursor<&[u8]>) -> PayloadDeserializer<'_> {
 
 /// Bytes of the payload not read yet.
 fn remaining(d: &PayloadDeserializer<'_>) -> u64 {
-    let cursor = d.get_ref();
+    left(d.get_ref())
+}
+
+fn left(cursor: &Cursor<&[u8]>) -> u64 {
     (cursor.get_ref().len() as u64).saturating_sub(cursor.position())
+}
+
+/// One msgpack value at the cursor, through serde.
+fn value<T: de::DeserializeOwned>(cursor: &mut Cursor<&[u8]>) -> Result<T, EventError> {
+    let mut d = rmp_serde::Deserializer::new(cursor);
+    d.set_max_depth(MAX_DEPTH);
+    Ok(T::deserialize(&mut d)?)
+}
+
+/// A fixmap, map16 or map32 marker.
+fn is_map(marker: u8) -> bool {
+    matches!(marker, 0x80..=0x8f | 0xde | 0xdf)
+}
+
+/// Token ids. Through serde each took ~9 ns, half of the indexer's whole
+/// apply cost per block (16 tokens a block), mostly mispredicted branches on
+/// the int width (ids below and above 65,536 alternate at random); so the
+/// unsigned forms are read without a branch on it, and anything else (the
+/// last 8 bytes of the payload, a negative or not-int token) by rmp.
+fn read_tokens(cursor: &mut Cursor<&[u8]>) -> Result<Vec<u32>, EventError> {
+    let n = rmp::decode::read_array_len(cursor)?;
+    // Every token takes at least one byte: a count beyond the input is a lie.
+    if u64::from(n) > left(cursor) {
+        return Err(EventError::Truncated);
+    }
+    let mut tokens = Vec::with_capacity(n as usize);
+    let payload: &[u8] = cursor.get_ref();
+    let mut at = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
+    for _ in 0..n {
+        match unsigned_at(payload, at) {
+            Some((token, len)) => {
+                tokens.push(token);
+                at += len;
+            }
+            None => {
+                cursor.set_position(at as u64);
+                let token =
+                    rmp::decode::read_int(cursor).map_err(rmp_serde::decode::Error::from)?;
+                tokens.push(token);
+                at = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
+            }
+        }
+    }
+    cursor.set_position(at as u64);
+    Ok(tokens)
+}
+
+/// Bytes of the msgpack unsigned int (fixint, uint 8/16/32) starting with
+/// each marker byte; 0: another type, or a uint 64.
+const UINT_LEN: [u8; 256] = {
+    let mut len = [0u8; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        len[m] = 1;
+        m += 1;
+    }
+    len[0xcc] = 2;
+    len[0xcd] = 3;
+    len[0xce] = 5;
+    len
+};
+
+/// The u32 at `at` and its length in bytes, when it is an unsigned int with
+/// 8 bytes after its marker to read at once.
+fn unsigned_at(payload: &[u8], at: usize) -> Option<(u32, usize)> {
+    let marker = *payload.get(at)?;
+    let next: [u8; 8] = payload.get(at + 1..at + 9)?.try_into().ok()?;
+    let len = usize::from(UINT_LEN[usize::from(marker)]);
+    // The big-endian value after the marker is the top len - 1 bytes.
+    let after = u64::from_be_bytes(next) >> (8 * (9 - len.max(2)));
+    let value = if len == 1 { u64::from(marker) } else { after };
+    (len > 0).then_some((value as u32, len))
+}
+
+/// A msgpack string at the cursor, borrowed from the payload (rmp-serde
+/// copies each one through `Read::read_to_end`; a key only needs comparing).
+fn read_str<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a str, EventError> {
+    let len = rmp::decode::read_str_len(cursor)? as usize;
+    let payload: &'a [u8] = cursor.get_ref();
+    let start = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
+    let bytes = start
+        .checked_add(len)
+        .and_then(|end| payload.get(start..end))
+        .ok_or(EventError::Truncated)?;
+    cursor.set_position(cursor.position() + len as u64);
+    std::str::from_utf8(bytes).map_err(|e| EventError::Invalid(e.to_string()))
+}
+
+/// A string or nil.
+fn read_opt_str(cursor: &mut Cursor<&[u8]>) -> Result<Option<String>, EventError> {
+    let at = cursor.position();
+    if cursor.get_ref().get(at as usize) == Some(&NIL) {
+        cursor.set_position(at + 1);
+        return Ok(None);
+    }
+    Ok(Some(read_str(cursor)?.to_owned()))
+}
+
+const NIL: u8 = 0xc0;
+
+/// A map-encoded event (vLLM ≥ 0.26: `{"type": tag, field: value…}`;
+/// unknown fields skipped), field by field with rmp: keys, names and token
+/// ids directly, the other values through serde.
+fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
+    let fields = rmp::decode::read_map_len(cursor)?;
+    let mut tag: Option<String> = None;
+    let mut block_hashes: Option<WireHashes> = None;
+    let mut parent: Option<Option<WireHash>> = None;
+    let mut token_ids: Option<Vec<u32>> = None;
+    let mut block_size: Option<u32> = None;
+    let mut stored = BlockStored::default();
+    let mut medium_name: Option<String> = None;
+    for _ in 0..fields {
+        match Field::of(read_str(cursor)?) {
+            Field::Type => tag = Some(read_str(cursor)?.to_owned()),
+            Field::BlockHashes => block_hashes = Some(value(cursor)?),
+            Field::ParentBlockHash => parent = Some(value(cursor)?),
+            Field::TokenIds => token_ids = Some(read_tokens(cursor)?),
+            Field::BlockSize => block_size = Some(value(cursor)?),
+            Field::LoraId => stored.lora_id = value(cursor)?,
+            Field::Medium => medium_name = read_opt_str(cursor)?,
+            Field::LoraName => stored.lora_name = read_opt_str(cursor)?,
+            Field::ExtraKeys => stored.extra_keys = extra_keys(value(cursor)?),
+            Field::GroupIdx => stored.group_idx = value(cursor)?,
+            Field::KvCacheSpecKind => stored.kv_cache_spec_kind = read_opt_str(cursor)?,
+            Field::Other => {
+                value::<IgnoredAny>(cursor)?;
+            }
+        }
+    }
+    fn present<T>(value: Option<T>, field: &'static str) -> Result<T, EventError> {
+        value.ok_or_else(|| EventError::Invalid(format!("missing field `{field}`")))
+    }
+    let tag = present(tag, "type")?;
+    Ok(match tag.as_str() {
+        "BlockStored" => KvEvent::BlockStored(BlockStored {
+            block_hashes: present(block_hashes, "block_hashes")?.0,
+            parent_block_hash: present(parent, "parent_block_hash")?.map(|h| h.0),
+            token_ids: present(token_ids, "token_ids")?,
+            block_size: present(block_size, "block_size")?,
+            medium: medium(medium_name),
+            ..stored
+        }),
+        "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: present(block_hashes, "block_hashes")?.0,
+            medium: medium(medium_name),
+            group_idx: stored.group_idx,
+        }),
+        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+        _ => KvEvent::Unknown { tag },
+    })
 }
 
 /// A block hash in any of its wire forms.
@@ -395,8 +552,6 @@ impl<'de> Deserialize<'de> for WireHashes {
 }
 
 /// The fields of a map-encoded event kvroute reads; others are skipped.
-#[derive(serde::Deserialize)]
-#[serde(field_identifier, rename_all = "snake_case")]
 enum Field {
     Type,
     BlockHashes,
@@ -409,8 +564,26 @@ enum Field {
     ExtraKeys,
     GroupIdx,
     KvCacheSpecKind,
-    #[serde(other)]
     Other,
+}
+
+impl Field {
+    fn of(key: &str) -> Field {
+        match key {
+            "type" => Field::Type,
+            "block_hashes" => Field::BlockHashes,
+            "parent_block_hash" => Field::ParentBlockHash,
+            "token_ids" => Field::TokenIds,
+            "block_size" => Field::BlockSize,
+            "lora_id" => Field::LoraId,
+            "medium" => Field::Medium,
+            "lora_name" => Field::LoraName,
+            "extra_keys" => Field::ExtraKeys,
+            "group_idx" => Field::GroupIdx,
+            "kv_cache_spec_kind" => Field::KvCacheSpecKind,
+            _ => Field::Other,
+        }
+    }
 }
 
 /// Any msgpack value of an extra key.
@@ -475,6 +648,7 @@ fn medium(name: Option<String>) -> Option<Medium> {
     name.map(|n| Medium::parse(&n))
 }
 
+/// An array-encoded event (map-encoded ones: [`decode_map_event`]).
 impl<'de> Deserialize<'de> for KvEvent {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(EventVisitor)
@@ -497,7 +671,7 @@ impl<'de> Visitor<'de> for EventVisitor {
     type Value = KvEvent;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a KV event (map or array)")
+        f.write_str("a KV event array")
     }
 
     /// vLLM ≤ 0.20: `[tag, fields…]` in declaration order.
@@ -533,53 +707,6 @@ impl<'de> Visitor<'de> for EventVisitor {
         };
         while seq.next_element::<IgnoredAny>()?.is_some() {}
         Ok(event)
-    }
-
-    /// vLLM ≥ 0.26: `{"type": tag, field: value…}`; unknown fields skipped.
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KvEvent, A::Error> {
-        let mut tag: Option<String> = None;
-        let mut block_hashes: Option<WireHashes> = None;
-        let mut parent: Option<Option<WireHash>> = None;
-        let mut token_ids: Option<Vec<u32>> = None;
-        let mut block_size: Option<u32> = None;
-        let mut stored = BlockStored::default();
-        let mut medium_name: Option<String> = None;
-        while let Some(key) = map.next_key::<Field>()? {
-            match key {
-                Field::Type => tag = Some(map.next_value()?),
-                Field::BlockHashes => block_hashes = Some(map.next_value()?),
-                Field::ParentBlockHash => parent = Some(map.next_value()?),
-                Field::TokenIds => token_ids = Some(map.next_value()?),
-                Field::BlockSize => block_size = Some(map.next_value()?),
-                Field::LoraId => stored.lora_id = map.next_value()?,
-                Field::Medium => medium_name = map.next_value()?,
-                Field::LoraName => stored.lora_name = map.next_value()?,
-                Field::ExtraKeys => stored.extra_keys = extra_keys(map.next_value()?),
-                Field::GroupIdx => stored.group_idx = map.next_value()?,
-                Field::KvCacheSpecKind => stored.kv_cache_spec_kind = map.next_value()?,
-                Field::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        let tag = required(tag, "type")?;
-        Ok(match tag.as_str() {
-            "BlockStored" => KvEvent::BlockStored(BlockStored {
-                block_hashes: required(block_hashes, "block_hashes")?.0,
-                parent_block_hash: required(parent, "parent_block_hash")?.map(|h| h.0),
-                token_ids: required(token_ids, "token_ids")?,
-                block_size: required(block_size, "block_size")?,
-                medium: medium(medium_name),
-                ..stored
-            }),
-            "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: required(block_hashes, "block_hashes")?.0,
-                medium: medium(medium_name),
-                group_idx: stored.group_idx,
-            }),
-            "AllBlocksCleared" => KvEvent::AllBlocksCleared,
-            _ => KvEvent::Unknown { tag },
-        })
     }
 }
 

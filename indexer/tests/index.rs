@@ -1420,3 +1420,72 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
     assert!(!ix.reported_by_a_pod(kvs[3]));
     assert_eq!(c.entries, fresh(&ix).entries);
 }
+
+#[test]
+fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
+    let other = "10.0.0.2:8000";
+    let mut ix = index_with(IndexConfig {
+        feed_max_hashes: 2,
+        ..IndexConfig::default()
+    });
+    ix.add_pod(other, Some(MODEL), origin::STATIC, 0);
+    let mut by_deltas = fresh(&ix);
+    let t = tokens(0, 3);
+    let kv = kv_chain(&t);
+    // Two ranks, two tiers, and a learned entry on a block the pod stores: one entry each.
+    let gpu = Some(Medium::Gpu);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1, 2, 3], None, t.clone(), gpu.clone())], 0),
+        ),
+        0,
+    );
+    let cpu = Some(Medium::Cpu);
+    ix.handle(
+        &msg(
+            POD,
+            0,
+            &batch(vec![stored(&[1, 2], None, t.clone(), cpu)], 1),
+        ),
+        0,
+    );
+    ix.handle(
+        &msg(
+            other,
+            0,
+            &batch(vec![stored(&[7], None, t.clone(), None)], 0),
+        ),
+        0,
+    );
+    let learned_only = 0xfeed_0000_0001;
+    ix.apply_learned(
+        &LearnedBatch {
+            entries: vec![(POD.into(), vec![kv[2], learned_only])],
+        },
+        0,
+    );
+    // Rank 0 drops its GPU copy of block 2: rank 1's CPU copy is the best left.
+    ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], gpu)], 0)), 0);
+    let mut want: HashMap<u64, Tier> = HashMap::new();
+    want.insert(index_key(kv[0]), Tier::Gpu);
+    want.insert(index_key(kv[1]), Tier::Cpu);
+    want.insert(index_key(kv[2]), Tier::Gpu);
+    want.insert(index_key(learned_only), Tier::Learned);
+    let mut snapshot = Consumer::default();
+    let u = snapshot.poll(&ix);
+    let sent: usize = u
+        .ops
+        .iter()
+        .filter(|op| u.pods[op.pod() as usize].address == POD)
+        .map(|op| op.hashes().len())
+        .sum();
+    assert_eq!(sent, 4, "each of the pod's entries is sent once");
+    assert_eq!(snapshot.of(POD), want);
+    assert_eq!(snapshot.of(other).len(), 1);
+    while by_deltas.cursor < ix.cursor() {
+        by_deltas.poll(&ix);
+    }
+    assert_eq!(by_deltas.entries, snapshot.entries);
+}

@@ -145,6 +145,16 @@ impl PodSets {
         single.into_iter().chain(interned.iter().copied())
     }
 
+    /// `pod`'s hold in a set (interned sets are sorted by pod).
+    fn holder(&self, set: SetId, pod: u64) -> Option<Holder> {
+        if let Some((single_pod, tier)) = single_parts(set) {
+            return (single_pod == pod).then(|| single_holder(pod, tier));
+        }
+        let holders = &self.slots.get(set as usize)?.0;
+        let at = holders.binary_search_by_key(&pod, |h| h.pod).ok()?;
+        holders.get(at).copied()
+    }
+
     /// The id of `scratch`'s set, with one more reference.
     fn intern_scratch(&mut self) -> SetId {
         match self.scratch[..] {
@@ -458,19 +468,13 @@ impl Blocks {
             .filter_map(|h| Some((h.pod, h.counts.best()?)))
     }
 
-    /// Calls `f(kv, pod, best tier)` for every (block, pod) held.
-    pub(super) fn for_each_held(&self, mut f: impl FnMut(u64, u64, Tier)) {
-        let records = self.slab.chunks.iter().flat_map(|c| c.iter());
-        for &Record { kv, set } in records.take(self.slab.allocated) {
-            if set == FREE {
-                continue;
-            }
-            for h in self.sets.holders(set) {
-                if let Some(t) = h.counts.best() {
-                    f(kv, h.pod, t);
-                }
-            }
+    /// The best tier of block `id` on `pod`; `None` when the pod holds it not.
+    pub(super) fn tier_on(&self, id: BlockId, pod: u64) -> Option<Tier> {
+        let set = self.slab.get(id)?.set;
+        if set == FREE {
+            return None;
         }
+        self.sets.holder(set, pod)?.counts.best()
     }
 
     /// Bytes held: the slab, its hash index and the interned sets.

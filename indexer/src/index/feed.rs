@@ -4,9 +4,10 @@
 //!
 //! Pages: the pods in key order, each pod's entries whole while they fit the
 //! page's `feed_max_hashes`; a pod that does not fit is cut in ascending hash
-//! order, and the page token (pod key, last hash sent) resumes it. Entries
-//! live in one block → pod-set map, so a page is gathered in one pass over it
-//! for the pods the page covers (chosen from their entry counts). Pages are
+//! order, and the page token (pod key, last hash sent) resumes it. A pod's
+//! entries are gathered from the records its sources and learned entries
+//! refer to, not by a pass over the whole block map (which made paging a
+//! 1,000-pod snapshot cost pages × map). Pages are
 //! read from the live state, each at its own moment: the consumer then
 //! replays the deltas from the cursor of the first page, which brings every
 //! (pod, hash) to its latest state whatever page it came in.
@@ -16,7 +17,10 @@ use std::collections::HashMap;
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::FeedRequest;
 
+use super::blocks::BlockId;
 use super::feed_log::Op;
+use super::pods::Pod;
+use super::sources::SourceEntry;
 use super::Index;
 
 impl Index {
@@ -139,7 +143,6 @@ impl Index {
         let after_of = |key: u64| from.filter(|t| t.pod == key).and_then(|t| t.after);
         // The pods this page may cover: in key order until their entry counts
         // (an upper bound for a pod resumed part-way) fill the page.
-        let mut covered: HashMap<u64, Vec<(u64, Tier)>> = HashMap::new();
         let mut order = Vec::new();
         let mut counted = 0usize;
         // The first pod left for the next page.
@@ -154,22 +157,15 @@ impl Index {
                 break;
             }
             counted += held;
-            covered.insert(key, Vec::new());
             order.push(key);
         }
-        self.blocks.for_each_held(|kv, pod, tier| {
-            if let Some(entries) = covered.get_mut(&pod) {
-                if after_of(pod).is_none_or(|a| kv > a) {
-                    entries.push((kv, tier));
-                }
-            }
-        });
         let mut left = room;
         let mut ops = Vec::new();
         for key in order {
-            let (Some(&pod), Some(mut entries)) = (idx.get(&key), covered.remove(&key)) else {
+            let (Some(&pod), Some(p)) = (idx.get(&key), self.pods.get(&key)) else {
                 continue;
             };
+            let mut entries = self.pod_entries(key, p, after_of(key));
             if entries.is_empty() {
                 continue;
             }
@@ -207,5 +203,29 @@ impl Index {
             }
         }
         (ops, beyond.map(|pod| PageToken { pod, after: None }))
+    }
+
+    /// A pod's (kvroute hash, best tier) entries in the block map with a
+    /// hash above `after`: found from the records its sources and learned
+    /// entries refer to, so a page costs its pods' entries, not the map.
+    fn pod_entries(&self, key: u64, pod: &Pod, after: Option<u64>) -> Vec<(u64, Tier)> {
+        let mut ids: Vec<BlockId> = Vec::with_capacity(pod.held.total());
+        for group in pod.sources.values().flat_map(|s| s.groups.values()) {
+            ids.extend(group.blocks.iter().map(SourceEntry::block));
+            ids.extend(group.heads.values().flatten());
+        }
+        ids.extend(pod.learned.keys().filter_map(|&kv| self.blocks.find(kv)));
+        // A record can be referred to by several ranks, groups or a learned entry.
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter()
+            .filter_map(|id| {
+                let kv = self.blocks.kv(id);
+                if after.is_some_and(|a| kv <= a) {
+                    return None;
+                }
+                Some((kv, self.blocks.tier_on(id, key)?))
+            })
+            .collect()
     }
 }

@@ -652,3 +652,51 @@ fn mutations_never_panic() {
         "ok {ok} err {err} skipped {skipped}"
     );
 }
+
+/// Token ids of map-encoded events are read without serde: every int width
+/// decodes (compact, as vLLM sends them; as uint 64; the payload's last
+/// bytes), and a token that is no u32 skips its event only.
+#[test]
+fn map_event_tokens_decode_at_every_width_and_a_bad_one_skips_its_event() {
+    let tokens = [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX];
+    let stored = |w: &mut W, token: &dyn Fn(&mut W, usize)| {
+        w.map(5)
+            .s("type")
+            .s("BlockStored")
+            .s("block_hashes")
+            .arr(1)
+            .u(9);
+        w.s("parent_block_hash")
+            .nil()
+            .s("block_size")
+            .u(8)
+            .s("token_ids")
+            .arr(tokens.len() as u32);
+        for i in 0..tokens.len() {
+            token(w, i);
+        }
+    };
+    let mut w = W::default();
+    w.arr(2).f64(0.0).arr(4);
+    stored(&mut w, &|w, i| {
+        rmp::encode::write_uint(&mut w.0, u64::from(tokens[i])).unwrap();
+    });
+    stored(&mut w, &|w, i| {
+        w.i(if i == 3 { -1 } else { 1 });
+    });
+    stored(&mut w, &|w, i| {
+        w.u(if i == 5 { 1 << 32 } else { 1 });
+    });
+    stored(&mut w, &|w, i| {
+        w.u(u64::from(tokens[i]));
+    });
+    let d = decode_batch(&w.0).expect("the batch decodes");
+    let Some(KvEvent::BlockStored(first)) = d.batch.events.first() else {
+        panic!("{:?}", d.skipped);
+    };
+    assert_eq!(first.token_ids, tokens);
+    assert_eq!(d.batch.events.len(), 2);
+    assert_eq!(d.batch.events[0], d.batch.events[1]);
+    let kinds: Vec<&str> = d.skipped.iter().map(EventError::kind).collect();
+    assert_eq!(kinds, ["out_of_range", "out_of_range"]);
+}
