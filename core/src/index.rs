@@ -368,6 +368,11 @@ impl PodSets {
         chunks
     }
 
+    /// True when `id` names an interned set (some slot holds a reference).
+    fn is_live(&self, id: u32) -> bool {
+        self.refs.get(id as usize).is_some_and(|&refs| refs > 0)
+    }
+
     fn has_precise(&self, id: u32) -> bool {
         self.precise.get(id as usize).copied().unwrap_or(false)
     }
@@ -676,8 +681,20 @@ impl BlockIndex {
         };
         if self.published[b] {
             let read = ws.store.read(&published::bucket_key(b));
-            match read.map(|bytes| published::decode_bucket(&bytes)) {
-                Some(Ok(bucket)) => self.buckets[b] = bucket,
+            let sets = &self.sets;
+            let buckets = self.buckets.len();
+            // Shared data is any VM's to write: only a bucket this writer
+            // could have written is taken (its keys, its live sets, its load).
+            let ours = |bucket: &Bucket| {
+                bucket.len * 8 <= bucket.slots.len() * 7
+                    && bucket.slots.iter().all(|&slot| {
+                        slot == EMPTY
+                            || (bucket_of(slot_key(slot), buckets) == b
+                                && sets.is_live(slot_set(slot)))
+                    })
+            };
+            match read.and_then(|bytes| published::decode_bucket(&bytes).ok()) {
+                Some(bucket) if ours(&bucket) => self.buckets[b] = bucket,
                 _ => {
                     ws.unloadable += 1;
                     self.buckets[b] = Bucket::default();
@@ -2052,6 +2069,52 @@ mod tests {
         assert_eq!(out.first().map(|m| m.blocks), Some(50));
         assert!(shared.lookup(&held, 2, &TRUST_ALL).is_empty());
         assert_eq!(new.stats().unloadable, 0);
+    }
+
+    /// A stored bucket this writer could not have written (garbled, or
+    /// naming sets it does not hold) is counted and starts empty: the
+    /// writer never adopts references it cannot account for.
+    #[test]
+    fn a_write_through_index_refuses_buckets_it_could_not_have_written() {
+        let shared = Rc::new(SharedMap::default());
+        let mut index = BlockIndex::new(1 << 20, 60).write_through(shared.clone(), WORKING_SET);
+        let pod = index.add_pod().unwrap();
+        let c = chain(4, 3);
+        index.touch_chain(pod, &c, Tier::Gpu, 1);
+        shared.flush(&mut index, usize::MAX);
+        let keys: Vec<String> = shared
+            .0
+            .borrow()
+            .keys()
+            .filter(|k| k.contains("/b/"))
+            .cloned()
+            .collect();
+        let mut forged = 0;
+        for key in &keys {
+            let mut bytes = published::KeyReader::read(&*shared, key).unwrap();
+            let len = usize::from(u16::from_le_bytes([bytes[0], bytes[1]]));
+            // Every slot names set 999, which this writer never interned.
+            for i in 0..len {
+                let at = 2 + i * 8;
+                let slot = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+                if slot != EMPTY {
+                    let slot = (slot & !REF_MASK) | 999;
+                    bytes[at..at + 8].copy_from_slice(&slot.to_le_bytes());
+                }
+            }
+            if len > 0 {
+                forged += 1;
+                shared.write(key, &bytes);
+            }
+        }
+        index.remove(pod, &c);
+        index.touch_chain(pod, &c, Tier::Cpu, 2);
+        let stats = index.stats();
+        assert!(forged > 0);
+        assert_eq!(stats.unloadable, forged, "{stats:?}");
+        let mut out = Vec::new();
+        index.match_lengths(&c, 2, &TRUST_ALL, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(3));
     }
 
     #[test]
