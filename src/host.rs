@@ -110,6 +110,13 @@ impl kvroute_core::index::published::KeyReader for SharedData {
     }
 }
 
+/// The singleton's write-through index stores its buckets here.
+impl kvroute_core::index::published::KeyStore for SharedData {
+    fn write(&self, key: &str, value: &[u8]) -> bool {
+        shared_set(key, value, 0)
+    }
+}
+
 /// Sets a shared-data value if its CAS token still matches (0 = any).
 pub fn shared_set(key: &str, value: &[u8], cas: u32) -> bool {
     hostcalls::set_shared_data(key, Some(value), (cas != 0).then_some(cas)).is_ok()

@@ -146,6 +146,12 @@ pub struct IndexMetrics {
     pub flushed: Metric,
     /// Changed keys the last flush left for the next (its bound was reached).
     pub deferred: Metric,
+    /// Buckets the singleton holds in memory (its working set).
+    pub resident_buckets: Metric,
+    /// Buckets stored back before a flush because the working set was full.
+    pub written_back_early: Metric,
+    /// Buckets that could not be read back from shared data (started empty).
+    pub unloadable: Metric,
 }
 
 impl IndexMetrics {
@@ -157,6 +163,9 @@ impl IndexMetrics {
             dropped: Metric::gauge("kvroute.index.dropped"),
             flushed: Metric::counter("kvroute.index.flushed"),
             deferred: Metric::gauge("kvroute.index.deferred"),
+            resident_buckets: Metric::gauge("kvroute.index.resident_buckets"),
+            written_back_early: Metric::gauge("kvroute.index.written_back_early"),
+            unloadable: Metric::gauge("kvroute.index.unloadable"),
         }
     }
 }

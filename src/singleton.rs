@@ -24,6 +24,11 @@ use std::rc::Rc;
 /// in 4 flushes); the rest waits for the next flush (`kvroute.index.deferred`).
 const MAX_FLUSH_WRITES: usize = 8192;
 
+/// Buckets the singleton's index keeps in memory at most (≈ 9 MB at 4.6 KB
+/// per full bucket): the rest of the index lives only in its published copy
+/// in shared data, read back on a bucket's first write since it was stored.
+const MAX_RESIDENT_BUCKETS: usize = 2048;
+
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
 const MAX_PENDING_LEARNED: usize = 1 << 16;
@@ -83,6 +88,7 @@ impl Singleton {
         }
         host::set_tick_period(tick_ms(&config));
         let mut cluster = Cluster::default();
+        cluster.write_through(Rc::new(host::SharedData), MAX_RESIDENT_BUCKETS);
         cluster.configure_index(&config, now_s);
         Ok(Singleton {
             cluster,
@@ -185,6 +191,9 @@ impl Singleton {
             m.bytes.record(stats.bytes as u64);
             m.evicted.record(stats.evicted);
             m.dropped.record(stats.dropped);
+            m.resident_buckets.record(stats.resident_buckets as u64);
+            m.written_back_early.record(stats.written_back_early);
+            m.unloadable.record(stats.unloadable);
         }
     }
 

@@ -24,6 +24,16 @@
 //!   age and a flag per set, without reading members: a cleared pod's
 //!   entries go when their slot is next written or by age.
 //!
+//! Where the buckets live: a resident index keeps every bucket in memory
+//! (native tests, benchmarks); a write-through index
+//! ([`BlockIndex::write_through`], the singleton) keeps only its working set.
+//! It reads a bucket from the published copy on the bucket's first write
+//! since it was last stored (the copy carries the slots' ages, the eviction
+//! order), and stores it back at the next publication, or earlier when the
+//! working set reaches its bound. Both run the same write path; only
+//! [`BlockIndex::load`] and the publication differ. The interned sets and
+//! the pod table stay in memory in both.
+//!
 //! Learned entries live `index.ttl_seconds` rounded up to the next epoch
 //! (a sixteenth of the TTL): from `ttl` to `ttl × 17/16` seconds.
 //!
@@ -43,6 +53,9 @@
 
 use crate::hash::index_key;
 use hashbrown::HashTable;
+use published::KeyStore;
+use std::borrow::Cow;
+use std::rc::Rc;
 
 pub mod published;
 
@@ -173,6 +186,14 @@ pub struct IndexStats {
     pub evicted: u64,
     /// Writes dropped because the interned sets were at their budget.
     pub dropped: u64,
+    /// Write-through: buckets in memory now (the working set).
+    pub resident_buckets: usize,
+    /// Write-through: buckets stored back before a publication because the
+    /// working set reached its bound.
+    pub written_back_early: u64,
+    /// Write-through: buckets that could not be read back (absent or not a
+    /// bucket) and started empty: their entries are lost.
+    pub unloadable: u64,
 }
 
 /// A pod's generations: a member counts only while it carries its pod's
@@ -335,6 +356,23 @@ impl PodSets {
         Some(id)
     }
 
+    /// The chunks of the sets interned since the last publication, each once.
+    fn fresh_chunks(&mut self) -> Vec<u32> {
+        let mut chunks: Vec<u32> = self
+            .fresh
+            .drain(..)
+            .map(|id| id / published::SETS_PER_CHUNK)
+            .collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        chunks
+    }
+
+    /// True when `id` names an interned set (some slot holds a reference).
+    fn is_live(&self, id: u32) -> bool {
+        self.refs.get(id as usize).is_some_and(|&refs| refs > 0)
+    }
+
     fn has_precise(&self, id: u32) -> bool {
         self.precise.get(id as usize).copied().unwrap_or(false)
     }
@@ -467,10 +505,6 @@ impl Bucket {
             }
         }
     }
-
-    fn memory_bytes(&self) -> usize {
-        BUCKET_OVERHEAD + self.slots.capacity() * 8 + self.ages.capacity()
-    }
 }
 
 /// The bucket of slot key `key` among `buckets`: a multiply-shift of the
@@ -488,6 +522,17 @@ fn key_of(hash: u64) -> u64 {
     }
 }
 
+/// One operation of a feed answer on the index.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum IndexOp<'a> {
+    /// See [`BlockIndex::touch_chain`].
+    Stored(PodId, Tier, &'a [u64]),
+    /// See [`BlockIndex::remove`].
+    Removed(PodId, &'a [u64]),
+    /// See [`BlockIndex::clear`].
+    Cleared(PodId),
+}
+
 /// Why a write to the index was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refused {
@@ -495,10 +540,38 @@ enum Refused {
     BucketFull,
 }
 
+/// Where a write-through index keeps its buckets, and which are in memory.
+#[derive(Clone)]
+struct WorkingSet {
+    store: Rc<dyn KeyStore>,
+    /// Buckets in memory at most: reaching it stores every one back.
+    max_buckets: usize,
+    /// Buckets in memory, and a flag per bucket.
+    loaded: Vec<u32>,
+    is_loaded: Vec<bool>,
+    written_back_early: u64,
+    unloadable: u64,
+}
+
+impl std::fmt::Debug for WorkingSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkingSet")
+            .field("max_buckets", &self.max_buckets)
+            .field("loaded", &self.loaded.len())
+            .finish()
+    }
+}
+
 /// The block → pod-set index of one routing state.
 #[derive(Debug, Clone)]
 pub struct BlockIndex {
+    /// Every bucket (resident), or the working set's and empty placeholders
+    /// (write-through).
     buckets: Vec<Bucket>,
+    /// `None`: every bucket is resident.
+    working_set: Option<WorkingSet>,
+    /// Bytes of every bucket at its size, in memory or not.
+    bucket_bytes: usize,
     sets: PodSets,
     pods: Vec<PodState>,
     /// Ids of pods that left, reusable (their generations were bumped).
@@ -535,6 +608,8 @@ impl BlockIndex {
         let buckets = ((budget_bytes - set_budget) / FULL_BUCKET_BYTES).max(1);
         BlockIndex {
             buckets: vec![Bucket::default(); buckets],
+            working_set: None,
+            bucket_bytes: buckets * BUCKET_OVERHEAD,
             sets: PodSets {
                 budget: set_budget,
                 ..PodSets::default()
@@ -561,6 +636,146 @@ impl BlockIndex {
     /// The smallest budget that holds at least one bucket and its sets.
     pub fn min_budget_bytes() -> usize {
         FULL_BUCKET_BYTES * 2
+    }
+
+    /// This index, keeping only its working set in memory: a bucket is read
+    /// from `store` (where [`BlockIndex::publish`]'s writes go) on its first
+    /// write since it was stored, and the working set is stored back when it
+    /// reaches `max_buckets`. Only buckets this index wrote are read back:
+    /// another writer's or layout's are overwritten, never loaded.
+    pub fn write_through(mut self, store: Rc<dyn KeyStore>, max_buckets: usize) -> BlockIndex {
+        // What is in memory now (written or not yet published) stays loaded.
+        let loaded: Vec<u32> = (0..self.buckets.len())
+            .filter(|&b| !self.buckets[b].slots.is_empty() || self.bucket_dirty[b])
+            .map(|b| b as u32)
+            .collect();
+        let mut is_loaded = vec![false; self.buckets.len()];
+        for &b in &loaded {
+            is_loaded[b as usize] = true;
+        }
+        self.working_set = Some(WorkingSet {
+            store,
+            max_buckets: max_buckets.max(1),
+            loaded,
+            is_loaded,
+            written_back_early: 0,
+            unloadable: 0,
+        });
+        self
+    }
+
+    /// Makes bucket `b` writable: a write-through index reads it back from
+    /// its store (storing its working set back first when that is full).
+    fn load(&mut self, b: usize) {
+        let Some(ws) = &mut self.working_set else {
+            return;
+        };
+        if ws.is_loaded[b] {
+            return;
+        }
+        if ws.loaded.len() >= ws.max_buckets {
+            self.write_back();
+        }
+        let Some(ws) = &mut self.working_set else {
+            return;
+        };
+        if self.published[b] {
+            let read = ws.store.read(&published::bucket_key(b));
+            let sets = &self.sets;
+            let buckets = self.buckets.len();
+            // Shared data is any VM's to write: only a bucket this writer
+            // could have written is taken (its keys, its live sets, its load).
+            let ours = |bucket: &Bucket| {
+                bucket.len * 8 <= bucket.slots.len() * 7
+                    && bucket.slots.iter().all(|&slot| {
+                        slot == EMPTY
+                            || (bucket_of(slot_key(slot), buckets) == b
+                                && sets.is_live(slot_set(slot)))
+                    })
+            };
+            match read.and_then(|bytes| published::decode_bucket(&bytes).ok()) {
+                Some(bucket) if ours(&bucket) => self.buckets[b] = bucket,
+                _ => {
+                    ws.unloadable += 1;
+                    self.buckets[b] = Bucket::default();
+                }
+            }
+        }
+        ws.is_loaded[b] = true;
+        ws.loaded.push(b as u32);
+    }
+
+    /// Bucket `b` to read: a write-through index decodes one it does not
+    /// hold from its store (a miss when that fails).
+    fn bucket(&self, b: usize) -> Cow<'_, Bucket> {
+        match &self.working_set {
+            Some(ws) if !ws.is_loaded[b] && self.published[b] => ws
+                .store
+                .read(&published::bucket_key(b))
+                .and_then(|bytes| published::decode_bucket(&bytes).ok())
+                .map_or_else(|| Cow::Owned(Bucket::default()), Cow::Owned),
+            _ => Cow::Borrowed(&self.buckets[b]),
+        }
+    }
+
+    /// Stores the working set back (new sets first, so no stored slot names
+    /// a set its readers cannot find) and lets it go. A bucket whose write
+    /// failed stays in memory, changed, for the next try.
+    fn write_back(&mut self) {
+        let Some(store) = self.working_set.as_ref().map(|ws| Rc::clone(&ws.store)) else {
+            return;
+        };
+        let chunks = self.sets.fresh_chunks();
+        for (i, &chunk) in chunks.iter().enumerate() {
+            let first = chunk * published::SETS_PER_CHUNK;
+            if !store.write(&published::set_chunk_key(first), &self.encode_chunk(chunk)) {
+                // Re-queued: no bucket goes out before its sets.
+                self.sets
+                    .fresh
+                    .extend(chunks[i..].iter().map(|c| c * published::SETS_PER_CHUNK));
+                return;
+            }
+        }
+        let Some(ws) = &mut self.working_set else {
+            return;
+        };
+        for b in std::mem::take(&mut ws.loaded) {
+            let b = b as usize;
+            if self.bucket_dirty[b] {
+                let bytes = published::encode_bucket(&self.buckets[b]);
+                if !store.write(&published::bucket_key(b), &bytes) {
+                    ws.loaded.push(b as u32);
+                    continue;
+                }
+                self.bucket_dirty[b] = false;
+                self.published[b] = true;
+                ws.written_back_early += 1;
+            }
+            ws.is_loaded[b] = false;
+            self.buckets[b] = Bucket::default();
+        }
+        let dirty = &self.bucket_dirty;
+        self.dirty_buckets.retain(|&b| dirty[b as usize]);
+    }
+
+    /// After a publication: a write-through index lets go of every bucket
+    /// it holds that is no longer changed (the rest wait for the next).
+    fn release_published(&mut self) {
+        let Some(ws) = &mut self.working_set else {
+            return;
+        };
+        let dirty = &self.bucket_dirty;
+        let buckets = &mut self.buckets;
+        let is_loaded = &mut ws.is_loaded;
+        ws.loaded.retain(|&b| {
+            let b = b as usize;
+            if dirty[b] {
+                return true;
+            }
+            is_loaded[b] = false;
+            buckets[b] = Bucket::default();
+            false
+        });
     }
 
     pub fn budget_bytes(&self) -> usize {
@@ -673,6 +888,7 @@ impl BlockIndex {
         for &hash in hashes {
             let key = key_of(hash);
             let b = self.bucket_of(key);
+            self.load(b);
             let found = self.buckets[b].find(key);
             let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
             // The new set, and whether a reference to it is already taken.
@@ -697,7 +913,11 @@ impl BlockIndex {
             last = Some((old, to));
             match (found, old) {
                 (Ok(i), Some(old)) => {
-                    self.buckets[b].ages[i] = age;
+                    // The published bucket carries ages (a write-through
+                    // writer's eviction order): a new age is a change.
+                    if std::mem::replace(&mut self.buckets[b].ages[i], age) != age {
+                        self.touched(b);
+                    }
                     if old != to {
                         if !owned {
                             self.sets.retain(to);
@@ -715,6 +935,55 @@ impl BlockIndex {
                         last = None;
                     }
                 }
+            }
+        }
+    }
+
+    /// Applies a feed answer's operations bucket by bucket: each block's
+    /// operations keep their order (and no block moves across a
+    /// `Cleared`), but a page of a snapshot, which touches nearly every
+    /// bucket, loads each bucket of a write-through index once instead of
+    /// once per operation.
+    pub fn apply_ops(&mut self, ops: &[IndexOp<'_>], now_s: u32) {
+        let mut blocks: Vec<(u32, u32, u32)> = Vec::new();
+        let mut start = 0;
+        for (end, op) in ops.iter().enumerate() {
+            if let IndexOp::Cleared(pod) = *op {
+                self.apply_in_bucket_order(&ops[start..end], &mut blocks, now_s);
+                self.clear(pod);
+                start = end + 1;
+            }
+        }
+        self.apply_in_bucket_order(&ops[start..], &mut blocks, now_s);
+    }
+
+    /// `ops` (no `Cleared` among them) block by block, in bucket order.
+    fn apply_in_bucket_order(
+        &mut self,
+        ops: &[IndexOp<'_>],
+        blocks: &mut Vec<(u32, u32, u32)>,
+        now_s: u32,
+    ) {
+        blocks.clear();
+        for (o, op) in ops.iter().enumerate() {
+            if let IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) = op {
+                blocks.extend(
+                    hashes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &h)| (self.bucket_of(key_of(h)) as u32, o as u32, i as u32)),
+                );
+            }
+        }
+        // (bucket, operation, position): a block's operations stay in order.
+        blocks.sort_unstable();
+        for &(_, o, i) in blocks.iter() {
+            match ops[o as usize] {
+                IndexOp::Stored(pod, tier, hashes) => {
+                    self.touch_chain(pod, &hashes[i as usize..=i as usize], tier, now_s)
+                }
+                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i as usize..=i as usize]),
+                IndexOp::Cleared(_) => {}
             }
         }
     }
@@ -766,7 +1035,9 @@ impl BlockIndex {
         let epoch = self.latest_epoch;
         for &hash in hashes {
             let key = key_of(hash);
-            let Some((b, i)) = self.find(key) else {
+            let b = self.bucket_of(key);
+            self.load(b);
+            let Ok(i) = self.buckets[b].find(key) else {
                 continue;
             };
             let old = slot_set(self.buckets[b].slots[i]);
@@ -804,11 +1075,6 @@ impl BlockIndex {
         }
     }
 
-    fn find(&self, key: u64) -> Option<(usize, usize)> {
-        let b = self.bucket_of(key);
-        self.buckets[b].find(key).ok().map(|i| (b, i))
-    }
-
     /// Places `key` (absent) in bucket `b` pointing at `set` (one reference
     /// already taken for it); evicts or grows when the bucket is full.
     fn insert(&mut self, b: usize, key: u64, set: u32, epoch: u16) -> Result<(), Refused> {
@@ -833,7 +1099,9 @@ impl BlockIndex {
         self.touched(b);
         let size = self.buckets[b].slots.len();
         if size < BUCKET_SLOTS {
-            self.buckets[b].grow((size * 2).max(MIN_BUCKET_SLOTS));
+            let grown = (size * 2).max(MIN_BUCKET_SLOTS);
+            self.buckets[b].grow(grown);
+            self.bucket_bytes += (grown - size) * SLOT_BYTES;
             return;
         }
         // Ranks come from the slot's age and a flag per set, not the sets'
@@ -894,7 +1162,8 @@ impl BlockIndex {
         let epoch = self.latest_epoch;
         let now_age = epoch as u8;
         let mut entries: Vec<(u8, PodId, u64, Tier)> = Vec::new();
-        for bucket in &self.buckets {
+        for b in 0..self.buckets.len() {
+            let bucket = self.bucket(b);
             for (&slot, &age) in bucket.slots.iter().zip(&bucket.ages) {
                 if slot == EMPTY {
                     continue;
@@ -922,6 +1191,9 @@ impl BlockIndex {
     /// first if they no longer fit). Learned entries restart their TTL.
     pub fn reconfigured(&self, budget_bytes: usize, ttl_seconds: u32, now_s: u32) -> BlockIndex {
         let mut index = BlockIndex::new(budget_bytes, ttl_seconds);
+        if let Some(ws) = &self.working_set {
+            index = index.write_through(ws.store.clone(), ws.max_buckets);
+        }
         index.pods = self.pods.clone();
         index.pods_version = self.pods_version;
         index.free_pods = self.free_pods.clone();
@@ -940,19 +1212,29 @@ impl BlockIndex {
             sets: self.sets.len(),
             evicted: self.evicted,
             dropped: self.dropped,
+            resident_buckets: self
+                .working_set
+                .as_ref()
+                .map_or(self.buckets.len(), |ws| ws.loaded.len()),
+            written_back_early: self
+                .working_set
+                .as_ref()
+                .map_or(0, |ws| ws.written_back_early),
+            unloadable: self.working_set.as_ref().map_or(0, |ws| ws.unloadable),
         }
     }
 
-    /// Bytes of the buckets and the interned sets: never above the budget.
+    /// Bytes of the buckets (in memory or, write-through, stored) and the
+    /// interned sets: never above the budget.
     pub fn memory_bytes(&self) -> usize {
-        self.buckets.iter().map(Bucket::memory_bytes).sum::<usize>() + self.sets.memory_bytes()
+        self.bucket_bytes + self.sets.memory_bytes()
     }
 }
 
 impl IndexSource for BlockIndex {
     fn set_of(&self, key: u64) -> Option<u32> {
-        self.find(key)
-            .map(|(b, i)| slot_set(self.buckets[b].slots[i]))
+        let bucket = self.bucket(self.bucket_of(key));
+        bucket.find(key).ok().map(|i| slot_set(bucket.slots[i]))
     }
 
     fn members(&self, id: u32) -> std::borrow::Cow<'_, [Member]> {
@@ -1071,6 +1353,7 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::RefCell;
     use std::collections::HashMap;
 
     const TRUST_ALL: MatchRules = MatchRules {
@@ -1094,13 +1377,49 @@ mod tests {
         /// The (pod, tier) pairs that count for `hash` at `now_s`.
         fn current_members(&self, hash: u64, now_s: u32) -> Vec<(PodId, Tier)> {
             let epoch = self.epoch(now_s);
-            self.find(key_of(hash))
-                .map(|(b, i)| self.sets.get(slot_set(self.buckets[b].slots[i])))
+            self.set_of(key_of(hash))
+                .map(|id| self.sets.get(id))
                 .unwrap_or(&[])
                 .iter()
                 .filter(|&&m| self.is_current(m, epoch))
                 .map(|m| (m.pod(), m.tier()))
                 .collect()
+        }
+    }
+
+    /// The two bucket stores the write path runs over.
+    #[derive(Debug, Clone, Copy)]
+    enum Store {
+        Resident,
+        /// Over a shared map, with a working set of `WORKING_SET` buckets
+        /// (chains span far more: they are stored back early).
+        WriteThrough,
+    }
+
+    const STORES: [Store; 2] = [Store::Resident, Store::WriteThrough];
+    const WORKING_SET: usize = 3;
+
+    /// An index under test in one store, and the map it writes through.
+    struct Under {
+        index: BlockIndex,
+        shared: Rc<SharedMap>,
+    }
+
+    impl Under {
+        fn new(store: Store, budget: usize, ttl: u32) -> Under {
+            let shared = Rc::new(SharedMap::default());
+            let index = BlockIndex::new(budget, ttl);
+            let index = match store {
+                Store::Resident => index,
+                Store::WriteThrough => index.write_through(shared.clone(), WORKING_SET),
+            };
+            Under { index, shared }
+        }
+
+        /// A publication, stored (a write-through index then reads back
+        /// every bucket it writes next).
+        fn flush(&mut self) {
+            self.shared.flush(&mut self.index, usize::MAX);
         }
     }
 
@@ -1188,9 +1507,10 @@ mod tests {
     /// tiers are the model's, as long as the budget is not reached.
     #[test]
     fn storage_matches_an_exact_model_on_random_operations() {
-        for seed in 0..8u64 {
+        for (seed, store) in (0..8u64).flat_map(|seed| STORES.map(|store| (seed, store))) {
             let ttl = 20;
-            let mut index = BlockIndex::new(1 << 20, ttl);
+            let mut under = Under::new(store, 1 << 20, ttl);
+            let index = &mut under.index;
             let mut model = Model {
                 ttl,
                 ..Model::default()
@@ -1199,7 +1519,8 @@ mod tests {
             let universe = chain(seed, 64);
             let mut rng = seed;
             let mut now = 0;
-            for _ in 0..600 {
+            for step in 0..600 {
+                let index = &mut under.index;
                 now += (next(&mut rng) % 3) as u32;
                 let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
                 let picked: Vec<u64> = universe
@@ -1240,13 +1561,26 @@ mod tests {
                         model.entries.retain(|&(p, _), _| p != pod);
                     }
                 }
+                if step % 3 == 0 {
+                    under.flush();
+                }
+                let index = &under.index;
+                assert!(
+                    index.stats().resident_buckets <= WORKING_SET
+                        || matches!(store, Store::Resident)
+                );
                 for &h in &universe {
                     let mut got = index.current_members(h, now);
                     got.sort_unstable();
-                    assert_eq!(got, model.members(h, now), "seed {seed} at {now}s");
+                    assert_eq!(
+                        got,
+                        model.members(h, now),
+                        "{store:?} seed {seed} at {now}s"
+                    );
                 }
             }
-            assert_eq!(index.stats().evicted + index.stats().dropped, 0);
+            let stats = under.index.stats();
+            assert_eq!(stats.evicted + stats.dropped + stats.unloadable, 0);
         }
     }
 
@@ -1255,9 +1589,10 @@ mod tests {
     /// and credit are the model's block-by-block walk.
     #[test]
     fn lookups_match_the_model_walk_on_random_chains() {
-        for seed in 0..8u64 {
+        for (seed, store) in (0..8u64).flat_map(|seed| STORES.map(|store| (seed, store))) {
             let ttl = 30;
-            let mut index = BlockIndex::new(1 << 20, ttl);
+            let mut under = Under::new(store, 1 << 20, ttl);
+            let index = &mut under.index;
             let mut model = Model {
                 ttl,
                 ..Model::default()
@@ -1269,7 +1604,11 @@ mod tests {
             let mut rng = seed;
             let mut now = 0;
             let mut out = Vec::new();
-            for _ in 0..400 {
+            for step in 0..400 {
+                if step % 2 == 0 {
+                    under.flush();
+                }
+                let index = &mut under.index;
                 now += (next(&mut rng) % 4) as u32;
                 let (pod, tier) = pods[(next(&mut rng) % pods.len() as u64) as usize];
                 let c = &chains[(next(&mut rng) % chains.len() as u64) as usize];
@@ -1305,7 +1644,11 @@ mod tests {
                 ] {
                     for c in &chains {
                         index.match_lengths(c, now, &rules, &mut out);
-                        assert_eq!(out, model.matches(c, now, &rules), "seed {seed} at {now}s");
+                        assert_eq!(
+                            out,
+                            model.matches(c, now, &rules),
+                            "{store:?} seed {seed} at {now}s"
+                        );
                     }
                 }
             }
@@ -1351,25 +1694,32 @@ mod tests {
 
     /// Shared data as a map: what a flush wrote, read back by key.
     #[derive(Default)]
-    struct SharedMap(HashMap<String, Vec<u8>>);
+    struct SharedMap(RefCell<HashMap<String, Vec<u8>>>);
 
     impl published::KeyReader for SharedMap {
         fn read(&self, key: &str) -> Option<Vec<u8>> {
-            self.0.get(key).cloned()
+            self.0.borrow().get(key).cloned()
+        }
+    }
+
+    impl KeyStore for SharedMap {
+        fn write(&self, key: &str, value: &[u8]) -> bool {
+            self.0.borrow_mut().insert(key.into(), value.into());
+            true
         }
     }
 
     impl SharedMap {
         /// Applies one flush of at most `max` writes; returns what it deferred.
-        fn flush(&mut self, index: &mut BlockIndex, max: usize) -> usize {
+        fn flush(&self, index: &mut BlockIndex, max: usize) -> usize {
             self.flush_as(7, index, max)
         }
 
         /// [`SharedMap::flush`] by the writer `writer`.
-        fn flush_as(&mut self, writer: u64, index: &mut BlockIndex, max: usize) -> usize {
+        fn flush_as(&self, writer: u64, index: &mut BlockIndex, max: usize) -> usize {
             let publication =
                 index.publish(max, writer, 1_000, &|id| Some(format!("pod-{}", id.slot())));
-            self.0.extend(publication.writes);
+            self.0.borrow_mut().extend(publication.writes);
             publication.deferred
         }
 
@@ -1389,9 +1739,8 @@ mod tests {
     /// catches up within a few ticks.
     #[test]
     fn the_published_index_answers_as_the_writer_does() {
-        for seed in 0..4u64 {
-            let mut index = BlockIndex::new(1 << 20, 30);
-            let mut shared = SharedMap::default();
+        for (seed, store) in (0..4u64).flat_map(|seed| STORES.map(|store| (seed, store))) {
+            let Under { mut index, shared } = Under::new(store, 1 << 20, 30);
             let pods: Vec<PodId> = (0..8).filter_map(|_| index.add_pod()).collect();
             let chains: Vec<Vec<u64>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
             let mut rng = seed;
@@ -1420,7 +1769,7 @@ mod tests {
                     assert_eq!(
                         shared.lookup(c, now, &TRUST_ALL),
                         own,
-                        "seed {seed} step {step}"
+                        "{store:?} seed {seed} step {step}"
                     );
                 }
             }
@@ -1433,7 +1782,7 @@ mod tests {
     /// new table's version number is the old one's.
     #[test]
     fn a_new_writer_leaves_nothing_of_the_old_one() {
-        let mut shared = SharedMap::default();
+        let shared = SharedMap::default();
         let mut old = BlockIndex::new(1 << 20, 60);
         let (a, b) = (old.add_pod().unwrap(), old.add_pod().unwrap());
         let c = chain(9, 30);
@@ -1462,7 +1811,7 @@ mod tests {
     #[test]
     fn a_reader_refuses_absent_stale_and_garbled_keys() {
         let mut view = published::PublishedView::default();
-        let mut shared = SharedMap::default();
+        let shared = SharedMap::default();
         assert_eq!(
             view.refresh(&shared, 0, 5_000),
             Err(published::Unpublished::Absent)
@@ -1481,19 +1830,22 @@ mod tests {
             view.pods().addresses().collect::<Vec<_>>(),
             vec![(pod, "pod-0")]
         );
-        let keys: Vec<String> = shared.0.keys().cloned().collect();
+        let keys: Vec<String> = shared.0.borrow().keys().cloned().collect();
         for key in keys
             .iter()
             .filter(|k| k.contains("/b/") || k.contains("/s/"))
         {
-            shared.0.insert(key.clone(), vec![0xff; 11]);
+            shared.0.borrow_mut().insert(key.clone(), vec![0xff; 11]);
         }
         let source = view.source(&shared).unwrap();
         let mut out = Vec::new();
         match_lengths(&source, &c, 1, &TRUST_ALL, &mut out);
         assert!(out.is_empty());
         assert!(source.unreadable() > 0);
-        shared.0.insert(published::HEAD_KEY.into(), vec![1, 2, 3]);
+        shared
+            .0
+            .borrow_mut()
+            .insert(published::HEAD_KEY.into(), vec![1, 2, 3]);
         assert_eq!(
             view.refresh(&shared, 2_000, 5_000),
             Err(published::Unpublished::Unreadable)
@@ -1572,6 +1924,197 @@ mod tests {
             .filter(|&&h| !index.current_members(h, 400).is_empty())
             .count();
         assert!(held >= 45, "newest chain kept {held}/50");
+    }
+
+    /// Feed operations applied bucket by bucket leave every block as the
+    /// same operations applied one after the other do, `Cleared` included;
+    /// a write-through index then loads each bucket once per answer.
+    #[test]
+    fn operations_applied_in_bucket_order_match_the_model() {
+        for seed in 0..4u64 {
+            let ttl = 60;
+            let mut model = Model {
+                ttl,
+                ..Model::default()
+            };
+            let mut under = Under::new(Store::WriteThrough, 1 << 20, ttl);
+            let pods: Vec<PodId> = (0..4).filter_map(|_| under.index.add_pod()).collect();
+            let universe = chain(seed, 300);
+            let mut rng = seed;
+            let mut kept: Vec<(u64, PodId, Vec<u64>)> = Vec::new();
+            for _ in 0..12 {
+                let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
+                let picked: Vec<u64> = universe
+                    .iter()
+                    .copied()
+                    .filter(|_| next(&mut rng) % 3 == 0)
+                    .collect();
+                kept.push((next(&mut rng) % 8, pod, picked));
+            }
+            let ops: Vec<IndexOp> = kept
+                .iter()
+                .map(|(kind, pod, hashes)| match kind {
+                    0..=4 => IndexOp::Stored(*pod, tier_of(*kind), hashes),
+                    5 | 6 => IndexOp::Removed(*pod, hashes),
+                    _ => IndexOp::Cleared(*pod),
+                })
+                .collect();
+            for op in &ops {
+                match *op {
+                    IndexOp::Stored(pod, tier, hashes) => model.touch(pod, hashes, tier, 5),
+                    IndexOp::Removed(pod, hashes) => hashes.iter().for_each(|&h| {
+                        model.entries.remove(&(pod, key_of(h)));
+                    }),
+                    IndexOp::Cleared(pod) => model.entries.retain(|&(p, _), _| p != pod),
+                }
+            }
+            under.index.apply_ops(&ops, 5);
+            let touched = universe
+                .iter()
+                .map(|&h| under.index.bucket_of(key_of(h)))
+                .collect::<std::collections::HashSet<_>>()
+                .len();
+            let stats = under.index.stats();
+            let segments = 1 + ops
+                .iter()
+                .filter(|op| matches!(op, IndexOp::Cleared(_)))
+                .count();
+            assert!(
+                stats.written_back_early as usize <= touched * segments,
+                "{stats:?}: {touched} buckets, {segments} segments"
+            );
+            for &h in &universe {
+                let mut got = under.index.current_members(h, 5);
+                got.sort_unstable();
+                assert_eq!(got, model.members(h, 5), "seed {seed}");
+            }
+        }
+    }
+
+    /// Under a budget that evicts, a write-through index keeps at most its
+    /// working set and evicts exactly what the resident one does: the
+    /// buckets it reads back carry the slots' ages.
+    #[test]
+    fn a_write_through_index_evicts_as_the_resident_one_does() {
+        let budget = 64 << 10;
+        let [mut resident, mut through] = STORES.map(|store| Under::new(store, budget, 160));
+        let pods: Vec<PodId> = (0..4)
+            .filter_map(|_| {
+                let pod = resident.index.add_pod();
+                assert_eq!(through.index.add_pod(), pod);
+                pod
+            })
+            .collect();
+        let precise = chain(1, 1500);
+        let mut rng = 3;
+        for round in 0..300u32 {
+            let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
+            let c = chain(100 + u64::from(round % 80), 60);
+            for under in [&mut resident, &mut through] {
+                if round % 50 == 0 {
+                    under.index.touch_chain(pods[0], &precise, Tier::Gpu, round);
+                }
+                under.index.touch_chain(pod, &c, Tier::Learned, round);
+                if round % 7 == 0 {
+                    under.index.remove(pod, &c[30..]);
+                }
+                if round % 5 == 0 {
+                    under.flush();
+                }
+            }
+            assert!(through.index.stats().resident_buckets <= WORKING_SET);
+            assert_eq!(
+                through.index.entries_oldest_first(),
+                resident.index.entries_oldest_first(),
+                "round {round}"
+            );
+        }
+        let (a, b) = (resident.index.stats(), through.index.stats());
+        assert!(a.evicted > 0, "{a:?}");
+        assert_eq!(
+            (a.evicted, a.blocks, a.bytes),
+            (b.evicted, b.blocks, b.bytes)
+        );
+        assert!(b.written_back_early > 0 && b.unloadable == 0, "{b:?}");
+        through.flush();
+        assert_eq!(through.index.stats().resident_buckets, 0);
+        let mut out = Vec::new();
+        through
+            .index
+            .match_lengths(&precise, 300, &TRUST_ALL, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(1500));
+    }
+
+    /// A write-through writer that starts over reads back only what it
+    /// wrote: the previous writer's buckets under the same keys are
+    /// overwritten, never taken for its own.
+    #[test]
+    fn a_write_through_index_reads_back_only_buckets_it_wrote() {
+        let shared = Rc::new(SharedMap::default());
+        let mut old = BlockIndex::new(1 << 20, 60);
+        let pod = old.add_pod().unwrap();
+        let held = chain(2, 200);
+        old.touch_chain(pod, &held, Tier::Gpu, 1);
+        shared.flush_as(1, &mut old, usize::MAX);
+        let mut new = BlockIndex::new(1 << 20, 60).write_through(shared.clone(), WORKING_SET);
+        assert_eq!(new.add_pod(), Some(pod));
+        // Blocks in the old writer's buckets, written before any flush.
+        let taught = chain(3, 50);
+        new.touch_chain(pod, &taught, Tier::Gpu, 2);
+        shared.flush_as(2, &mut new, usize::MAX);
+        let mut out = Vec::new();
+        new.match_lengths(&held, 2, &TRUST_ALL, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        new.match_lengths(&taught, 2, &TRUST_ALL, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(50));
+        assert!(shared.lookup(&held, 2, &TRUST_ALL).is_empty());
+        assert_eq!(new.stats().unloadable, 0);
+    }
+
+    /// A stored bucket this writer could not have written (garbled, or
+    /// naming sets it does not hold) is counted and starts empty: the
+    /// writer never adopts references it cannot account for.
+    #[test]
+    fn a_write_through_index_refuses_buckets_it_could_not_have_written() {
+        let shared = Rc::new(SharedMap::default());
+        let mut index = BlockIndex::new(1 << 20, 60).write_through(shared.clone(), WORKING_SET);
+        let pod = index.add_pod().unwrap();
+        let c = chain(4, 3);
+        index.touch_chain(pod, &c, Tier::Gpu, 1);
+        shared.flush(&mut index, usize::MAX);
+        let keys: Vec<String> = shared
+            .0
+            .borrow()
+            .keys()
+            .filter(|k| k.contains("/b/"))
+            .cloned()
+            .collect();
+        let mut forged = 0;
+        for key in &keys {
+            let mut bytes = published::KeyReader::read(&*shared, key).unwrap();
+            let len = usize::from(u16::from_le_bytes([bytes[0], bytes[1]]));
+            // Every slot names set 999, which this writer never interned.
+            for i in 0..len {
+                let at = 2 + i * 8;
+                let slot = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+                if slot != EMPTY {
+                    let slot = (slot & !REF_MASK) | 999;
+                    bytes[at..at + 8].copy_from_slice(&slot.to_le_bytes());
+                }
+            }
+            if len > 0 {
+                forged += 1;
+                shared.write(key, &bytes);
+            }
+        }
+        index.remove(pod, &c);
+        index.touch_chain(pod, &c, Tier::Cpu, 2);
+        let stats = index.stats();
+        assert!(forged > 0);
+        assert_eq!(stats.unloadable, forged, "{stats:?}");
+        let mut out = Vec::new();
+        index.match_lengths(&c, 2, &TRUST_ALL, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(3));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::hash::{
     keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, Domain,
 };
 use crate::index::published::Publication;
-use crate::index::{BlockIndex, LookupCost, MatchRules, PodId, PodMatch};
+use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch};
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
 use std::collections::{BTreeSet, HashMap};
@@ -394,6 +394,19 @@ impl Cluster {
             configured_speeds: HashMap::new(),
             policy: ClusterPolicy::default(),
         }
+    }
+
+    /// Keeps only the index's working set in memory, the rest in `store`
+    /// (see [`BlockIndex::write_through`]).
+    pub fn write_through(
+        &mut self,
+        store: std::rc::Rc<dyn crate::index::published::KeyStore>,
+        max_buckets: usize,
+    ) {
+        self.index = self
+            .index
+            .take()
+            .map(|index| index.write_through(store, max_buckets));
     }
 
     /// Index budget and TTL from `config` (the pods are left as they are).
@@ -863,20 +876,20 @@ impl Cluster {
         let Some(index) = &mut self.index else {
             return;
         };
-        for op in &update.ops {
-            let Some(info) = update.pods.get(op.pod() as usize) else {
-                continue;
-            };
-            let Some(&i) = self.by_address.get(&info.address) else {
-                continue;
-            };
-            let id = self.pods[i].id;
-            match op {
-                BlockOp::Stored { tier, hashes, .. } => index.touch_chain(id, hashes, *tier, now_s),
-                BlockOp::Removed { hashes, .. } => index.remove(id, hashes),
-                BlockOp::Cleared { .. } => index.clear(id),
-            }
-        }
+        let ops: Vec<IndexOp> = update
+            .ops
+            .iter()
+            .filter_map(|op| {
+                let info = update.pods.get(op.pod() as usize)?;
+                let id = self.pods[*self.by_address.get(&info.address)?].id;
+                Some(match op {
+                    BlockOp::Stored { tier, hashes, .. } => IndexOp::Stored(id, *tier, hashes),
+                    BlockOp::Removed { hashes, .. } => IndexOp::Removed(id, hashes),
+                    BlockOp::Cleared { .. } => IndexOp::Cleared(id),
+                })
+            })
+            .collect();
+        index.apply_ops(&ops, now_s);
     }
 
     fn pod(&self, address: &str) -> Option<&Pod> {

@@ -1,14 +1,18 @@
 //! The routing index as the singleton publishes it in shared data: a worker
 //! reads keys another VM wrote, so every decoder (head, pod table, bucket,
 //! set chunk) must return on any bytes, never panic or loop; a lookup over
-//! garbled keys is a miss, counted.
+//! garbled keys is a miss, counted. The singleton's write-through index
+//! reads its buckets back from the same keys: whatever they hold, its
+//! writes and lookups must not panic or loop either.
 #![no_main]
 
 use kvroute_core::index::published::{
-    find_in_bucket, find_in_chunk, Head, KeyReader, PodTable, PublishedView, HEAD_KEY, PODS_KEY,
+    find_in_bucket, find_in_chunk, Head, KeyReader, KeyStore, PodTable, PublishedView, HEAD_KEY,
+    PODS_KEY,
 };
-use kvroute_core::index::{match_lengths, MatchRules};
+use kvroute_core::index::{match_lengths, BlockIndex, MatchRules, Tier};
 use libfuzzer_sys::fuzz_target;
+use std::rc::Rc;
 
 /// Shared data cut from the fuzzer's bytes: the first two bytes give the
 /// lengths of the head and the pod table; every other key reads the rest.
@@ -39,6 +43,41 @@ impl KeyReader for Garbage<'_> {
     }
 }
 
+/// Shared data where every bucket key reads the fuzzer's bytes and writes
+/// go nowhere: what a write-through writer reads back is garbage.
+struct Overwritten(Vec<u8>);
+
+impl KeyReader for Overwritten {
+    fn read(&self, _key: &str) -> Option<Vec<u8>> {
+        Some(self.0.clone())
+    }
+}
+
+impl KeyStore for Overwritten {
+    fn write(&self, _key: &str, _value: &[u8]) -> bool {
+        true
+    }
+}
+
+/// A write-through index that publishes (so it reads its buckets back),
+/// then writes and looks up over buckets that hold `data`.
+fn write_through_over(data: &[u8], hashes: &[u64], rules: &MatchRules) {
+    let budget = BlockIndex::min_budget_bytes() * 4;
+    let mut index =
+        BlockIndex::new(budget, 60).write_through(Rc::new(Overwritten(data.to_vec())), 2);
+    let Some(pod) = index.add_pod() else {
+        return;
+    };
+    index.touch_chain(pod, hashes, Tier::Gpu, 1);
+    index.publish(usize::MAX, 1, 0, &|_| None);
+    index.touch_chain(pod, hashes, Tier::Learned, 2);
+    index.remove(pod, &hashes[..hashes.len() / 2]);
+    let mut out = Vec::new();
+    index.match_lengths(hashes, 2, rules, &mut out);
+    assert!(out.iter().all(|m| m.blocks <= hashes.len()));
+    assert!(index.memory_bytes() <= budget);
+}
+
 fuzz_target!(|data: &[u8]| {
     let key = data
         .iter()
@@ -49,18 +88,19 @@ fuzz_target!(|data: &[u8]| {
     let _ = PodTable::decode(data);
     let _ = find_in_bucket(data, key);
     let _ = find_in_chunk(data, key as u32);
+    let rules = MatchRules {
+        trust_precise: true,
+        cpu_credit: 0.5,
+        disk_credit: 0.25,
+    };
+    let hashes: Vec<u64> = (0..64).map(|i| key.wrapping_mul(i + 1)).collect();
     let reader = Garbage::cut(data);
     let mut view = PublishedView::default();
     if view.refresh(&reader, u64::MAX, u64::MAX).is_ok() {
         let source = view.source(&reader).expect("a refreshed view is a source");
-        let rules = MatchRules {
-            trust_precise: true,
-            cpu_credit: 0.5,
-            disk_credit: 0.25,
-        };
         let mut out = Vec::new();
-        let hashes: Vec<u64> = (0..64).map(|i| key.wrapping_mul(i + 1)).collect();
         match_lengths(&source, &hashes, 1, &rules, &mut out);
         assert!(out.iter().all(|m| m.blocks <= hashes.len()));
     }
+    write_through_over(data, &hashes, &rules);
 });

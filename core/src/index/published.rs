@@ -8,8 +8,9 @@
 //!   pod table's version, the bucket count and the learned-age clock.
 //!   Written at every flush.
 //! - `pods`: per index pod id, its generations and address.
-//! - `b/<bucket>`: the bucket's slots (written once by each new writer or
-//!   layout, then when they change).
+//! - `b/<bucket>`: the bucket's slots and their ages (written once by each
+//!   new writer or layout, then when they change). A write-through writer
+//!   ([`BlockIndex::write_through`]) reads its buckets back from here.
 //! - `s/<chunk>`: the interned sets of ids `chunk × 16 ..`, members sorted.
 //!
 //! A flush writes the pod table, then new sets, then buckets, so a reader
@@ -17,8 +18,8 @@
 //! any bytes without panicking: what does not decode is a miss, counted.
 
 use super::{
-    bucket_of, probe_slots, slot_set, BlockIndex, Clock, IndexSource, Member, PodId, PodState,
-    BUCKET_SLOTS, EMPTY,
+    bucket_of, probe_slots, slot_set, BlockIndex, Bucket, Clock, IndexSource, Member, PodId,
+    PodState, BUCKET_SLOTS, EMPTY,
 };
 use crate::codec::{put_u16, put_u32, put_u64, CodecError, Reader};
 use std::borrow::Cow;
@@ -30,8 +31,8 @@ pub const HEAD_KEY: &str = "kvroute/index/v1/head";
 pub const PODS_KEY: &str = "kvroute/index/v1/pods";
 /// Interned sets per shared-data key.
 pub const SETS_PER_CHUNK: u32 = 16;
-/// The head's format byte.
-const FORMAT: u8 = 1;
+/// The head's format byte (2: buckets carry their slots' ages).
+const FORMAT: u8 = 2;
 
 /// The key of bucket `b`.
 pub fn bucket_key(b: usize) -> String {
@@ -137,36 +138,58 @@ impl PodTable {
     }
 }
 
-/// A bucket as published: its slot count, then its slots.
-fn encode_bucket(slots: &[u64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + slots.len() * 8);
-    put_u16(&mut out, slots.len() as u16);
-    for &slot in slots {
+/// A bucket as published: its slot count, its slots, then their ages.
+pub(super) fn encode_bucket(bucket: &Bucket) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + bucket.slots.len() * 9);
+    put_u16(&mut out, bucket.slots.len() as u16);
+    for &slot in &bucket.slots {
         put_u64(&mut out, slot);
     }
+    out.extend_from_slice(&bucket.ages);
     out
 }
 
-/// The set reference of `key` in a published bucket; an error when the
+/// A published bucket's slot count, slot bytes and ages; an error when the
 /// bytes are not a bucket.
-pub fn find_in_bucket(bytes: &[u8], key: u64) -> Result<Option<u32>, CodecError> {
+fn split_bucket(bytes: &[u8]) -> Result<(usize, &[u8], &[u8]), CodecError> {
     let mut r = Reader::new(bytes);
     let len = usize::from(r.u16("slot count")?);
     let slots = r.take(len.saturating_mul(8), "slots")?;
+    let ages = r.take(len, "ages")?;
     if !r.is_empty() || len > BUCKET_SLOTS || (len > 0 && !len.is_power_of_two()) {
         return Err(CodecError::Truncated {
             what: "a bucket of the published shape",
         });
     }
-    let slot_at = |i: usize| {
-        slots
-            .get(i * 8..i * 8 + 8)
-            .and_then(|b| b.try_into().ok())
-            .map_or(EMPTY, u64::from_le_bytes)
-    };
-    Ok(probe_slots(len, key, slot_at)
+    Ok((len, slots, ages))
+}
+
+fn slot_in(slots: &[u8], i: usize) -> u64 {
+    slots
+        .get(i * 8..i * 8 + 8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(EMPTY, u64::from_le_bytes)
+}
+
+/// The set reference of `key` in a published bucket; an error when the
+/// bytes are not a bucket.
+pub fn find_in_bucket(bytes: &[u8], key: u64) -> Result<Option<u32>, CodecError> {
+    let (len, slots, _) = split_bucket(bytes)?;
+    Ok(probe_slots(len, key, |i| slot_in(slots, i))
         .ok()
-        .map(|i| slot_set(slot_at(i))))
+        .map(|i| slot_set(slot_in(slots, i))))
+}
+
+/// A published bucket as the writer keeps it; an error when the bytes are
+/// not a bucket.
+pub(super) fn decode_bucket(bytes: &[u8]) -> Result<Bucket, CodecError> {
+    let (len, slots, ages) = split_bucket(bytes)?;
+    let slots: Vec<u64> = (0..len).map(|i| slot_in(slots, i)).collect();
+    Ok(Bucket {
+        len: slots.iter().filter(|&&s| s != EMPTY).count(),
+        slots,
+        ages: ages.to_vec(),
+    })
 }
 
 /// The members of set `id` in a published chunk (`None`: not in it); an
@@ -200,7 +223,8 @@ impl BlockIndex {
     /// added, removed or cleared, the chunks of new sets, changed buckets,
     /// then buckets this index never wrote. Buckets wait while new sets do
     /// (a slot is never published before its set). `address` names each
-    /// live pod.
+    /// live pod. A write-through index then lets go of the buckets it
+    /// wrote: the caller stores the writes before the index's next write.
     pub fn publish(
         &mut self,
         max_writes: usize,
@@ -215,14 +239,7 @@ impl BlockIndex {
             out.writes
                 .push((PODS_KEY.to_string(), self.encode_pods(address)));
         }
-        let mut chunks: Vec<u32> = self
-            .sets
-            .fresh
-            .drain(..)
-            .map(|id| id / SETS_PER_CHUNK)
-            .collect();
-        chunks.sort_unstable();
-        chunks.dedup();
+        let chunks = self.sets.fresh_chunks();
         let room = max_writes.saturating_sub(out.writes.len());
         for &chunk in chunks.iter().take(room) {
             out.writes.push((
@@ -246,7 +263,7 @@ impl BlockIndex {
                 self.bucket_dirty[b] = false;
                 self.published[b] = true;
                 out.writes
-                    .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
+                    .push((bucket_key(b), encode_bucket(&self.buckets[b])));
             }
             // Then the buckets not written yet, with the room left.
             while out.writes.len() < max_writes {
@@ -256,7 +273,7 @@ impl BlockIndex {
                 let b = b as usize;
                 if !std::mem::replace(&mut self.published[b], true) {
                     out.writes
-                        .push((bucket_key(b), encode_bucket(&self.buckets[b].slots)));
+                        .push((bucket_key(b), encode_bucket(&self.buckets[b])));
                 }
             }
             out.deferred = self.dirty_buckets.len() + self.unpublished.len();
@@ -269,6 +286,7 @@ impl BlockIndex {
             clock: self.clock(),
         };
         out.writes.push((HEAD_KEY.to_string(), head.encode()));
+        self.release_published();
         out
     }
 
@@ -293,7 +311,7 @@ impl BlockIndex {
         out
     }
 
-    fn encode_chunk(&self, chunk: u32) -> Vec<u8> {
+    pub(super) fn encode_chunk(&self, chunk: u32) -> Vec<u8> {
         let mut out = Vec::new();
         let first = chunk * SETS_PER_CHUNK;
         for id in first..first + SETS_PER_CHUNK {
@@ -314,6 +332,13 @@ impl BlockIndex {
 /// Reads shared data by key (the host in a worker VM, a map in tests).
 pub trait KeyReader {
     fn read(&self, key: &str) -> Option<Vec<u8>>;
+}
+
+/// Reads and writes shared data by key: where a write-through writer keeps
+/// its buckets between flushes (the host in the singleton, a map in tests).
+pub trait KeyStore: KeyReader {
+    /// False when the value was not stored.
+    fn write(&self, key: &str, value: &[u8]) -> bool;
 }
 
 /// Why a worker cannot read the published index: it then routes on load only.
