@@ -11,7 +11,7 @@ use kvroute_core::budget::client_key;
 use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::Domain;
 use kvroute_core::lookup::LookupError;
-use kvroute_core::outcome::{judge, Response};
+use kvroute_core::outcome::{judge, judge_end, Outcome, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
 use kvroute_core::router::{hash_prompt, Decision, HashedPrompt, NoRoute};
 use kvroute_core::wire::PeerMessage;
@@ -32,6 +32,9 @@ pub struct RequestFilter {
     admission: Admission,
     /// The decision, until its response settles it.
     unsettled: Option<RoutedRequest>,
+    /// A decision whose pod answered successfully: confirmed when the stream
+    /// ends, unless the pod cut the answer (see `outcome::judge_end`).
+    answering: Option<RoutedRequest>,
     explanation: Option<String>,
     /// Why the request was left to Envoy's LB, for the decision header.
     fallback: Option<FailOpen>,
@@ -58,6 +61,7 @@ impl RequestFilter {
             in_flight: None,
             admission: Admission::Critical,
             unsettled: None,
+            answering: None,
             explanation: None,
             fallback: None,
             tokenizing: None,
@@ -385,13 +389,30 @@ impl RequestFilter {
         }
     }
 
-    /// Judges the response against the decision and acts on the verdict.
+    /// Judges the response against the decision and acts on the verdict; a
+    /// successful answer waits for its end ([`RequestFilter::settle_end`]).
     fn settle(&mut self, served_by: Option<&str>) {
         let Some(request) = self.unsettled.take() else {
             return;
         };
         let status = host::response_header(":status").and_then(|s| s.parse().ok());
         let outcome = judge(&request.pod, &Response { status, served_by });
+        if outcome == Outcome::Confirmed {
+            self.answering = Some(request);
+        } else if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.settle(&request, outcome, &self.request_id);
+        }
+    }
+
+    /// The stream ended: a successful answer is confirmed, or fails its pod
+    /// when the pod cut it (it died mid-answer, e.g. restarted; the blocks
+    /// learned about it go and it is passed over, as for any failure).
+    fn settle_end(&mut self) {
+        let Some(request) = self.answering.take() else {
+            return;
+        };
+        let details = host::property(&["response", "code_details"]);
+        let outcome = judge_end(Outcome::Confirmed, details.as_deref());
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.settle(&request, outcome, &self.request_id);
         }
@@ -639,13 +660,16 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_log(&mut self) {
+        self.settle_end();
         self.release();
     }
 }
 
 impl Drop for RequestFilter {
-    /// Streams that end without an access-log callback still release load.
+    /// Streams that end without an access-log callback still settle and
+    /// release load.
     fn drop(&mut self) {
+        self.settle_end();
         self.release();
     }
 }

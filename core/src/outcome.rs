@@ -3,6 +3,10 @@
 //! served by another pod. The filter acts on it (confirm or take back
 //! learned blocks, pass over a failing pod); the logic lives here so it is
 //! tested natively.
+//!
+//! A successful answer is judged twice: at its headers ([`judge`]) and when
+//! the stream ends ([`judge_end`]), because a pod that dies mid-answer (a
+//! restart) cuts streams whose headers said 200.
 
 /// The response as the filter sees it at its headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +74,24 @@ pub fn judge<'a>(chosen: &str, response: &Response<'a>) -> Outcome<'a> {
     }
 }
 
+/// Envoy's `response.code_details` prefix for an upstream that reset the
+/// stream after its response had started (the pod died or dropped the
+/// connection mid-answer).
+const CUT_AFTER_START: &str = "upstream_reset_after_response_started";
+
+/// The final verdict on a decision judged [`Outcome::Confirmed`] at its
+/// headers, from Envoy's `response.code_details` when the stream ended: an
+/// answer the chosen pod cut after it started is a failure of that pod (its
+/// cache may be gone with it), not a confirmation. Other verdicts stand.
+pub fn judge_end<'a>(at_headers: Outcome<'a>, code_details: Option<&str>) -> Outcome<'a> {
+    match at_headers {
+        Outcome::Confirmed if code_details.is_some_and(|d| d.starts_with(CUT_AFTER_START)) => {
+            Outcome::Failed
+        }
+        verdict => verdict,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,5 +132,33 @@ mod tests {
         assert!(!judged(Some(404), Some("a:1")).chosen_failed());
         assert!(judged(Some(502), Some("a:1")).chosen_failed());
         assert!(judged(Some(200), Some("b:1")).chosen_failed());
+    }
+
+    #[test]
+    fn an_answer_cut_after_it_started_fails_the_pod_that_was_confirmed() {
+        let confirmed = judged(Some(200), Some("a:1"));
+        for cut in [
+            "upstream_reset_after_response_started{remote_reset}",
+            "upstream_reset_after_response_started{connection_termination}",
+        ] {
+            assert_eq!(judge_end(confirmed, Some(cut)), Outcome::Failed, "{cut}");
+        }
+        // Completed, or ended by the client: the confirmation stands.
+        for ended in [
+            None,
+            Some("via_upstream"),
+            Some("downstream_remote_disconnect"),
+        ] {
+            assert_eq!(judge_end(confirmed, ended), Outcome::Confirmed, "{ended:?}");
+        }
+        // A verdict already reached at the headers is not changed.
+        let cut = Some("upstream_reset_after_response_started{remote_reset}");
+        for verdict in [
+            judged(Some(404), Some("a:1")),
+            judged(Some(503), None),
+            judged(Some(200), Some("b:1")),
+        ] {
+            assert_eq!(judge_end(verdict, cut), verdict);
+        }
     }
 }
