@@ -59,11 +59,6 @@ pub fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-/// The low [`KEY_BYTES`] bytes of `key` (an index key has no other bits set).
-pub fn put_key(out: &mut Vec<u8>, key: u64) {
-    out.extend_from_slice(&key.to_le_bytes()[..KEY_BYTES]);
-}
-
 /// Unsigned LEB128: 7 bits per byte, low bits first.
 pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
@@ -124,13 +119,6 @@ impl<'a> Reader<'a> {
 
     pub fn u64(&mut self, what: &'static str) -> Result<u64, CodecError> {
         Ok(u64::from_le_bytes(self.array(what)?))
-    }
-
-    /// A [`KEY_BYTES`]-byte index key.
-    pub fn key(&mut self, what: &'static str) -> Result<u64, CodecError> {
-        let mut a = [0u8; 8];
-        a[..KEY_BYTES].copy_from_slice(self.take(KEY_BYTES, what)?);
-        Ok(u64::from_le_bytes(a))
     }
 
     pub fn varint(&mut self, what: &'static str) -> Result<u64, CodecError> {
@@ -194,20 +182,6 @@ impl<'a> Reader<'a> {
             .collect())
     }
 
-    /// `n` index keys of [`KEY_BYTES`] bytes.
-    pub fn keys(&mut self, n: usize, what: &'static str) -> Result<Vec<u64>, CodecError> {
-        let n = self.checked_count(n as u64, KEY_BYTES, what)?;
-        Ok(self
-            .take(n * KEY_BYTES, what)?
-            .chunks_exact(KEY_BYTES)
-            .map(|c| {
-                let mut a = [0u8; 8];
-                a[..KEY_BYTES].copy_from_slice(c);
-                u64::from_le_bytes(a)
-            })
-            .collect())
-    }
-
     /// True when every byte was read.
     pub fn is_empty(&self) -> bool {
         self.rest.is_empty()
@@ -255,14 +229,6 @@ mod tests {
             Reader::new(&[0x80]).varint("v"),
             Err(CodecError::Truncated { what: "v" })
         );
-    }
-
-    #[test]
-    fn keys_are_five_little_endian_bytes() {
-        let mut out = Vec::new();
-        put_key(&mut out, 0x01_0203_0405);
-        assert_eq!(out, [5, 4, 3, 2, 1]);
-        assert_eq!(Reader::new(&out).keys(1, "k"), Ok(vec![0x01_0203_0405]));
     }
 
     #[test]

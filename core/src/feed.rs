@@ -16,7 +16,6 @@
 //!                bit 2 LOAD: the load list follows (never with PODS)
 //!                bit 3 MORE: ask again at once (deltas: more are waiting;
 //!                            a page: the next page, whose token follows)
-//!                bit 4 IN_ORDER: key lists are plain, in the order given
 //!                other bits must be 0
 //! epoch         u64
 //! cursor        u64                    delta: position after it; page: the snapshot's position
@@ -32,9 +31,7 @@
 //! varint n_runs, n_runs × run:
 //!     varint pod << 3 | op    op 0–3 Stored in tier 0 GPU, 1 CPU, 2 disk, 3 learned;
 //!                             4 Removed;  5 Cleared; pod: index into the pod list
-//!     Stored, Removed: varint n, then the n keys:
-//!         IN_ORDER: n × 5 bytes (low 5 bytes of each key), in the order given
-//!         else:     ascending, Elias–Fano packed (see below)
+//!     Stored, Removed: varint n, then the n keys ascending, Elias–Fano packed (see below)
 //! (no trailing bytes)
 //! ```
 //!
@@ -52,8 +49,7 @@
 //! `--feed-max-hashes` keys. [`crate::feed_client::FeedClient`] keeps the lists
 //! and the paging state and turns each message into a [`FeedUpdate`], the form
 //! routing consumes. [`encode`]/[`decode`] carry a complete [`FeedUpdate`] (pod
-//! list included) in the same format, between the VMs of one proxy, with
-//! IN_ORDER key lists (a replay keeps each pod's entries oldest first).
+//! list included) in the same format, between the VMs of one proxy.
 //!
 //! A [`LearnedBatch`] (`POST /v1/learned`), version 1 and full 64-bit hashes:
 //!
@@ -87,7 +83,6 @@ const FLAG_PAGE: u16 = 1;
 const FLAG_PODS: u16 = 2;
 const FLAG_LOAD: u16 = 4;
 const FLAG_MORE: u16 = 8;
-const FLAG_IN_ORDER: u16 = 16;
 const OP_REMOVED: u8 = 4;
 const OP_CLEARED: u8 = 5;
 /// Bits of a run's first varint that hold the op (the pod index is above them).
@@ -278,9 +273,6 @@ pub struct FeedMessage {
     /// The pods' load in pod-list order, when only the load changed.
     pub load: Option<Vec<PodLoad>>,
     pub ops: Vec<BlockOp>,
-    /// The runs' keys travel plain and in the order given (a replay between
-    /// VMs); otherwise each run's keys are sorted and packed.
-    pub keys_in_order: bool,
 }
 
 /// Approximate routing decisions of one proxy (`POST /v1/learned`).
@@ -594,8 +586,7 @@ pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
 }
 
 /// Encodes a complete update (pod list included), as the VMs of one proxy
-/// pass it on: keys in the order given (see [`FeedMessage::keys_in_order`]),
-/// as their index keys.
+/// pass it on.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
     let head = FeedMessage {
         epoch: update.epoch,
@@ -608,7 +599,6 @@ pub fn encode(update: &FeedUpdate) -> Vec<u8> {
         } else {
             FeedKind::Delta { more: false }
         },
-        keys_in_order: true,
         ..FeedMessage::default()
     };
     encode_parts(&head, Lists::Pods(&update.pods), &update.ops)
@@ -636,9 +626,6 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
         FeedKind::Delta { more: true } | FeedKind::Page { next: Some(_), .. }
     ) {
         flags |= FLAG_MORE;
-    }
-    if head.keys_in_order {
-        flags |= FLAG_IN_ORDER;
     }
     put_header(&mut out, FEED_MAGIC, FEED_VERSION, flags);
     codec::put_u64(&mut out, head.epoch);
@@ -690,15 +677,9 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
         codec::put_varint(&mut out, u64::from(op.pod()) << OP_BITS | u64::from(code));
         if let BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } = op {
             codec::put_varint(&mut out, hashes.len() as u64);
-            if head.keys_in_order {
-                for &h in hashes {
-                    codec::put_key(&mut out, index_key(h));
-                }
-            } else {
-                let mut keys: Vec<u64> = hashes.iter().map(|&h| index_key(h)).collect();
-                keys.sort_unstable();
-                put_packed(&mut out, &keys);
-            }
+            let mut keys: Vec<u64> = hashes.iter().map(|&h| index_key(h)).collect();
+            keys.sort_unstable();
+            put_packed(&mut out, &keys);
         }
     }
     out
@@ -758,11 +739,7 @@ fn string(r: &mut Reader<'_>, what: &'static str) -> Result<String, FeedError> {
     Ok(r.str(n, what)?)
 }
 
-fn keys(r: &mut Reader<'_>, in_order: bool) -> Result<Vec<u64>, FeedError> {
-    if in_order {
-        let n = count(r, KEY_BYTES, "keys")?;
-        return Ok(r.keys(n, "keys")?);
-    }
+fn keys(r: &mut Reader<'_>) -> Result<Vec<u64>, FeedError> {
     let n = r.varint("keys")?;
     if packed_len(n) > r.remaining() as u64 {
         return Err(CodecError::CountTooLarge {
@@ -806,7 +783,7 @@ fn finish(r: &Reader<'_>) -> Result<(), FeedError> {
 pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let mut r = Reader::new(bytes);
     let flags = header(&mut r, FEED_MAGIC, FEED_VERSION)?;
-    let known = FLAG_PAGE | FLAG_PODS | FLAG_LOAD | FLAG_MORE | FLAG_IN_ORDER;
+    let known = FLAG_PAGE | FLAG_PODS | FLAG_LOAD | FLAG_MORE;
     if flags & !known != 0 || flags & (FLAG_PODS | FLAG_LOAD) == FLAG_PODS | FLAG_LOAD {
         return Err(FeedError::UnknownFlags(flags));
     }
@@ -815,7 +792,6 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let pods_version = r.u64("pods_version")?;
     let load_version = r.u64("load_version")?;
     let more = flags & FLAG_MORE != 0;
-    let in_order = flags & FLAG_IN_ORDER != 0;
     let kind = if flags & FLAG_PAGE != 0 {
         let number = r.u32("page")?;
         let next = if more {
@@ -882,14 +858,14 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
         ops.push(match code {
             OP_REMOVED => BlockOp::Removed {
                 pod,
-                hashes: keys(&mut r, in_order)?,
+                hashes: keys(&mut r)?,
             },
             OP_CLEARED => BlockOp::Cleared { pod },
             code => match Tier::from_code(code) {
                 Some(tier) => BlockOp::Stored {
                     pod,
                     tier,
-                    hashes: keys(&mut r, in_order)?,
+                    hashes: keys(&mut r)?,
                 },
                 None => return Err(FeedError::BadOpKind(code)),
             },
@@ -905,7 +881,6 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
         pods,
         load: loads,
         ops,
-        keys_in_order: in_order,
     })
 }
 
@@ -1024,7 +999,6 @@ mod tests {
                 pods: Some(u.pods.clone()),
                 load: None,
                 ops: u.ops.clone(),
-                keys_in_order: false,
             },
             FeedMessage {
                 kind: FeedKind::Page {
@@ -1062,15 +1036,6 @@ mod tests {
                 ..FeedMessage::default()
             },
             FeedMessage::default(),
-            // Keys in the order given, as between VMs.
-            FeedMessage {
-                ops: vec![BlockOp::Removed {
-                    pod: 2,
-                    hashes: vec![KEY_MAX, 0, 7, 7],
-                }],
-                keys_in_order: true,
-                ..FeedMessage::default()
-            },
             FeedMessage {
                 ops: vec![BlockOp::Stored {
                     pod: 70_000,
@@ -1248,7 +1213,6 @@ mod tests {
                 },
                 BlockOp::Cleared { pod: 0 },
             ],
-            keys_in_order: false,
         };
         let hex: String = encode_message(&m)
             .iter()

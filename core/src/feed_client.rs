@@ -398,7 +398,6 @@ mod tests {
             pods: list.map(<[PodInfo]>::to_vec),
             load: None,
             ops: vec![stored(number % 2, &[u64::from(number) + 1])],
-            keys_in_order: false,
         }
     }
 

@@ -96,7 +96,6 @@ impl Index {
             pods,
             load,
             ops,
-            keys_in_order: false,
         }
     }
 
