@@ -12,6 +12,7 @@ pub mod index;
 pub mod lookup;
 pub mod outcome;
 pub mod recent;
+pub mod registry;
 pub mod request;
 pub mod router;
 pub mod score;
