@@ -817,4 +817,64 @@ mod tests {
         assert_eq!(proxy.registry.lines().len(), 1);
         assert_eq!(b.registry.serving_count(), 0);
     }
+
+    /// Whatever bytes the registry holds, nothing panics: a heartbeat
+    /// writes back its own line and, besides, only lines that parse and
+    /// are recent enough; the live peers are recent lines of others.
+    #[test]
+    fn arbitrary_registry_bytes_never_panic() {
+        let now_s = secs(T0_MS);
+        let own = queue_name(1);
+        let seed = render(&[
+            Entry {
+                name: queue_name(2),
+                seen_s: now_s - 3,
+                serving: true,
+            },
+            Entry {
+                name: own.clone(),
+                seen_s: now_s - 1,
+                serving: false,
+            },
+            Entry {
+                name: queue_name(3),
+                seen_s: now_s - FORGET_AFTER_S + 1,
+                serving: true,
+            },
+        ])
+        .into_bytes();
+        let mut registry = Registry::join(Some(own.clone()), T0_MS);
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        for cas in 1..20_000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let mut bytes = seed.clone();
+            let at = (rng as usize) % bytes.len();
+            bytes[at] ^= (rng >> 40) as u8;
+            if rng % 3 == 0 {
+                bytes.truncate(at);
+            }
+            let mut heartbeat = registry.heartbeat(now_s);
+            let write = heartbeat.attempt(&bytes, cas).unwrap();
+            assert_eq!(write.cas, cas);
+            let written = parse(write.value.as_bytes());
+            assert_eq!(render(&written), write.value, "a stable rewrite");
+            let own_line = Entry {
+                name: own.clone(),
+                seen_s: now_s,
+                serving: true,
+            };
+            assert!(written.contains(&own_line));
+            let read = parse(&bytes);
+            for e in written.iter().filter(|&e| *e != own_line) {
+                assert!(read.contains(e), "{e:?} was not in {bytes:?}");
+                assert!(now_s.saturating_sub(e.seen_s) <= FORGET_AFTER_S);
+            }
+            for e in registry.on_read(&bytes, cas, now_s).unwrap() {
+                assert_ne!(e.name, own);
+                assert!(now_s.saturating_sub(e.seen_s) <= LIVE_FOR_S);
+            }
+        }
+    }
 }
