@@ -314,6 +314,10 @@ mod tests {
         fn lines(&self) -> Vec<Entry> {
             parse(self.value.as_deref().unwrap_or_default())
         }
+
+        fn line(&self, name: &str) -> Option<Entry> {
+            self.lines().into_iter().find(|e| e.name == name)
+        }
     }
 
     /// One proxy: the registry and the shared queues (a queue's id is its
@@ -582,19 +586,11 @@ mod tests {
         }
         assert_eq!(heartbeat.attempt(b"", 0), None);
         // The registry is B's last write: A's line as it was at joining.
-        let a_line = proxy
-            .registry
-            .lines()
-            .into_iter()
-            .find(|e| e.name == queue_name(1));
+        let a_line = proxy.registry.line(&queue_name(1));
         assert_eq!(a_line.map(|e| e.seen_s), Some(secs(T0_MS)));
         // The next tick's heartbeat tries again and lands.
         a.tick(&mut proxy, now);
-        let a_line = proxy
-            .registry
-            .lines()
-            .into_iter()
-            .find(|e| e.name == queue_name(1));
+        let a_line = proxy.registry.line(&queue_name(1));
         assert_eq!(a_line.map(|e| e.seen_s), Some(secs(now)));
     }
 
@@ -642,11 +638,7 @@ mod tests {
             assert!(!to.contains(&gone.queue()), "{to:?}");
         }
         assert_eq!(a.registry.serving_count(), 1);
-        assert!(proxy
-            .registry
-            .lines()
-            .iter()
-            .any(|e| e.name == queue_name(3)));
+        assert!(proxy.registry.line(&queue_name(3)).is_some());
         // Its line is dropped once it is silent past FORGET_AFTER_S.
         let kept_until_ms =
             (u64::from(secs(last_seen_ms)) + u64::from(FORGET_AFTER_S)) * 1000 + 999;
@@ -656,11 +648,7 @@ mod tests {
             live_until_ms + 1_250,
             kept_until_ms,
         );
-        assert!(proxy
-            .registry
-            .lines()
-            .iter()
-            .any(|e| e.name == queue_name(3)));
+        assert!(proxy.registry.line(&queue_name(3)).is_some());
         run(
             &mut proxy,
             &mut [&mut singleton, &mut a, &mut b],
@@ -700,11 +688,7 @@ mod tests {
         // A, which served, stays serving.
         b.tick(&mut proxy, quiet_at);
         assert!(!b.registry.is_serving() && a.registry.is_serving());
-        let b_line = proxy
-            .registry
-            .lines()
-            .into_iter()
-            .find(|e| e.name == queue_name(2));
+        let b_line = proxy.registry.line(&queue_name(2));
         assert_eq!(b_line.map(|e| e.serving), Some(false));
         a.tick(&mut proxy, quiet_at);
         singleton.tick(&mut proxy, quiet_at);
