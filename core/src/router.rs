@@ -1122,8 +1122,12 @@ mod tests {
                 .decide(&c, &hash_prompt(&c, &request), 10, 1)
                 .unwrap()
         };
-        // In flight with its prefill pending: the pod's load equals the match it offers.
-        assert_eq!(decide(&cluster).terms.total(), d.total_blocks as f64);
+        // In flight with its prefill pending: the pod's pending prefill equals the match it
+        // offers, and the request counts as running there.
+        assert_eq!(
+            decide(&cluster).terms.total(),
+            d.total_blocks as f64 + c.weights.running
+        );
         cluster.record_prefill_done(&d.pod, d.total_blocks as u32);
         let again = decide(&cluster);
         assert_eq!(
