@@ -193,6 +193,7 @@ impl Singleton {
             m.dropped.record(stats.dropped);
             m.resident_buckets.record(stats.resident_buckets as u64);
             m.written_back_early.record(stats.written_back_early);
+            m.read_back.record(stats.read_back);
             m.unloadable.record(stats.unloadable);
         }
     }
