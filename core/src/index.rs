@@ -548,6 +548,10 @@ pub enum IndexOp<'a> {
     Cleared(PodId),
 }
 
+/// A cached set change of one writer: (old set, new set), holding a
+/// reference to each (see [`BlockIndex::touch_block`]).
+type Transition = Option<(Option<u32>, u32)>;
+
 /// Why a write to the index was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refused {
@@ -887,72 +891,101 @@ impl BlockIndex {
     /// Records `hashes` as held by `pod` in `tier`. A learned entry never
     /// downgrades a precise one (it refreshes the slot's age).
     pub fn touch_chain(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
-        let Some(state) = self.pods.get(pod.slot()).copied() else {
-            return;
-        };
         let epoch = self.epoch(now_s);
         self.latest_epoch = epoch;
-        let member = Member::new(
+        let Some(member) = self.member_of(pod, tier, epoch) else {
+            return;
+        };
+        // Consecutive blocks of a chain usually share their old set, so the
+        // new one is computed once per run.
+        let mut last = None;
+        for &hash in hashes {
+            self.touch_block(hash, member, epoch, &mut last);
+        }
+        self.forget_transition(&mut last);
+    }
+
+    /// The member `pod` gets for an entry in `tier` written at `epoch`;
+    /// `None` for a pod the index does not know.
+    fn member_of(&self, pod: PodId, tier: Tier, epoch: u16) -> Option<Member> {
+        let state = self.pods.get(pod.slot())?;
+        Some(Member::new(
             pod,
-            generation_of(&state, tier),
+            generation_of(state, tier),
             tier,
             if is_precise(tier) { 0 } else { epoch },
-        );
-        let age = epoch as u8;
-        // Consecutive blocks of a chain usually share their old set, so the
-        // new one is computed once per run: (old set, new set).
-        let mut last: Option<(Option<u32>, u32)> = None;
-        for &hash in hashes {
-            let key = key_of(hash);
-            let b = self.bucket_of(key);
-            self.load(b);
-            let found = self.buckets[b].find(key);
-            let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
-            // The new set, and whether a reference to it is already taken.
-            let (to, owned) = match last {
-                Some((from, to)) if from == old => (to, false),
-                _ => {
-                    let members = old.map_or(&[][..], |id| self.sets.get(id));
-                    let merged = self.with_member(members, member, epoch);
-                    match old.filter(|&id| self.sets.get(id) == merged.as_slice()) {
-                        Some(id) => (id, false),
-                        None => match self.sets.intern(&merged) {
-                            Some(id) => (id, true),
-                            None => {
-                                self.dropped += 1;
-                                last = None;
-                                continue;
-                            }
-                        },
+        ))
+    }
+
+    /// Records one block as held by `member`'s pod. `last` caches the last
+    /// set change made for this member (old set → new set) while it holds a
+    /// reference to both, so neither id can be freed and reused meanwhile:
+    /// a block whose old set is the cached one takes the new set without
+    /// merging or interning. The caller lets it go with
+    /// [`BlockIndex::forget_transition`].
+    fn touch_block(&mut self, hash: u64, member: Member, epoch: u16, last: &mut Transition) {
+        let key = key_of(hash);
+        let b = self.bucket_of(key);
+        self.load(b);
+        let found = self.buckets[b].find(key);
+        let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
+        let to = match *last {
+            Some((from, to)) if from == old => to,
+            _ => {
+                let members = old.map_or(&[][..], |id| self.sets.get(id));
+                let merged = self.with_member(members, member, epoch);
+                let to = match old.filter(|&id| self.sets.get(id) == merged.as_slice()) {
+                    Some(id) => {
+                        self.sets.retain(id);
+                        id
                     }
-                }
-            };
-            last = Some((old, to));
-            match (found, old) {
-                (Ok(i), Some(old)) => {
-                    // The published bucket carries ages (a write-through
-                    // writer's eviction order): a new age is a change.
-                    if std::mem::replace(&mut self.buckets[b].ages[i], age) != age {
-                        self.touched(b);
-                    }
-                    if old != to {
-                        if !owned {
-                            self.sets.retain(to);
+                    None => match self.sets.intern(&merged) {
+                        Some(id) => id,
+                        None => {
+                            self.dropped += 1;
+                            self.forget_transition(last);
+                            return;
                         }
-                        self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
-                        self.sets.release(old);
-                        self.touched(b);
-                    }
+                    },
+                };
+                if let Some(from) = old {
+                    self.sets.retain(from);
                 }
-                _ => {
-                    if !owned {
-                        self.sets.retain(to);
-                    }
-                    if self.insert(b, key, to, epoch).is_err() {
-                        last = None;
-                    }
+                self.forget_transition(last);
+                *last = Some((old, to));
+                to
+            }
+        };
+        let age = epoch as u8;
+        match (found, old) {
+            (Ok(i), Some(old)) => {
+                // The published bucket carries ages (a write-through
+                // writer's eviction order): a new age is a change.
+                if std::mem::replace(&mut self.buckets[b].ages[i], age) != age {
+                    self.touched(b);
+                }
+                if old != to {
+                    self.sets.retain(to);
+                    self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
+                    self.sets.release(old);
+                    self.touched(b);
                 }
             }
+            _ => {
+                self.sets.retain(to);
+                // A refused insert released its reference.
+                let _ = self.insert(b, key, to, epoch);
+            }
+        }
+    }
+
+    /// Drops the references a cached set change holds.
+    fn forget_transition(&mut self, last: &mut Transition) {
+        if let Some((from, to)) = last.take() {
+            if let Some(from) = from {
+                self.sets.release(from);
+            }
+            self.sets.release(to);
         }
     }
 
@@ -962,7 +995,7 @@ impl BlockIndex {
     /// bucket, loads each bucket of a write-through index once instead of
     /// once per operation.
     pub fn apply_ops(&mut self, ops: &[IndexOp<'_>], now_s: u32) {
-        let mut blocks: Vec<(u32, u32, u32)> = Vec::new();
+        let mut blocks: Vec<u64> = Vec::new();
         let mut start = 0;
         for (end, op) in ops.iter().enumerate() {
             if let IndexOp::Cleared(pod) = *op {
@@ -975,33 +1008,69 @@ impl BlockIndex {
     }
 
     /// `ops` (no `Cleared` among them) block by block, in bucket order.
-    fn apply_in_bucket_order(
-        &mut self,
-        ops: &[IndexOp<'_>],
-        blocks: &mut Vec<(u32, u32, u32)>,
-        now_s: u32,
-    ) {
+    /// `blocks` is scratch space: 8 bytes per block.
+    fn apply_in_bucket_order(&mut self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>, now_s: u32) {
+        let hashes_of = |op: &IndexOp<'_>| match *op {
+            IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) => hashes.len(),
+            IndexOp::Cleared(_) => 0,
+        };
+        // Block positions are numbered across the operations in 32 bits: a
+        // longer run (never a feed answer's) is taken in parts.
+        let mut total = 0usize;
+        for (end, op) in ops.iter().enumerate() {
+            if total + hashes_of(op) > u32::MAX as usize && end > 0 {
+                self.apply_in_bucket_order(&ops[..end], blocks, now_s);
+                self.apply_in_bucket_order(&ops[end..], blocks, now_s);
+                return;
+            }
+            total += hashes_of(op);
+        }
+        // Where each operation's blocks start in the numbering.
+        let mut starts: Vec<u64> = Vec::with_capacity(ops.len());
         blocks.clear();
-        for (o, op) in ops.iter().enumerate() {
+        let mut position = 0u64;
+        for op in ops {
+            starts.push(position);
             if let IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) = op {
-                blocks.extend(
-                    hashes
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &h)| (self.bucket_of(key_of(h)) as u32, o as u32, i as u32)),
-                );
+                for &h in hashes.iter() {
+                    blocks.push(((self.bucket_of(key_of(h)) as u64) << 32) | position);
+                    position += 1;
+                }
             }
         }
-        // (bucket, operation, position): a block's operations stay in order.
+        // (bucket, position): a block's operations stay in order.
         blocks.sort_unstable();
-        for &(_, o, i) in blocks.iter() {
-            match ops[o as usize] {
-                IndexOp::Stored(pod, tier, hashes) => {
-                    self.touch_chain(pod, &hashes[i as usize..=i as usize], tier, now_s)
+        let epoch = self.epoch(now_s);
+        if ops.iter().any(|op| matches!(op, IndexOp::Stored(..))) {
+            self.latest_epoch = epoch;
+        }
+        // Per stored operation: its member and its last set change (a
+        // snapshot page's blocks of one pod mostly go from no set to that
+        // pod's own, computed once per page instead of once per block).
+        let members: Vec<Option<Member>> = ops
+            .iter()
+            .map(|op| match *op {
+                IndexOp::Stored(pod, tier, _) => self.member_of(pod, tier, epoch),
+                _ => None,
+            })
+            .collect();
+        let mut transitions: Vec<Transition> = vec![None; ops.len()];
+        for &block in blocks.iter() {
+            let position = block & u64::from(u32::MAX);
+            let o = starts.partition_point(|&s| s <= position) - 1;
+            let i = (position - starts[o]) as usize;
+            match ops[o] {
+                IndexOp::Stored(_, _, hashes) => {
+                    if let Some(member) = members[o] {
+                        self.touch_block(hashes[i], member, epoch, &mut transitions[o]);
+                    }
                 }
-                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i as usize..=i as usize]),
+                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i..=i]),
                 IndexOp::Cleared(_) => {}
             }
+        }
+        for last in &mut transitions {
+            self.forget_transition(last);
         }
     }
 
