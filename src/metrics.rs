@@ -156,6 +156,8 @@ pub struct IndexMetrics {
     pub written_back_early: Metric,
     /// Buckets read back from shared data (written while not in the working set).
     pub read_back: Metric,
+    /// The singleton VM's linear memory (its heap's high-water mark).
+    pub writer_memory_bytes: Metric,
     /// Buckets that could not be read back from shared data (started empty).
     pub unloadable: Metric,
 }
@@ -172,6 +174,7 @@ impl IndexMetrics {
             resident_buckets: Metric::gauge("kvroute.index.resident_buckets"),
             written_back_early: Metric::gauge("kvroute.index.written_back_early"),
             read_back: Metric::gauge("kvroute.index.read_back"),
+            writer_memory_bytes: Metric::gauge("kvroute.index.writer_memory_bytes"),
             unloadable: Metric::gauge("kvroute.index.unloadable"),
         }
     }

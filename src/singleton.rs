@@ -212,6 +212,7 @@ impl Singleton {
             m.read_back.record(stats.read_back);
             m.unloadable.record(stats.unloadable);
         }
+        m.writer_memory_bytes.record(linear_memory_bytes());
     }
 
     /// The workers' messages: what routed prompts teach, refusals and
@@ -440,6 +441,16 @@ fn first_failure_level(failing: &mut bool) -> LogLevel {
     } else {
         LogLevel::Debug
     }
+}
+
+/// Bytes of this VM's linear memory: its heap's high-water mark (a wasm
+/// memory grows and never shrinks).
+fn linear_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    let pages = core::arch::wasm32::memory_size::<0>() as u64;
+    #[cfg(not(target_arch = "wasm32"))]
+    let pages = 0;
+    pages * 65_536
 }
 
 /// The singleton's tick: the flush period, or the poll period when shorter.

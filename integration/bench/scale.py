@@ -681,17 +681,10 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         result["time_to_route_s"] = round(time.monotonic() - t0, 2) if ok else None
         result["main_thread_cpu_s_to_route"] = round(main_thread_cpu_seconds(envoy.pid), 2)
         result["route_tries"] = tries
-        feed = envoy.stats("kvroute.feed")
-        result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
-        result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
-        if ok:
-            chosen = [next(probes) for _ in range(args.probes)]
-            result["decision"] = decision_latency(
-                envoy, [(token_request(sequence_tokens(p, s)), pods[p]) for p, s in chosen])
-        else:
-            result["failure"] = failure_lines(envoy.log_text())
-        # The CPU readings start once the snapshot is loaded and published: "routes on the full
-        # index" may come a page before its end (the checked pods span the last two pages).
+
+        # "Routes on the full index" may come a page before the snapshot's end (the checked pods
+        # span its last two pages): RSS, the probes and the CPU readings wait until it is loaded
+        # and published (no changed key left for the next flush).
         def loaded() -> bool:
             stats = envoy.stats("kvroute.")
             return (stats.get("wasmcustom.kvroute.feed.snapshots", 0) >= 1
@@ -699,6 +692,18 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
 
         loaded_at = wait_for(loaded, args.route_timeout, interval=0.05)
         result["snapshot_loaded_s"] = round(time.monotonic() - t0, 2) if loaded_at else None
+        result["main_thread_cpu_s_to_load"] = round(main_thread_cpu_seconds(envoy.pid), 2)
+        feed = envoy.stats("kvroute.feed")
+        result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
+        result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["writer_memory_mb"] = round(envoy.stats("kvroute.index.writer_memory_bytes").get(
+            "wasmcustom.kvroute.index.writer_memory_bytes", 0) / 2**20, 1)
+        if ok:
+            chosen = [next(probes) for _ in range(args.probes)]
+            result["decision"] = decision_latency(
+                envoy, [(token_request(sequence_tokens(p, s)), pods[p]) for p, s in chosen])
+        else:
+            result["failure"] = failure_lines(envoy.log_text())
         # the singleton records the gauge at its flush
         result["index_blocks"] = wait_for(
             lambda: envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks"), 10)
@@ -877,9 +882,10 @@ def render(results: dict) -> str:
                     f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
                     f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']}"
                     f" ({f['bytes_per_block_event_all_in']}) | {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
-    writer = ["| mode | pods | c | snapshot loaded and published s | Envoy main thread µs/req 30 KB / 128 KB |"
-              " buckets read back 30 KB / 128 KB | blocks not re-taught / blocks routed, 30 KB / 128 KB |",
-              "|---|---:|---:|---|---|---|---|"]
+    writer = ["| mode | pods | c | snapshot loaded and published s | the singleton's wasm memory MB |"
+              " Envoy main thread µs/req 30 KB / 128 KB |"
+              " buckets read back 30 KB / 128 KB | blocks not re-taught / prompt blocks, 30 KB / 128 KB |",
+              "|---|---:|---:|---|---|---|---|---|"]
     for n, by_mode in results["fleets"].items():
         for mode in ("approximate", "precise"):
             for c in results["concurrency"]:
@@ -891,6 +897,7 @@ def render(results: dict) -> str:
                 taught = [f"{fmt(w.get('blocks_already_taught'))} / {fmt(w.get('blocks_total'))}" for w in work]
                 writer.append(
                     f"| {mode} | {n} | {c} | {fmt(r.get('snapshot_loaded_s')) if mode == 'precise' else '—'} |"
+                    f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
                     f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
                     f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
                     f" {' / '.join(taught)} |")
