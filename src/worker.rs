@@ -9,7 +9,7 @@ use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
 use kvroute_core::index::published::{PublishedView, Unpublished};
-use kvroute_core::index::{match_lengths, LookupCost, PodMatch};
+use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outcome::Outcome;
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
@@ -198,8 +198,9 @@ impl Worker {
     /// counted here and by the peers, and the blocks it teaches go to the
     /// singleton (and the recent decisions, until the singleton's flush
     /// shows them), except the leading ones the decision's lookup found
-    /// already taught to `pod` in this epoch: teaching them again would
-    /// change nothing but cost the singleton their buckets' reads.
+    /// already taught to `pod` in this epoch, or this VM sent in it:
+    /// teaching them again would change nothing but cost the singleton
+    /// their buckets' reads.
     pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[u64]) {
         let (now_s, now_ms) = host::now();
         self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
@@ -209,7 +210,7 @@ impl Worker {
             hashes: Vec::new(),
         });
         let position = self.cluster.position(pod);
-        let already_taught = match self.taught_for.take() {
+        let in_index = match self.taught_for.take() {
             Some(first) if hashes.first() == Some(&first) => self
                 .taught_this_epoch
                 .iter()
@@ -218,7 +219,13 @@ impl Worker {
             _ => 0,
         };
         self.taught_this_epoch.clear();
-        self.teach(pod, hashes, already_taught, now_ms);
+        // What this VM sent in this epoch and the index may not show yet
+        // (the flush gap) counts too.
+        let epoch_start_ms = u64::from(epoch_start_s(self.config.index.ttl_seconds, now_s)) * 1000;
+        let sent = self
+            .recent
+            .taught_since(pod, hashes, epoch_start_ms, now_ms);
+        self.teach(pod, hashes, in_index.max(sent), now_ms);
     }
 
     /// Sends what `pod` holds (cut to its share) to the singleton, but for

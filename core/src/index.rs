@@ -226,6 +226,13 @@ pub struct Clock {
     ttl_epochs: u16,
 }
 
+/// The second the learned epoch holding `now_s` began, for entries that
+/// live `ttl_seconds` (see the module documentation).
+pub fn epoch_start_s(ttl_seconds: u32, now_s: u32) -> u32 {
+    let epoch_seconds = ttl_seconds.div_ceil(EPOCHS_PER_TTL).max(1);
+    now_s - now_s % epoch_seconds
+}
+
 impl Clock {
     fn epoch(self, now_s: u32) -> u16 {
         (now_s / self.epoch_seconds.max(1)) as u16
@@ -2277,6 +2284,28 @@ mod tests {
         let mut out = Vec::new();
         index.match_lengths(&c, 1, &TRUST_ALL, &mut out);
         assert!(out.is_empty());
+    }
+
+    /// A chain taught at the first second of the current epoch is reported
+    /// taught in it; one taught a second earlier is not (it ages by then).
+    #[test]
+    fn taught_this_epoch_starts_at_the_epoch_boundary() {
+        let ttl = 600;
+        let now = 1000;
+        let start = epoch_start_s(ttl, now);
+        assert!(start <= now && now - start < ttl.div_ceil(16));
+        let mut index = BlockIndex::new(1 << 20, ttl);
+        let (fresh, older) = (index.add_pod().unwrap(), index.add_pod().unwrap());
+        let c = chain(8, 30);
+        index.touch_chain(older, &c, Tier::Learned, start - 1);
+        index.touch_chain(fresh, &c, Tier::Learned, start);
+        let mut out = Vec::new();
+        index.match_lengths(&c, now, &TRUST_ALL, &mut out);
+        let taught: Vec<(PodId, usize, usize)> = out
+            .iter()
+            .map(|m| (m.pod, m.blocks, m.taught_this_epoch))
+            .collect();
+        assert_eq!(taught, vec![(fresh, 30, 30), (older, 30, 0)]);
     }
 
     #[test]
