@@ -25,6 +25,10 @@ use std::rc::Rc;
 /// in 4 flushes); the rest waits for the next flush (`kvroute.index.deferred`).
 const MAX_FLUSH_WRITES: usize = 8192;
 
+/// Keys one batch of a flush encodes before writing them (≈ 1.2 MB of full
+/// buckets at most).
+const FLUSH_BATCH_WRITES: usize = 256;
+
 /// Buckets the singleton's index keeps in memory at most (≈ 9 MB at 4.6 KB
 /// per full bucket): the rest of the index lives only in its published copy
 /// in shared data, read back on a bucket's first write since it was stored.
@@ -183,24 +187,36 @@ impl Singleton {
 
     /// Publishes what changed in the index since the last flush (pod
     /// table, new sets, buckets, then the head with its heartbeat).
+    /// Published in batches of [`FLUSH_BATCH_WRITES`] keys: the encoded
+    /// buckets of a whole flush are never in memory at once.
     fn flush(&mut self, now_ms: u64) {
-        let Some(publication) = self.cluster.publish(MAX_FLUSH_WRITES, self.writer, now_ms) else {
-            return;
-        };
+        let mut room = MAX_FLUSH_WRITES;
         let mut written = 0;
-        for (key, value) in &publication.writes {
-            if host::shared_set(key, value, 0) {
-                written += 1;
-            } else {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("kvroute singleton: could not write shared data key {key}"),
-                );
+        let deferred = loop {
+            let batch = room.min(FLUSH_BATCH_WRITES);
+            let Some(publication) = self.cluster.publish(batch, self.writer, now_ms) else {
+                return;
+            };
+            for (key, value) in &publication.writes {
+                if host::shared_set(key, value, 0) {
+                    written += 1;
+                } else {
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute singleton: could not write shared data key {key}"),
+                    );
+                }
             }
-        }
+            // Every answer ends with the head.
+            let stored = publication.writes.len().saturating_sub(1);
+            room = room.saturating_sub(stored);
+            if publication.deferred == 0 || room == 0 || stored == 0 {
+                break publication.deferred;
+            }
+        };
         let m = &self.index_metrics;
         m.flushed.add(written);
-        m.deferred.record(publication.deferred as u64);
+        m.deferred.record(deferred as u64);
         if let Some(index) = self.cluster.index() {
             let stats = index.stats();
             m.blocks.record(stats.blocks as u64);
