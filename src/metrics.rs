@@ -71,6 +71,9 @@ pub struct FilterMetrics {
     pub decision_load: Metric,
     pub blocks_matched: Metric,
     pub blocks_total: Metric,
+    /// Routed blocks not sent to the singleton: the index showed them
+    /// taught to the chosen pod in the current epoch.
+    pub blocks_already_taught: Metric,
     pub decision_us: Metric,
     /// Decisions on load only: no singleton publishes the index (absent,
     /// stale or unreadable head).
@@ -102,6 +105,7 @@ impl FilterMetrics {
             decision_load: Metric::counter("kvroute.decision.load"),
             blocks_matched: Metric::counter("kvroute.blocks.matched"),
             blocks_total: Metric::counter("kvroute.blocks.total"),
+            blocks_already_taught: Metric::counter("kvroute.blocks.already_taught"),
             decision_us: Metric::histogram("kvroute.decision_us"),
             index_unpublished: Metric::counter("kvroute.index.unpublished"),
             index_unreadable: Metric::counter("kvroute.index.unreadable"),
@@ -150,6 +154,10 @@ pub struct IndexMetrics {
     pub resident_buckets: Metric,
     /// Buckets stored back before a flush because the working set was full.
     pub written_back_early: Metric,
+    /// Buckets read back from shared data (written while not in the working set).
+    pub read_back: Metric,
+    /// The singleton VM's linear memory (its heap's high-water mark).
+    pub writer_memory_bytes: Metric,
     /// Buckets that could not be read back from shared data (started empty).
     pub unloadable: Metric,
 }
@@ -165,6 +173,8 @@ impl IndexMetrics {
             deferred: Metric::gauge("kvroute.index.deferred"),
             resident_buckets: Metric::gauge("kvroute.index.resident_buckets"),
             written_back_early: Metric::gauge("kvroute.index.written_back_early"),
+            read_back: Metric::gauge("kvroute.index.read_back"),
+            writer_memory_bytes: Metric::gauge("kvroute.index.writer_memory_bytes"),
             unloadable: Metric::gauge("kvroute.index.unloadable"),
         }
     }

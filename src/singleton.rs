@@ -1,7 +1,8 @@
 //! The singleton (bootstrap `wasm_service`, main thread): the only writer of
 //! the proxy's routing index. It applies the indexer feed (the calls
 //! `kvroute_core::feed_client` asks for: a poll per `indexer.poll_ms`,
-//! snapshot pages and waiting deltas at once) and what the workers' routed
+//! snapshot pages and waiting deltas at once; snapshot pages are applied two
+//! at a time, see [`MAX_HELD_PAGE_HASHES`]) and what the workers' routed
 //! prompts teach (its queue), and publishes what changed to shared data
 //! every `index.flush_ms`, where every worker VM reads it. Workers get from
 //! the feed only the pods and their load. It reports the workers' confirmed
@@ -24,10 +25,20 @@ use std::rc::Rc;
 /// in 4 flushes); the rest waits for the next flush (`kvroute.index.deferred`).
 const MAX_FLUSH_WRITES: usize = 8192;
 
+/// Keys one batch of a flush encodes before writing them (≈ 1.2 MB of full
+/// buckets at most).
+const FLUSH_BATCH_WRITES: usize = 256;
+
 /// Buckets the singleton's index keeps in memory at most (≈ 9 MB at 4.6 KB
 /// per full bucket): the rest of the index lives only in its published copy
 /// in shared data, read back on a bucket's first write since it was stored.
 const MAX_RESIDENT_BUCKETS: usize = 2048;
+
+/// Snapshot pages held back to be applied together, up to this many hashes
+/// (two pages of the indexer's default `--feed-max-hashes`, ≈ 8 MB decoded):
+/// each application reads and stores back nearly every bucket of the index,
+/// so two pages at once halve that work.
+const MAX_HELD_PAGE_HASHES: usize = 1 << 20;
 
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
@@ -52,6 +63,9 @@ pub struct Singleton {
     /// The feed call in flight: its token and when it was sent (ms).
     feed_call: Option<(u32, u64)>,
     learned_call: Option<u32>,
+    /// Snapshot pages received and not applied yet, and their hashes.
+    held_pages: Vec<FeedUpdate>,
+    held_hashes: usize,
     pending: LearnedBatch,
     pending_hashes: usize,
     failing: bool,
@@ -104,6 +118,8 @@ impl Singleton {
             feed: FeedClient::new(poll_ms),
             feed_call: None,
             learned_call: None,
+            held_pages: Vec::new(),
+            held_hashes: 0,
             pending: LearnedBatch::default(),
             pending_hashes: 0,
             failing: false,
@@ -130,6 +146,10 @@ impl Singleton {
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
             self.flush(now_ms);
+        }
+        if self.feed_call.is_none() {
+            // No next page is coming: what is held waits no longer.
+            self.apply_held_pages();
         }
         let Some(indexer) = self.indexer.clone() else {
             return;
@@ -167,24 +187,36 @@ impl Singleton {
 
     /// Publishes what changed in the index since the last flush (pod
     /// table, new sets, buckets, then the head with its heartbeat).
+    /// Published in batches of [`FLUSH_BATCH_WRITES`] keys: the encoded
+    /// buckets of a whole flush are never in memory at once.
     fn flush(&mut self, now_ms: u64) {
-        let Some(publication) = self.cluster.publish(MAX_FLUSH_WRITES, self.writer, now_ms) else {
-            return;
-        };
+        let mut room = MAX_FLUSH_WRITES;
         let mut written = 0;
-        for (key, value) in &publication.writes {
-            if host::shared_set(key, value, 0) {
-                written += 1;
-            } else {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("kvroute singleton: could not write shared data key {key}"),
-                );
+        let deferred = loop {
+            let batch = room.min(FLUSH_BATCH_WRITES);
+            let Some(publication) = self.cluster.publish(batch, self.writer, now_ms) else {
+                return;
+            };
+            for (key, value) in &publication.writes {
+                if host::shared_set(key, value, 0) {
+                    written += 1;
+                } else {
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("kvroute singleton: could not write shared data key {key}"),
+                    );
+                }
             }
-        }
+            // Every answer ends with the head.
+            let stored = publication.writes.len().saturating_sub(1);
+            room = room.saturating_sub(stored);
+            if publication.deferred == 0 || room == 0 || stored == 0 {
+                break publication.deferred;
+            }
+        };
         let m = &self.index_metrics;
         m.flushed.add(written);
-        m.deferred.record(publication.deferred as u64);
+        m.deferred.record(deferred as u64);
         if let Some(index) = self.cluster.index() {
             let stats = index.stats();
             m.blocks.record(stats.blocks as u64);
@@ -193,8 +225,10 @@ impl Singleton {
             m.dropped.record(stats.dropped);
             m.resident_buckets.record(stats.resident_buckets as u64);
             m.written_back_early.record(stats.written_back_early);
+            m.read_back.record(stats.read_back);
             m.unloadable.record(stats.unloadable);
         }
+        m.writer_memory_bytes.record(linear_memory_bytes());
     }
 
     /// The workers' messages: what routed prompts teach, refusals and
@@ -344,18 +378,43 @@ impl Singleton {
             self.failing = false;
             host::log(LogLevel::Info, "kvroute singleton: indexer feed is back");
         }
-        self.apply(&received.update);
+        self.forward(&received.update);
+        // A snapshot page with more to come is held (the next one is already
+        // asked for) until the held pages reach their bound.
+        let more_pages = received.page.is_some() && !received.snapshot_complete;
+        self.held_hashes += received
+            .update
+            .ops
+            .iter()
+            .map(|op| op.hashes().len())
+            .sum::<usize>();
+        self.held_pages.push(received.update);
+        if !more_pages || self.held_hashes >= MAX_HELD_PAGE_HASHES {
+            self.apply_held_pages();
+        }
     }
 
-    /// What this proxy does with one decoded feed update: the index takes
-    /// its block operations; every worker VM gets its pods and their load.
-    fn apply(&mut self, update: &FeedUpdate) {
+    /// The index takes the held feed updates' block operations, in one pass
+    /// over its buckets.
+    fn apply_held_pages(&mut self) {
+        if self.held_pages.is_empty() {
+            return;
+        }
+        let updates = std::mem::take(&mut self.held_pages);
+        self.held_hashes = 0;
         // The singleton decides nothing: trusting precise entries is the
         // workers' call, from when the feed last reached them.
-        self.cluster.apply_feed(update, host::now().0, 0);
+        self.cluster.apply_feeds(&updates, host::now().0, 0);
+    }
+
+    /// Every worker VM gets a feed update's pods and their load at once.
+    fn forward(&mut self, update: &FeedUpdate) {
         let pods_and_load = FeedUpdate {
+            epoch: update.epoch,
+            cursor: update.cursor,
+            snapshot: update.snapshot,
+            pods: update.pods.clone(),
             ops: Vec::new(),
-            ..update.clone()
         };
         match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {
             Ok(message) => {
@@ -379,7 +438,9 @@ impl Singleton {
     }
 
     /// Counts a failure; logs when the feed goes from healthy to failing.
+    /// Held pages are applied: no next page is coming now.
     fn failed(&mut self, why: &str) {
+        self.apply_held_pages();
         self.metrics.errors.inc();
         host::log(
             first_failure_level(&mut self.failing),
@@ -396,6 +457,16 @@ fn first_failure_level(failing: &mut bool) -> LogLevel {
     } else {
         LogLevel::Debug
     }
+}
+
+/// Bytes of this VM's linear memory: its heap's high-water mark (a wasm
+/// memory grows and never shrinks).
+fn linear_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    let pages = core::arch::wasm32::memory_size::<0>() as u64;
+    #[cfg(not(target_arch = "wasm32"))]
+    let pages = 0;
+    pages * 65_536
 }
 
 /// The singleton's tick: the flush period, or the poll period when shorter.

@@ -9,7 +9,7 @@ use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
 use kvroute_core::index::published::{PublishedView, Unpublished};
-use kvroute_core::index::{match_lengths, LookupCost, PodMatch};
+use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outcome::Outcome;
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
@@ -56,6 +56,11 @@ pub struct Worker {
     /// Why the index was last unusable (logged when it changes).
     unpublished: Option<Unpublished>,
     recent: RecentRoutes,
+    /// From the last decision, per matched pod (cluster position): the
+    /// leading blocks the index showed taught to it in the current epoch,
+    /// and the prompt's first hash (see [`Worker::routed`]).
+    taught_this_epoch: Vec<(usize, usize)>,
+    taught_for: Option<u64>,
 }
 
 impl Worker {
@@ -76,6 +81,8 @@ impl Worker {
             positions: Vec::new(),
             positions_of: (None, 0),
             unpublished: None,
+            taught_this_epoch: Vec::new(),
+            taught_for: None,
         }
     }
 
@@ -107,6 +114,8 @@ impl Worker {
         let seed = self.next_tie_seed();
         let mut matches: Vec<LocalMatch> = Vec::new();
         let mut lookup = LookupCost::default();
+        self.taught_this_epoch.clear();
+        self.taught_for = prompt.hashes.first().copied();
         let unpublished = match self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
             Ok(()) => {
                 self.refresh_positions();
@@ -115,13 +124,19 @@ impl Worker {
                     let mut found: Vec<PodMatch> = Vec::new();
                     lookup = match_lengths(&source, &prompt.hashes, now_s, &rules, &mut found);
                     self.metrics.index_unreadable.add(source.unreadable());
-                    matches.extend(found.iter().filter_map(|m| {
-                        Some(LocalMatch {
-                            pod: (*self.positions.get(m.pod.slot())?)?,
+                    for m in &found {
+                        let Some(&Some(pod)) = self.positions.get(m.pod.slot()) else {
+                            continue;
+                        };
+                        matches.push(LocalMatch {
+                            pod,
                             blocks: m.blocks,
                             credit: m.credit,
-                        })
-                    }));
+                        });
+                        if m.taught_this_epoch > 0 {
+                            self.taught_this_epoch.push((pod, m.taught_this_epoch));
+                        }
+                    }
                 }
                 // The flush gap: what this VM routed and the index may not show yet.
                 for (pod, blocks) in self.recent.matches(&prompt.hashes, now_ms) {
@@ -179,9 +194,13 @@ impl Worker {
         self.positions_of = key;
     }
 
-    /// A request went to `pod`: its load is counted here and by the peers,
-    /// and the blocks it teaches go to the singleton (and the recent
-    /// decisions, until the singleton's flush shows them).
+    /// A request went to `pod` (just decided on `hashes`): its load is
+    /// counted here and by the peers, and the blocks it teaches go to the
+    /// singleton (and the recent decisions, until the singleton's flush
+    /// shows them), except the leading ones the decision's lookup found
+    /// already taught to `pod` in this epoch, or this VM sent in it:
+    /// teaching them again would change nothing but cost the singleton
+    /// their buckets' reads.
     pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[u64]) {
         let (now_s, now_ms) = host::now();
         self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
@@ -190,20 +209,42 @@ impl Worker {
             prompt_blocks,
             hashes: Vec::new(),
         });
-        self.teach(pod, hashes, now_ms);
+        let position = self.cluster.position(pod);
+        let in_index = match self.taught_for.take() {
+            Some(first) if hashes.first() == Some(&first) => self
+                .taught_this_epoch
+                .iter()
+                .find(|&&(p, _)| Some(p) == position)
+                .map_or(0, |&(_, blocks)| blocks),
+            _ => 0,
+        };
+        self.taught_this_epoch.clear();
+        // What this VM sent in this epoch and the index may not show yet
+        // (the flush gap) counts too.
+        let epoch_start_ms = u64::from(epoch_start_s(self.config.index.ttl_seconds, now_s)) * 1000;
+        let sent = self
+            .recent
+            .taught_since(pod, hashes, epoch_start_ms, now_ms);
+        self.teach(pod, hashes, in_index.max(sent), now_ms);
     }
 
-    /// Sends what `pod` holds (cut to its share) to the singleton.
-    fn teach(&mut self, pod: &str, hashes: &[u64], now_ms: u64) {
+    /// Sends what `pod` holds (cut to its share) to the singleton, but for
+    /// its first `already_taught` blocks.
+    fn teach(&mut self, pod: &str, hashes: &[u64], already_taught: usize, now_ms: u64) {
         let learned = self.cluster.learnable(pod, hashes);
         if learned.is_empty() {
             return;
         }
         self.recent.record(pod, learned, now_ms);
+        let skipped = already_taught.min(learned.len());
+        self.metrics.blocks_already_taught.add(skipped as u64);
+        if skipped == learned.len() {
+            return;
+        }
         let message = PeerMessage::Routed {
             pod: pod.to_string(),
             prompt_blocks: 0,
-            hashes: learned.to_vec(),
+            hashes: learned[skipped..].to_vec(),
         };
         self.send(message, Audience::None, true);
     }
@@ -297,7 +338,7 @@ impl Worker {
             }
         }
         if let Outcome::ServedElsewhere { pod, success: true } = outcome {
-            self.teach(pod, &request.hashes, host::now().1);
+            self.teach(pod, &request.hashes, 0, host::now().1);
             if request.report {
                 self.report_learned(pod, request.hashes.clone());
             }

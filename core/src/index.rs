@@ -27,15 +27,23 @@
 //! Where the buckets live: a resident index keeps every bucket in memory
 //! (native tests, benchmarks); a write-through index
 //! ([`BlockIndex::write_through`], the singleton) keeps only its working set.
-//! It reads a bucket from the published copy on the bucket's first write
-//! since it was last stored (the copy carries the slots' ages, the eviction
-//! order), and stores it back at the next publication, or earlier when the
-//! working set reaches its bound. Both run the same write path; only
+//! It reads a bucket from the published copy when a write needs one it does
+//! not hold (the copy carries the slots' ages, the eviction order) and stores
+//! it back at the next publication. Written buckets stay in the working set,
+//! clean, after the publication: a repeated prefix is not read again. When
+//! the working set reaches its bound, its least recently used half goes
+//! (those changed since the last publication are stored back early). Both
+//! run the same write path; only
 //! [`BlockIndex::load`] and the publication differ. The interned sets and
 //! the pod table stay in memory in both.
 //!
 //! Learned entries live `index.ttl_seconds` rounded up to the next epoch
-//! (a sixteenth of the TTL): from `ttl` to `ttl × 17/16` seconds.
+//! (a sixteenth of the TTL): from `ttl` to `ttl × 17/16` seconds. A lookup
+//! reports per pod the leading blocks it was taught in the current epoch
+//! ([`PodMatch::taught_this_epoch`]): teaching them again would change
+//! nothing (same set, same age), so a routed prompt does not send them to
+//! the writer. Prompts teach their chain from its first block, so learned
+//! epochs never rise along a chain and the lookup finds that prefix exactly.
 //!
 //! The lookup walks a prompt's chain once: probe its first and last block,
 //! and bisect only between probes whose pod sets differ. Pod sets only shrink
@@ -162,6 +170,10 @@ pub struct PodMatch {
     pub blocks: usize,
     /// Those blocks weighted by tier credit (== `blocks` when all are GPU or learned).
     pub credit: f64,
+    /// Leading blocks the pod was taught (learned) in the current epoch:
+    /// teaching them again would change nothing (same pod set, same age),
+    /// so a routed prompt need not send them to the writer.
+    pub taught_this_epoch: usize,
 }
 
 /// What one lookup did, for benchmarks and tests.
@@ -191,6 +203,9 @@ pub struct IndexStats {
     /// Write-through: buckets stored back before a publication because the
     /// working set reached its bound.
     pub written_back_early: u64,
+    /// Write-through: buckets read back from the store (a write to a bucket
+    /// not in the working set).
+    pub read_back: u64,
     /// Write-through: buckets that could not be read back (absent or not a
     /// bucket) and started empty: their entries are lost.
     pub unloadable: u64,
@@ -209,6 +224,13 @@ pub struct PodState {
 pub struct Clock {
     epoch_seconds: u32,
     ttl_epochs: u16,
+}
+
+/// The second the learned epoch holding `now_s` began, for entries that
+/// live `ttl_seconds` (see the module documentation).
+pub fn epoch_start_s(ttl_seconds: u32, now_s: u32) -> u32 {
+    let epoch_seconds = ttl_seconds.div_ceil(EPOCHS_PER_TTL).max(1);
+    now_s - now_s % epoch_seconds
 }
 
 impl Clock {
@@ -533,6 +555,10 @@ pub enum IndexOp<'a> {
     Cleared(PodId),
 }
 
+/// A cached set change of one writer: (old set, new set), holding a
+/// reference to each (see [`BlockIndex::touch_block`]).
+type Transition = Option<(Option<u32>, u32)>;
+
 /// Why a write to the index was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refused {
@@ -540,16 +566,23 @@ enum Refused {
     BucketFull,
 }
 
-/// Where a write-through index keeps its buckets, and which are in memory.
+/// Where a write-through index keeps its buckets, and which are in memory:
+/// the buckets written since the last publication and, up to the bound,
+/// clean ones kept from earlier writes (a repeated prefix is not read again).
 #[derive(Clone)]
 struct WorkingSet {
     store: Rc<dyn KeyStore>,
-    /// Buckets in memory at most: reaching it stores every one back.
+    /// Buckets in memory at most: reaching it lets go of the least recently
+    /// used half (storing back those changed since the last publication).
     max_buckets: usize,
     /// Buckets in memory, and a flag per bucket.
     loaded: Vec<u32>,
     is_loaded: Vec<bool>,
+    /// Per bucket, the `uses` count at its last write (the eviction order).
+    last_use: Vec<u32>,
+    uses: u32,
     written_back_early: u64,
+    read_back: u64,
     unloadable: u64,
 }
 
@@ -658,28 +691,35 @@ impl BlockIndex {
             max_buckets: max_buckets.max(1),
             loaded,
             is_loaded,
+            last_use: vec![0; self.buckets.len()],
+            uses: 0,
             written_back_early: 0,
+            read_back: 0,
             unloadable: 0,
         });
         self
     }
 
     /// Makes bucket `b` writable: a write-through index reads it back from
-    /// its store (storing its working set back first when that is full).
+    /// its store unless it is in the working set (letting go of the least
+    /// recently used half first when that is full).
     fn load(&mut self, b: usize) {
         let Some(ws) = &mut self.working_set else {
             return;
         };
+        ws.uses = ws.uses.wrapping_add(1);
+        ws.last_use[b] = ws.uses;
         if ws.is_loaded[b] {
             return;
         }
         if ws.loaded.len() >= ws.max_buckets {
-            self.write_back();
+            self.shrink_working_set();
         }
         let Some(ws) = &mut self.working_set else {
             return;
         };
         if self.published[b] {
+            ws.read_back += 1;
             let read = ws.store.read(&published::bucket_key(b));
             let sets = &self.sets;
             let buckets = self.buckets.len();
@@ -718,10 +758,11 @@ impl BlockIndex {
         }
     }
 
-    /// Stores the working set back (new sets first, so no stored slot names
-    /// a set its readers cannot find) and lets it go. A bucket whose write
-    /// failed stays in memory, changed, for the next try.
-    fn write_back(&mut self) {
+    /// Lets go of the least recently used half of the working set, storing
+    /// back those changed since the last publication (new sets first, so no
+    /// stored slot names a set its readers cannot find). A bucket whose
+    /// write failed stays in memory, changed, for the next try.
+    fn shrink_working_set(&mut self) {
         let Some(store) = self.working_set.as_ref().map(|ws| Rc::clone(&ws.store)) else {
             return;
         };
@@ -739,7 +780,14 @@ impl BlockIndex {
         let Some(ws) = &mut self.working_set else {
             return;
         };
-        for b in std::mem::take(&mut ws.loaded) {
+        let last_use = &ws.last_use;
+        let uses = ws.uses;
+        // Oldest first: ages counted back from now survive the counter's wrap.
+        ws.loaded
+            .sort_unstable_by_key(|&b| std::cmp::Reverse(uses.wrapping_sub(last_use[b as usize])));
+        let keep = ws.loaded.len() / 2;
+        let kept = ws.loaded.split_off(ws.loaded.len() - keep);
+        for b in std::mem::replace(&mut ws.loaded, kept) {
             let b = b as usize;
             if self.bucket_dirty[b] {
                 let bytes = published::encode_bucket(&self.buckets[b]);
@@ -756,26 +804,6 @@ impl BlockIndex {
         }
         let dirty = &self.bucket_dirty;
         self.dirty_buckets.retain(|&b| dirty[b as usize]);
-    }
-
-    /// After a publication: a write-through index lets go of every bucket
-    /// it holds that is no longer changed (the rest wait for the next).
-    fn release_published(&mut self) {
-        let Some(ws) = &mut self.working_set else {
-            return;
-        };
-        let dirty = &self.bucket_dirty;
-        let buckets = &mut self.buckets;
-        let is_loaded = &mut ws.is_loaded;
-        ws.loaded.retain(|&b| {
-            let b = b as usize;
-            if dirty[b] {
-                return true;
-            }
-            is_loaded[b] = false;
-            buckets[b] = Bucket::default();
-            false
-        });
     }
 
     pub fn budget_bytes(&self) -> usize {
@@ -870,72 +898,101 @@ impl BlockIndex {
     /// Records `hashes` as held by `pod` in `tier`. A learned entry never
     /// downgrades a precise one (it refreshes the slot's age).
     pub fn touch_chain(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
-        let Some(state) = self.pods.get(pod.slot()).copied() else {
-            return;
-        };
         let epoch = self.epoch(now_s);
         self.latest_epoch = epoch;
-        let member = Member::new(
+        let Some(member) = self.member_of(pod, tier, epoch) else {
+            return;
+        };
+        // Consecutive blocks of a chain usually share their old set, so the
+        // new one is computed once per run.
+        let mut last = None;
+        for &hash in hashes {
+            self.touch_block(hash, member, epoch, &mut last);
+        }
+        self.forget_transition(&mut last);
+    }
+
+    /// The member `pod` gets for an entry in `tier` written at `epoch`;
+    /// `None` for a pod the index does not know.
+    fn member_of(&self, pod: PodId, tier: Tier, epoch: u16) -> Option<Member> {
+        let state = self.pods.get(pod.slot())?;
+        Some(Member::new(
             pod,
-            generation_of(&state, tier),
+            generation_of(state, tier),
             tier,
             if is_precise(tier) { 0 } else { epoch },
-        );
-        let age = epoch as u8;
-        // Consecutive blocks of a chain usually share their old set, so the
-        // new one is computed once per run: (old set, new set).
-        let mut last: Option<(Option<u32>, u32)> = None;
-        for &hash in hashes {
-            let key = key_of(hash);
-            let b = self.bucket_of(key);
-            self.load(b);
-            let found = self.buckets[b].find(key);
-            let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
-            // The new set, and whether a reference to it is already taken.
-            let (to, owned) = match last {
-                Some((from, to)) if from == old => (to, false),
-                _ => {
-                    let members = old.map_or(&[][..], |id| self.sets.get(id));
-                    let merged = self.with_member(members, member, epoch);
-                    match old.filter(|&id| self.sets.get(id) == merged.as_slice()) {
-                        Some(id) => (id, false),
-                        None => match self.sets.intern(&merged) {
-                            Some(id) => (id, true),
-                            None => {
-                                self.dropped += 1;
-                                last = None;
-                                continue;
-                            }
-                        },
+        ))
+    }
+
+    /// Records one block as held by `member`'s pod. `last` caches the last
+    /// set change made for this member (old set → new set) while it holds a
+    /// reference to both, so neither id can be freed and reused meanwhile:
+    /// a block whose old set is the cached one takes the new set without
+    /// merging or interning. The caller lets it go with
+    /// [`BlockIndex::forget_transition`].
+    fn touch_block(&mut self, hash: u64, member: Member, epoch: u16, last: &mut Transition) {
+        let key = key_of(hash);
+        let b = self.bucket_of(key);
+        self.load(b);
+        let found = self.buckets[b].find(key);
+        let old = found.ok().map(|i| slot_set(self.buckets[b].slots[i]));
+        let to = match *last {
+            Some((from, to)) if from == old => to,
+            _ => {
+                let members = old.map_or(&[][..], |id| self.sets.get(id));
+                let merged = self.with_member(members, member, epoch);
+                let to = match old.filter(|&id| self.sets.get(id) == merged.as_slice()) {
+                    Some(id) => {
+                        self.sets.retain(id);
+                        id
                     }
-                }
-            };
-            last = Some((old, to));
-            match (found, old) {
-                (Ok(i), Some(old)) => {
-                    // The published bucket carries ages (a write-through
-                    // writer's eviction order): a new age is a change.
-                    if std::mem::replace(&mut self.buckets[b].ages[i], age) != age {
-                        self.touched(b);
-                    }
-                    if old != to {
-                        if !owned {
-                            self.sets.retain(to);
+                    None => match self.sets.intern(&merged) {
+                        Some(id) => id,
+                        None => {
+                            self.dropped += 1;
+                            self.forget_transition(last);
+                            return;
                         }
-                        self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
-                        self.sets.release(old);
-                        self.touched(b);
-                    }
+                    },
+                };
+                if let Some(from) = old {
+                    self.sets.retain(from);
                 }
-                _ => {
-                    if !owned {
-                        self.sets.retain(to);
-                    }
-                    if self.insert(b, key, to, epoch).is_err() {
-                        last = None;
-                    }
+                self.forget_transition(last);
+                *last = Some((old, to));
+                to
+            }
+        };
+        let age = epoch as u8;
+        match (found, old) {
+            (Ok(i), Some(old)) => {
+                // The published bucket carries ages (a write-through
+                // writer's eviction order): a new age is a change.
+                if std::mem::replace(&mut self.buckets[b].ages[i], age) != age {
+                    self.touched(b);
+                }
+                if old != to {
+                    self.sets.retain(to);
+                    self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
+                    self.sets.release(old);
+                    self.touched(b);
                 }
             }
+            _ => {
+                self.sets.retain(to);
+                // A refused insert released its reference.
+                let _ = self.insert(b, key, to, epoch);
+            }
+        }
+    }
+
+    /// Drops the references a cached set change holds.
+    fn forget_transition(&mut self, last: &mut Transition) {
+        if let Some((from, to)) = last.take() {
+            if let Some(from) = from {
+                self.sets.release(from);
+            }
+            self.sets.release(to);
         }
     }
 
@@ -945,7 +1002,7 @@ impl BlockIndex {
     /// bucket, loads each bucket of a write-through index once instead of
     /// once per operation.
     pub fn apply_ops(&mut self, ops: &[IndexOp<'_>], now_s: u32) {
-        let mut blocks: Vec<(u32, u32, u32)> = Vec::new();
+        let mut blocks: Vec<u64> = Vec::new();
         let mut start = 0;
         for (end, op) in ops.iter().enumerate() {
             if let IndexOp::Cleared(pod) = *op {
@@ -958,33 +1015,69 @@ impl BlockIndex {
     }
 
     /// `ops` (no `Cleared` among them) block by block, in bucket order.
-    fn apply_in_bucket_order(
-        &mut self,
-        ops: &[IndexOp<'_>],
-        blocks: &mut Vec<(u32, u32, u32)>,
-        now_s: u32,
-    ) {
+    /// `blocks` is scratch space: 8 bytes per block.
+    fn apply_in_bucket_order(&mut self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>, now_s: u32) {
+        let hashes_of = |op: &IndexOp<'_>| match *op {
+            IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) => hashes.len(),
+            IndexOp::Cleared(_) => 0,
+        };
+        // Block positions are numbered across the operations in 32 bits: a
+        // longer run (never a feed answer's) is taken in parts.
+        let mut total = 0usize;
+        for (end, op) in ops.iter().enumerate() {
+            if total + hashes_of(op) > u32::MAX as usize && end > 0 {
+                self.apply_in_bucket_order(&ops[..end], blocks, now_s);
+                self.apply_in_bucket_order(&ops[end..], blocks, now_s);
+                return;
+            }
+            total += hashes_of(op);
+        }
+        // Where each operation's blocks start in the numbering.
+        let mut starts: Vec<u64> = Vec::with_capacity(ops.len());
         blocks.clear();
-        for (o, op) in ops.iter().enumerate() {
+        let mut position = 0u64;
+        for op in ops {
+            starts.push(position);
             if let IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) = op {
-                blocks.extend(
-                    hashes
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &h)| (self.bucket_of(key_of(h)) as u32, o as u32, i as u32)),
-                );
+                for &h in hashes.iter() {
+                    blocks.push(((self.bucket_of(key_of(h)) as u64) << 32) | position);
+                    position += 1;
+                }
             }
         }
-        // (bucket, operation, position): a block's operations stay in order.
+        // (bucket, position): a block's operations stay in order.
         blocks.sort_unstable();
-        for &(_, o, i) in blocks.iter() {
-            match ops[o as usize] {
-                IndexOp::Stored(pod, tier, hashes) => {
-                    self.touch_chain(pod, &hashes[i as usize..=i as usize], tier, now_s)
+        let epoch = self.epoch(now_s);
+        if ops.iter().any(|op| matches!(op, IndexOp::Stored(..))) {
+            self.latest_epoch = epoch;
+        }
+        // Per stored operation: its member and its last set change (a
+        // snapshot page's blocks of one pod mostly go from no set to that
+        // pod's own, computed once per page instead of once per block).
+        let members: Vec<Option<Member>> = ops
+            .iter()
+            .map(|op| match *op {
+                IndexOp::Stored(pod, tier, _) => self.member_of(pod, tier, epoch),
+                _ => None,
+            })
+            .collect();
+        let mut transitions: Vec<Transition> = vec![None; ops.len()];
+        for &block in blocks.iter() {
+            let position = block & u64::from(u32::MAX);
+            let o = starts.partition_point(|&s| s <= position) - 1;
+            let i = (position - starts[o]) as usize;
+            match ops[o] {
+                IndexOp::Stored(_, _, hashes) => {
+                    if let Some(member) = members[o] {
+                        self.touch_block(hashes[i], member, epoch, &mut transitions[o]);
+                    }
                 }
-                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i as usize..=i as usize]),
+                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i..=i]),
                 IndexOp::Cleared(_) => {}
             }
+        }
+        for last in &mut transitions {
+            self.forget_transition(last);
         }
     }
 
@@ -1220,6 +1313,7 @@ impl BlockIndex {
                 .working_set
                 .as_ref()
                 .map_or(0, |ws| ws.written_back_early),
+            read_back: self.working_set.as_ref().map_or(0, |ws| ws.read_back),
             unloadable: self.working_set.as_ref().map_or(0, |ws| ws.unloadable),
         }
     }
@@ -1306,6 +1400,7 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
         Tier::Cpu => rules.cpu_credit,
         Tier::Disk => rules.disk_credit,
     };
+    let taught_now = |m: &Member| m.tier() == Tier::Learned && m.epoch() == epoch;
     // Pods still matching at the current run, in pod order.
     let mut active: Vec<PodMatch> = Vec::new();
     let mut next: Vec<PodMatch> = Vec::new();
@@ -1324,6 +1419,7 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
                 pod: m.pod(),
                 blocks: end + 1,
                 credit: len * credit_of(m.tier()),
+                taught_this_epoch: if taught_now(m) { end + 1 } else { 0 },
             }));
         } else {
             for matched in active.drain(..) {
@@ -1332,6 +1428,11 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
                     Some(m) if m.pod() == matched.pod => next.push(PodMatch {
                         blocks: end + 1,
                         credit: matched.credit + len * credit_of(m.tier()),
+                        taught_this_epoch: if matched.taught_this_epoch == start && taught_now(m) {
+                            end + 1
+                        } else {
+                            matched.taught_this_epoch
+                        },
                         ..matched
                     }),
                     _ => out.push(matched),
@@ -1469,8 +1570,9 @@ mod tests {
             pods.sort_unstable();
             pods.dedup();
             let mut out = Vec::new();
+            let epoch = self.ttl.div_ceil(16).max(1);
             for pod in pods {
-                let (mut blocks, mut credit) = (0, 0.0);
+                let (mut blocks, mut credit, mut taught_this_epoch) = (0, 0.0, 0);
                 for &h in hashes {
                     let Some(&(tier, at)) = self.entries.get(&(pod, key_of(h))) else {
                         break;
@@ -1479,6 +1581,12 @@ mod tests {
                         || (tier != Tier::Learned && !rules.trust_precise)
                     {
                         break;
+                    }
+                    if taught_this_epoch == blocks
+                        && tier == Tier::Learned
+                        && at / epoch == now_s / epoch
+                    {
+                        taught_this_epoch += 1;
                     }
                     blocks += 1;
                     credit += match tier {
@@ -1492,6 +1600,7 @@ mod tests {
                         pod,
                         blocks,
                         credit,
+                        taught_this_epoch,
                     });
                 }
             }
@@ -2037,12 +2146,46 @@ mod tests {
         );
         assert!(b.written_back_early > 0 && b.unloadable == 0, "{b:?}");
         through.flush();
-        assert_eq!(through.index.stats().resident_buckets, 0);
+        assert!(through.index.stats().resident_buckets <= WORKING_SET);
         let mut out = Vec::new();
         through
             .index
             .match_lengths(&precise, 300, &TRUST_ALL, &mut out);
         assert_eq!(out.first().map(|m| m.blocks), Some(1500));
+        let published = through.shared.lookup(&precise, 300, &TRUST_ALL);
+        assert_eq!(published.first().map(|m| m.blocks), Some(1500));
+    }
+
+    /// Clean buckets stay in the working set across publications, up to its
+    /// bound: a prefix taught again costs no read from the store until other
+    /// writes push its buckets out (least recently used first).
+    #[test]
+    fn a_write_through_index_keeps_clean_buckets_across_flushes() {
+        let shared = Rc::new(SharedMap::default());
+        let bound = 64;
+        let mut index = BlockIndex::new(1 << 20, 600).write_through(shared.clone(), bound);
+        let pod = index.add_pod().unwrap();
+        let prefix = chain(6, 20);
+        for now in [1, 2, 300] {
+            index.touch_chain(pod, &prefix, Tier::Learned, now);
+            shared.flush(&mut index, usize::MAX);
+        }
+        assert_eq!(index.stats().read_back, 0, "{:?}", index.stats());
+        // 300 more blocks: the working set is shrunk, the prefix's buckets go.
+        index.touch_chain(pod, &chain(7, 300), Tier::Learned, 301);
+        shared.flush(&mut index, usize::MAX);
+        let before = index.stats();
+        assert!(
+            before.resident_buckets <= bound && before.read_back > 0,
+            "{before:?}"
+        );
+        index.touch_chain(pod, &prefix, Tier::Learned, 302);
+        let after = index.stats();
+        assert!(after.read_back > before.read_back, "{after:?}");
+        assert_eq!(after.unloadable, 0);
+        shared.flush(&mut index, usize::MAX);
+        let found = shared.lookup(&prefix, 302, &TRUST_ALL);
+        assert_eq!(found.first().map(|m| m.blocks), Some(20));
     }
 
     /// A write-through writer that starts over reads back only what it
@@ -2082,12 +2225,24 @@ mod tests {
         let c = chain(4, 3);
         index.touch_chain(pod, &c, Tier::Gpu, 1);
         shared.flush(&mut index, usize::MAX);
-        let keys: Vec<String> = shared
-            .0
-            .borrow()
-            .keys()
-            .filter(|k| k.contains("/b/"))
-            .cloned()
+        // Other buckets' writes push `c`'s out of the working set: they are
+        // read back from the store on their next write.
+        let mut c_buckets: Vec<usize> = c.iter().map(|&h| index.bucket_of(key_of(h))).collect();
+        c_buckets.sort_unstable();
+        c_buckets.dedup();
+        let others: Vec<u64> = chain(5, 64)
+            .into_iter()
+            .filter(|&h| !c_buckets.contains(&index.bucket_of(key_of(h))))
+            .collect();
+        index.touch_chain(pod, &others, Tier::Gpu, 1);
+        shared.flush(&mut index, usize::MAX);
+        let is_loaded = |index: &BlockIndex, b: usize| {
+            index.working_set.as_ref().is_some_and(|ws| ws.is_loaded[b])
+        };
+        assert!(!c_buckets.iter().any(|&b| is_loaded(&index, b)));
+        let keys: Vec<String> = c_buckets
+            .iter()
+            .map(|&b| published::bucket_key(b))
             .collect();
         let mut forged = 0;
         for key in &keys {
@@ -2131,6 +2286,28 @@ mod tests {
         assert!(out.is_empty());
     }
 
+    /// A chain taught at the first second of the current epoch is reported
+    /// taught in it; one taught a second earlier is not (it ages by then).
+    #[test]
+    fn taught_this_epoch_starts_at_the_epoch_boundary() {
+        let ttl = 600;
+        let now = 1000;
+        let start = epoch_start_s(ttl, now);
+        assert!(start <= now && now - start < ttl.div_ceil(16));
+        let mut index = BlockIndex::new(1 << 20, ttl);
+        let (fresh, older) = (index.add_pod().unwrap(), index.add_pod().unwrap());
+        let c = chain(8, 30);
+        index.touch_chain(older, &c, Tier::Learned, start - 1);
+        index.touch_chain(fresh, &c, Tier::Learned, start);
+        let mut out = Vec::new();
+        index.match_lengths(&c, now, &TRUST_ALL, &mut out);
+        let taught: Vec<(PodId, usize, usize)> = out
+            .iter()
+            .map(|m| (m.pod, m.blocks, m.taught_this_epoch))
+            .collect();
+        assert_eq!(taught, vec![(fresh, 30, 30), (older, 30, 0)]);
+    }
+
     #[test]
     fn reconfiguring_keeps_entries_and_only_index_keys_are_compared() {
         let mut index = BlockIndex::new(1 << 20, 600);
@@ -2147,7 +2324,8 @@ mod tests {
             vec![PodMatch {
                 pod,
                 blocks: 40,
-                credit: 40.0
+                credit: 40.0,
+                taught_this_epoch: 0,
             }]
         );
     }

@@ -98,6 +98,27 @@ impl RecentRoutes {
         }
         out
     }
+
+    /// The longest prefix of `hashes` this VM taught `pod` at or after
+    /// `since_ms` (among entries not expired at `now_ms`).
+    pub fn taught_since(&self, pod: &str, hashes: &[u64], since_ms: u64, now_ms: u64) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| {
+                e.pod == pod
+                    && e.at_ms >= since_ms
+                    && now_ms.saturating_sub(e.at_ms) <= self.keep_ms
+            })
+            .map(|e| {
+                e.hashes
+                    .iter()
+                    .zip(hashes)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +142,20 @@ mod tests {
         recent.forget("b");
         assert_eq!(recent.matches(&[1, 2, 3, 5], 240), vec![("a", 2)]);
         assert!(recent.matches(&[], 260).is_empty());
+    }
+
+    #[test]
+    fn what_was_taught_a_pod_since_a_moment() {
+        let mut recent = RecentRoutes::new(200);
+        recent.record("a", &[1, 2, 3, 4], 100);
+        recent.record("a", &[1, 2], 150);
+        recent.record("b", &[1, 2, 3, 4, 5], 150);
+        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 160), 3);
+        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 120, 160), 2);
+        assert_eq!(recent.taught_since("c", &[1, 2, 3, 9], 0, 160), 0);
+        // Expired entries (kept 200 ms) no longer count.
+        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 320), 2);
+        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 400), 0);
     }
 
     #[test]

@@ -322,16 +322,33 @@ def main_thread_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int) -> dict:
+# The index writer's work during a CPU reading (the singleton's gauges, recorded at its flushes).
+INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
+              "written_back_early": "wasmcustom.kvroute.index.written_back_early",
+              "blocks_already_taught": "wasmcustom.kvroute.blocks.already_taught",
+              "blocks_total": "wasmcustom.kvroute.blocks.total"}
+
+
+def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int,
+                          index_work: bool = True) -> dict:
+    """`index_work`: also the index writer's work during the reading (an Envoy with kvroute)."""
     run_load(envoy.listener_port, bodies, len(bodies), 1)  # warm: every variant once
+    if index_work:
+        envoy.wait_for_index_flush()
+        before = envoy.stats("kvroute.")
     cpu0, main0 = envoy.cpu_seconds(), main_thread_cpu_seconds(envoy.pid)
     t0 = time.monotonic()
     counts = run_load(envoy.listener_port, bodies, requests, connections)
     elapsed = time.monotonic() - t0
     cpu, main = envoy.cpu_seconds() - cpu0, main_thread_cpu_seconds(envoy.pid) - main0
-    return {"requests": requests, **counts, "seconds": round(elapsed, 2),
-            "cpu_us_per_request": round(cpu / max(1, counts["ok"]) * 1e6, 1),
-            "main_thread_cpu_us_per_request": round(main / max(1, counts["ok"]) * 1e6, 1)}
+    out = {"requests": requests, **counts, "seconds": round(elapsed, 2),
+           "cpu_us_per_request": round(cpu / max(1, counts["ok"]) * 1e6, 1),
+           "main_thread_cpu_us_per_request": round(main / max(1, counts["ok"]) * 1e6, 1)}
+    if index_work:
+        envoy.wait_for_index_flush()
+        after = envoy.stats("kvroute.")
+        out["index_work"] = {k: after.get(name, 0) - before.get(name, 0) for k, name in INDEX_WORK.items()}
+    return out
 
 
 def added_cpu(cpu: dict, without_kvroute: dict) -> None:
@@ -401,7 +418,8 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
     with envoy_running(render_gateway(pods, kvroute=False), concurrency, args.startup_timeout, base) as plain:
         if plain is not None:
             base["cpu"] = {f"{kb}KB": envoy_cpu_per_request(plain, chat_bodies(kb * 1024), args.cpu_requests,
-                                                            args.connections) for kb in (30, 128)}
+                                                            args.connections, index_work=False)
+                           for kb in (30, 128)}
             base["rss_mb"] = round(rss_bytes(plain.pid) / 2**20, 1)
     result["envoy_without_kvroute"] = base
     for size, cpu in result["cpu"].items():
@@ -663,9 +681,23 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         result["time_to_route_s"] = round(time.monotonic() - t0, 2) if ok else None
         result["main_thread_cpu_s_to_route"] = round(main_thread_cpu_seconds(envoy.pid), 2)
         result["route_tries"] = tries
+
+        # "Routes on the full index" may come a page before the snapshot's end (the checked pods
+        # span its last two pages): RSS, the probes and the CPU readings wait until it is loaded
+        # and published (no changed key left for the next flush).
+        def loaded() -> bool:
+            stats = envoy.stats("kvroute.")
+            return (stats.get("wasmcustom.kvroute.feed.snapshots", 0) >= 1
+                    and stats.get("wasmcustom.kvroute.index.deferred", 1) == 0)
+
+        loaded_at = wait_for(loaded, args.route_timeout, interval=0.05)
+        result["snapshot_loaded_s"] = round(time.monotonic() - t0, 2) if loaded_at else None
+        result["main_thread_cpu_s_to_load"] = round(main_thread_cpu_seconds(envoy.pid), 2)
         feed = envoy.stats("kvroute.feed")
         result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
         result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["writer_memory_mb"] = round(envoy.stats("kvroute.index.writer_memory_bytes").get(
+            "wasmcustom.kvroute.index.writer_memory_bytes", 0) / 2**20, 1)
         if ok:
             chosen = [next(probes) for _ in range(args.probes)]
             result["decision"] = decision_latency(
@@ -850,8 +882,28 @@ def render(results: dict) -> str:
                     f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
                     f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']}"
                     f" ({f['bytes_per_block_event_all_in']}) | {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
+    writer = ["| mode | pods | c | snapshot loaded and published s | the singleton's wasm memory MB |"
+              " Envoy main thread µs/req 30 KB / 128 KB |"
+              " buckets read back 30 KB / 128 KB | blocks not re-taught / prompt blocks, 30 KB / 128 KB |",
+              "|---|---:|---:|---|---|---|---|---|"]
+    for n, by_mode in results["fleets"].items():
+        for mode in ("approximate", "precise"):
+            for c in results["concurrency"]:
+                r = by_mode.get(mode, {}).get(f"c{c}")
+                if not r or not r.get("cpu"):
+                    continue
+                cpu = [r["cpu"][k] for k in ("30KB", "128KB") if k in r["cpu"]]
+                work = [x.get("index_work", {}) for x in cpu]
+                taught = [f"{fmt(w.get('blocks_already_taught'))} / {fmt(w.get('blocks_total'))}" for w in work]
+                writer.append(
+                    f"| {mode} | {n} | {c} | {fmt(r.get('snapshot_loaded_s')) if mode == 'precise' else '—'} |"
+                    f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
+                    f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
+                    f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
+                    f" {' / '.join(taught)} |")
     return "\n".join(rows) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
-        "\n".join(feed) + "\n"
+        "\n".join(feed) + "\n\nThe index writer (the singleton, Envoy's main thread) during the CPU readings:\n\n" + \
+        "\n".join(writer) + "\n"
 
 
 def main() -> None:

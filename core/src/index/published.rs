@@ -223,8 +223,9 @@ impl BlockIndex {
     /// added, removed or cleared, the chunks of new sets, changed buckets,
     /// then buckets this index never wrote. Buckets wait while new sets do
     /// (a slot is never published before its set). `address` names each
-    /// live pod. A write-through index then lets go of the buckets it
-    /// wrote: the caller stores the writes before the index's next write.
+    /// live pod. A write-through index keeps the buckets it wrote in its
+    /// working set, now clean: the caller stores the writes before the
+    /// index's next write.
     pub fn publish(
         &mut self,
         max_writes: usize,
@@ -286,7 +287,6 @@ impl BlockIndex {
             clock: self.clock(),
         };
         out.writes.push((HEAD_KEY.to_string(), head.encode()));
-        self.release_published();
         out
     }
 

@@ -1,0 +1,227 @@
+//! Where a new proxy's time to route goes: the issue-10 fleet's snapshot
+//! (1,000 pods × 13,445 blocks, no block shared) in the indexer's pages of
+//! 2¹⁹ hashes (26 pages, pods in order), taken the way the singleton takes
+//! it: each page decoded from the wire, applied bucket by bucket to the
+//! write-through index (working set of 2,048 buckets over an in-memory
+//! store), then published (flushes of at most 8,192 keys until nothing is
+//! deferred). Prints per phase the time and the bucket reads and writes,
+//! for the resident index too (no store: the cost of the write-through),
+//! and for pages applied two or four at a time (what grouping would save).
+//!
+//! Native, so every figure is below the wasm singleton's (where a shared-data
+//! read or write also copies the bucket across the VM boundary).
+//!
+//! Run: `cargo bench -p kvroute-core --bench snapshot_load`
+
+// A benchmark, not shipped code: a failed setup should stop it loudly.
+#![allow(clippy::expect_used)]
+
+use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
+use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
+use kvroute_core::index::published::{KeyReader, KeyStore};
+use kvroute_core::index::{BlockIndex, IndexOp, MatchRules, PodId, PodMatch};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+const PODS: usize = 1000;
+/// 70 % of 19,208 blocks.
+const BLOCKS_PER_POD: usize = 13_445;
+/// The indexer's default `--feed-max-hashes`.
+const PAGE_HASHES: usize = 1 << 19;
+/// The singleton's bounds (src/singleton.rs).
+const MAX_RESIDENT_BUCKETS: usize = 2048;
+const MAX_FLUSH_WRITES: usize = 8192;
+
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Shared data as a map, counting reads and writes.
+#[derive(Default)]
+struct MapStore {
+    map: RefCell<HashMap<String, Vec<u8>>>,
+    reads: Cell<u64>,
+    writes: Cell<u64>,
+}
+
+impl KeyReader for MapStore {
+    fn read(&self, key: &str) -> Option<Vec<u8>> {
+        self.reads.set(self.reads.get() + 1);
+        self.map.borrow().get(key).cloned()
+    }
+}
+
+impl KeyStore for MapStore {
+    fn write(&self, key: &str, value: &[u8]) -> bool {
+        self.writes.set(self.writes.get() + 1);
+        self.map
+            .borrow_mut()
+            .insert(key.to_string(), value.to_vec());
+        true
+    }
+}
+
+/// The snapshot's pages as the indexer sends them: pods in order, a pod cut
+/// where a page is full.
+fn pages() -> Vec<Vec<u8>> {
+    let pods: Vec<PodInfo> = (0..PODS)
+        .map(|p| PodInfo {
+            address: format!("10.0.{}.{}:8000", p / 256, p % 256),
+            models: vec!["m".into()],
+            capacity_blocks: 19_208,
+            speed: 1.0,
+            ..PodInfo::default()
+        })
+        .collect();
+    let mut pages = Vec::new();
+    let mut ops: Vec<BlockOp> = Vec::new();
+    let mut in_page = 0;
+    let flush = |pages: &mut Vec<Vec<u8>>, ops: &mut Vec<BlockOp>| {
+        let first = pages.is_empty();
+        let message = FeedMessage {
+            epoch: 1,
+            cursor: 1,
+            kind: FeedKind::Page {
+                number: pages.len() as u32,
+                next: None,
+            },
+            pods: first.then(|| pods.clone()),
+            ops: std::mem::take(ops),
+            ..FeedMessage::default()
+        };
+        pages.push(feed::encode_message(&message));
+    };
+    for p in 0..PODS {
+        let mut hashes: Vec<u64> = (0..BLOCKS_PER_POD)
+            .map(|i| mix(((p as u64) << 32) | i as u64))
+            .collect();
+        while !hashes.is_empty() {
+            let take = hashes.len().min(PAGE_HASHES - in_page);
+            let rest = hashes.split_off(take);
+            ops.push(BlockOp::Stored {
+                pod: p as u32,
+                tier: Tier::Gpu,
+                hashes,
+            });
+            hashes = rest;
+            in_page += take;
+            if in_page == PAGE_HASHES {
+                flush(&mut pages, &mut ops);
+                in_page = 0;
+            }
+        }
+    }
+    if !ops.is_empty() {
+        flush(&mut pages, &mut ops);
+    }
+    pages
+}
+
+#[derive(Default)]
+struct Phases {
+    decode: Duration,
+    apply: Duration,
+    publish: Duration,
+}
+
+/// Loads `pages`, `group` pages per application; returns the phases' times
+/// and the store's counters.
+fn load(pages: &[Vec<u8>], group: usize, write_through: bool) -> (Phases, u64, u64, BlockIndex) {
+    let store = Rc::new(MapStore::default());
+    let mut index = BlockIndex::new(DEFAULT_INDEX_BUDGET_BYTES, 600);
+    if write_through {
+        index = index.write_through(store.clone(), MAX_RESIDENT_BUCKETS);
+    }
+    let pods: Vec<PodId> = (0..PODS)
+        .map(|_| index.add_pod().expect("pod id"))
+        .collect();
+    let mut phases = Phases::default();
+    for chunk in pages.chunks(group) {
+        let start = Instant::now();
+        let messages: Vec<FeedMessage> = chunk
+            .iter()
+            .map(|bytes| feed::decode_message(bytes).expect("page"))
+            .collect();
+        phases.decode += start.elapsed();
+        let start = Instant::now();
+        let ops: Vec<IndexOp> = messages
+            .iter()
+            .flat_map(|m| &m.ops)
+            .filter_map(|op| match op {
+                BlockOp::Stored { pod, tier, hashes } => {
+                    Some(IndexOp::Stored(pods[*pod as usize], *tier, hashes))
+                }
+                _ => None,
+            })
+            .collect();
+        index.apply_ops(&ops, 1);
+        phases.apply += start.elapsed();
+        let start = Instant::now();
+        loop {
+            let publication = index.publish(MAX_FLUSH_WRITES, 1, 0, &|_| Some("pod".into()));
+            for (key, value) in &publication.writes {
+                store.write(key, value);
+            }
+            if publication.deferred == 0 {
+                break;
+            }
+        }
+        phases.publish += start.elapsed();
+    }
+    (phases, store.reads.get(), store.writes.get(), index)
+}
+
+fn main() {
+    let start = Instant::now();
+    let pages = pages();
+    let bytes: usize = pages.iter().map(Vec::len).sum();
+    println!(
+        "snapshot: {PODS} pods x {BLOCKS_PER_POD} blocks, {} pages, {:.1} MB on the wire ({:.1} s to build)",
+        pages.len(),
+        bytes as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    let rules = MatchRules {
+        trust_precise: true,
+        cpu_credit: 0.5,
+        disk_credit: 0.25,
+    };
+    println!("| index | pages per apply | decode s | apply s | publish s | total s | bucket reads | key writes | early write-backs | blocks |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (write_through, group) in [(false, 1), (true, 1), (true, 2), (true, 4)] {
+        let (phases, reads, writes, index) = load(&pages, group, write_through);
+        let stats = index.stats();
+        // It measured a complete load: every pod's first and last block matches.
+        let mut out: Vec<PodMatch> = Vec::new();
+        for p in [0, PODS / 2, PODS - 1] {
+            let last = mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64);
+            index.match_lengths(&[last], 1, &rules, &mut out);
+            assert_eq!(out.len(), 1, "pod {p}: {out:?}");
+        }
+        assert_eq!(
+            stats.evicted + stats.dropped + stats.unloadable,
+            0,
+            "{stats:?}"
+        );
+        let total = phases.decode + phases.apply + phases.publish;
+        println!(
+            "| {} | {group} | {:.2} | {:.2} | {:.2} | {:.2} | {reads} | {writes} | {} | {} |",
+            if write_through {
+                "write-through"
+            } else {
+                "resident"
+            },
+            phases.decode.as_secs_f64(),
+            phases.apply.as_secs_f64(),
+            phases.publish.as_secs_f64(),
+            total.as_secs_f64(),
+            stats.written_back_early,
+            stats.blocks,
+        );
+    }
+}
