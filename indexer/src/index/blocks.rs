@@ -10,6 +10,7 @@ use kvroute_core::hash::index_key;
 
 use super::feed_log::Sink;
 use super::hashing::{mix, table_bytes};
+use super::keys::PodKey;
 
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
@@ -68,7 +69,7 @@ impl Held {
 /// One pod's hold on a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Holder {
-    pod: u64,
+    pod: PodKey,
     counts: TierCounts,
 }
 
@@ -85,20 +86,21 @@ const SINGLE_PODS: u64 = (1 << 29) - 1;
 const FREE: SetId = SetId::MAX;
 const NO_FREE: BlockId = BlockId::MAX;
 
-fn single(pod: u64, tier: Tier) -> Option<SetId> {
+fn single(pod: PodKey, tier: Tier) -> Option<SetId> {
+    let pod = pod.get();
     (pod < SINGLE_PODS).then(|| SINGLE | (pod as SetId) << 2 | SetId::from(tier.code()))
 }
 
 /// The (pod, tier) of a [`SINGLE`] id.
-fn single_parts(set: SetId) -> Option<(u64, Tier)> {
+fn single_parts(set: SetId) -> Option<(PodKey, Tier)> {
     if set & SINGLE == 0 || set == FREE {
         return None;
     }
     let tier = Tier::from_code((set & 3) as u8)?;
-    Some((u64::from((set & !SINGLE) >> 2), tier))
+    Some((PodKey::new(u64::from((set & !SINGLE) >> 2)), tier))
 }
 
-fn single_holder(pod: u64, tier: Tier) -> Holder {
+fn single_holder(pod: PodKey, tier: Tier) -> Holder {
     let mut counts = TierCounts::default();
     counts.0[tier.code() as usize] = 1;
     Holder { pod, counts }
@@ -146,7 +148,7 @@ impl PodSets {
     }
 
     /// `pod`'s hold in a set (interned sets are sorted by pod).
-    fn holder(&self, set: SetId, pod: u64) -> Option<Holder> {
+    fn holder(&self, set: SetId, pod: PodKey) -> Option<Holder> {
         if let Some((single_pod, tier)) = single_parts(set) {
             return (single_pod == pod).then(|| single_holder(pod, tier));
         }
@@ -354,7 +356,7 @@ impl Blocks {
         &mut self,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
+        pod: PodKey,
         id: BlockId,
         tier: Tier,
         up: bool,
@@ -397,7 +399,7 @@ impl Blocks {
     fn adjust_set(
         &mut self,
         set: SetId,
-        pod: u64,
+        pod: PodKey,
         tier: Tier,
         up: bool,
     ) -> (Option<Tier>, Option<Tier>, SetId) {
@@ -438,7 +440,7 @@ impl Blocks {
         &mut self,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
+        pod: PodKey,
         kv: u64,
         tier: Tier,
         up: bool,
@@ -450,7 +452,7 @@ impl Blocks {
     }
 
     /// The best tier of `kv` on each pod holding it.
-    pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (u64, Tier)> + '_ {
+    pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
         self.set_holders(self.set_of(kv))
     }
 
@@ -462,14 +464,14 @@ impl Blocks {
     }
 
     /// The best tier of each pod in `set`.
-    pub(super) fn set_holders(&self, set: SetId) -> impl Iterator<Item = (u64, Tier)> + '_ {
+    pub(super) fn set_holders(&self, set: SetId) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
         self.sets
             .holders(set)
             .filter_map(|h| Some((h.pod, h.counts.best()?)))
     }
 
     /// The best tier of block `id` on `pod`; `None` when the pod holds it not.
-    pub(super) fn tier_on(&self, id: BlockId, pod: u64) -> Option<Tier> {
+    pub(super) fn tier_on(&self, id: BlockId, pod: PodKey) -> Option<Tier> {
         let set = self.slab.get(id)?.set;
         if set == FREE {
             return None;
@@ -494,7 +496,7 @@ pub(super) fn adjust_block(
     blocks: &mut Blocks,
     sink: &mut Sink,
     held: &mut Held,
-    pod: u64,
+    pod: PodKey,
     id: BlockId,
     head: Option<&[BlockId]>,
     tier: Tier,
@@ -515,24 +517,25 @@ mod tests {
         let mut blocks = Blocks::default();
         let mut sink = Sink::default();
         let (mut first, mut second) = (Held::default(), Held::default());
+        let (one, two) = (PodKey::new(1), PodKey::new(2));
         let id = blocks.acquire(7).unwrap();
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
-        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, true);
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
+        blocks.adjust(&mut sink, &mut second, two, id, Tier::Cpu, true);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
         let holders: Vec<_> = blocks.holders(7).collect();
-        assert_eq!(holders, [(1, Tier::Gpu), (2, Tier::Cpu)]);
+        assert_eq!(holders, [(one, Tier::Gpu), (two, Tier::Cpu)]);
         assert_eq!(
             (blocks.len(), first.total(), second.by_tier(Tier::Cpu)),
             (1, 1, 1)
         );
 
-        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, false);
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        blocks.adjust(&mut sink, &mut second, two, id, Tier::Cpu, false);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         // One pod counting once: back to a set id that needs no interning.
         assert!(blocks.sets.ids.is_empty());
-        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(1, Tier::Gpu)]);
+        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(one, Tier::Gpu)]);
 
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
         assert_eq!(blocks.find(7), None);
         assert_eq!(blocks.acquire(9), Some(id));
@@ -541,19 +544,19 @@ mod tests {
 
     #[test]
     fn single_set_ids_carry_their_pod_and_tier_and_larger_pod_keys_are_interned() {
-        for pod in [0, 1, SINGLE_PODS - 1] {
+        for pod in [0, 1, SINGLE_PODS - 1].map(PodKey::new) {
             for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Learned] {
                 let set = single(pod, tier).unwrap();
                 assert_ne!(set, FREE);
                 assert_eq!(single_parts(set), Some((pod, tier)));
             }
         }
-        assert_eq!(single(SINGLE_PODS, Tier::Gpu), None);
+        assert_eq!(single(PodKey::new(SINGLE_PODS), Tier::Gpu), None);
 
         let mut blocks = Blocks::default();
         let mut sink = Sink::default();
         let mut held = Held::default();
-        let pod = 1 << 40;
+        let pod = PodKey::new(1 << 40);
         blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, true);
         assert_eq!(blocks.holders(3).collect::<Vec<_>>(), [(pod, Tier::Disk)]);
         assert_eq!(blocks.sets.ids.len(), 1);

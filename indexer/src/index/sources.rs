@@ -14,6 +14,7 @@ use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, mix, table_bytes, Map};
+use super::keys::PodKey;
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -84,7 +85,7 @@ pub(super) struct Group {
     /// vLLM hash → records of the parts before the entry's `block`, for
     /// blocks of a multiple of the configured block size (kept apart so the
     /// common entry stays small).
-    pub(super) heads: Map<Box<[BlockId]>>,
+    pub(super) heads: Map<u64, Box<[BlockId]>>,
 }
 
 impl Group {
@@ -108,7 +109,7 @@ impl Group {
         blocks: &mut Blocks,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
+        pod: PodKey,
     ) -> usize {
         let drained = self.blocks.len();
         for entry in self.blocks.drain() {
@@ -142,7 +143,7 @@ pub(super) fn drop_block(
     blocks: &mut Blocks,
     sink: &mut Sink,
     held: &mut Held,
-    pod: u64,
+    pod: PodKey,
     entry: SourceEntry,
     head: Option<&[BlockId]>,
 ) {
@@ -169,7 +170,13 @@ pub(super) fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [Ex
 }
 
 impl Index {
-    pub(super) fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
+    pub(super) fn apply_batch(
+        &mut self,
+        key: PodKey,
+        rank: i64,
+        batch: &EventBatch,
+        sink: &mut Sink,
+    ) {
         for ev in &batch.events {
             match ev {
                 KvEvent::BlockStored(e) => {
@@ -204,7 +211,7 @@ impl Index {
         }
     }
 
-    fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+    fn stored(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
         let group_idx = e.group_idx.unwrap_or(0);
         let span = self.span(e.block_size);
         let Some(pod) = self.pods.get_mut(&key) else {
@@ -343,7 +350,7 @@ impl Index {
     /// A CPU-offload placeholder names blocks by hash only: they now also
     /// reside in its medium. Blocks this publisher never stored with tokens
     /// cannot be re-hashed, so they are counted and skipped.
-    fn placeholder(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+    fn placeholder(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
@@ -385,7 +392,7 @@ impl Index {
         self.metrics.placeholder_blocks("unknown", unknown);
     }
 
-    fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
+    fn removed(&mut self, key: PodKey, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
@@ -443,7 +450,7 @@ impl Index {
         self.metrics.blocks_removed.inc_by(removed);
     }
 
-    pub(super) fn clear_source(&mut self, key: u64, rank: i64) {
+    pub(super) fn clear_source(&mut self, key: PodKey, rank: i64) {
         let mut sink = Sink::default();
         self.clear_source_into(key, rank, &mut sink);
         self.commit(sink);
@@ -452,7 +459,7 @@ impl Index {
     /// Drops a publisher's blocks; when it was the pod's only holder of
     /// entries, the pod's learned entries go too (its cache is gone) and one
     /// `Cleared` op replaces the per-hash removals.
-    fn clear_source_into(&mut self, key: u64, rank: i64, sink: &mut Sink) {
+    fn clear_source_into(&mut self, key: PodKey, rank: i64, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
