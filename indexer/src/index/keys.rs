@@ -31,3 +31,16 @@ impl PodKey {
         PodKey(self.0 + 1)
     }
 }
+
+/// A block hash as a vLLM pod reports it (`block_hashes`, `parent_block_hash`):
+/// an opaque id of a block on that publisher, used only to find the block
+/// again (as its children's parent, in its removal). Never a [`BlockHash`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct VllmHash(u64);
+
+impl VllmHash {
+    pub(crate) const fn new(hash: u64) -> VllmHash {
+        VllmHash(hash)
+    }
+}

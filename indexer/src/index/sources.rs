@@ -14,7 +14,7 @@ use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, mix, table_bytes, Map};
-use super::keys::PodKey;
+use super::keys::{PodKey, VllmHash};
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -33,7 +33,7 @@ pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
 #[repr(C, packed(4))]
 pub(super) struct SourceEntry {
     /// vLLM hash (the key).
-    vh: u64,
+    vh: VllmHash,
     /// The record of the block's kvroute hash (of its last kvroute-sized part
     /// when it spans several: the parent of the next block) below
     /// [`TIERS_SHIFT`], a bit per tier it is in (GPU, CPU, disk) above.
@@ -44,14 +44,14 @@ const TIERS_SHIFT: u32 = 29;
 const _: () = assert!(MAX_BLOCKS == 1 << TIERS_SHIFT);
 
 impl SourceEntry {
-    fn new(vh: u64, block: BlockId, tiers: u8) -> SourceEntry {
+    fn new(vh: VllmHash, block: BlockId, tiers: u8) -> SourceEntry {
         SourceEntry {
             vh,
             block_tiers: block | u32::from(tiers) << TIERS_SHIFT,
         }
     }
 
-    fn vh(&self) -> u64 {
+    fn vh(&self) -> VllmHash {
         self.vh
     }
 
@@ -85,11 +85,11 @@ pub(super) struct Group {
     /// vLLM hash → records of the parts before the entry's `block`, for
     /// blocks of a multiple of the configured block size (kept apart so the
     /// common entry stays small).
-    pub(super) heads: Map<u64, Box<[BlockId]>>,
+    pub(super) heads: Map<VllmHash, Box<[BlockId]>>,
 }
 
 impl Group {
-    fn find(&self, vh: u64) -> Option<&SourceEntry> {
+    fn find(&self, vh: VllmHash) -> Option<&SourceEntry> {
         self.blocks.find(mix(vh), |e| e.vh() == vh)
     }
 
@@ -266,7 +266,7 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match group.find(p) {
+            Some(p) => match group.find(VllmHash::new(p)) {
                 Some(entry) => self.blocks.kv(entry.block()),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
@@ -291,7 +291,8 @@ impl Index {
         let blocks = &mut self.blocks;
         let held = &mut pod.held;
         let mut applied = 0u64;
-        for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
+        let vhs = e.block_hashes.iter().map(|&h| VllmHash::new(h));
+        for (vh, parts) in vhs.zip(kvs.chunks_exact(span)) {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
             };
@@ -366,7 +367,7 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
-        for &vh in &e.block_hashes {
+        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
             let Some(entry) = group.blocks.find_mut(mix(vh), |e| e.vh() == vh) else {
                 unknown += 1;
                 continue;
@@ -413,7 +414,7 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
-        for &vh in &e.block_hashes {
+        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
             let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| e.vh() == vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
