@@ -6,11 +6,10 @@
 
 use hashbrown::{hash_table, HashMap, HashTable};
 use kvroute_core::feed::Tier;
-use kvroute_core::hash::index_key;
 
 use super::feed_log::Sink;
 use super::hashing::{mix, table_bytes};
-use super::keys::PodKey;
+use super::keys::{BlockHash, PodKey};
 
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
@@ -110,8 +109,27 @@ fn single_holder(pod: PodKey, tier: Tier) -> Holder {
 #[derive(Debug, Clone, Copy)]
 #[repr(C, packed(4))]
 struct Record {
-    kv: u64,
+    kv: BlockHash,
     set: SetId,
+}
+
+// The memory estimate and the README count 12 bytes a record.
+const _: () = assert!(std::mem::size_of::<Record>() == 12);
+
+impl Record {
+    /// A free record: its `kv` field holds the id of the next free one.
+    fn free(next: BlockId) -> Record {
+        Record {
+            kv: BlockHash::new(u64::from(next)),
+            set: FREE,
+        }
+    }
+
+    /// The next free record after this free one.
+    fn next_free(&self) -> BlockId {
+        let link = self.kv;
+        link.get() as BlockId
+    }
 }
 
 /// Records per slab chunk: the slab grows by a chunk, never by doubling.
@@ -241,15 +259,15 @@ impl Slab {
             .get_mut(id as usize % CHUNK)
     }
 
-    fn kv(&self, id: BlockId) -> u64 {
-        self.get(id).map_or(0, |r| r.kv)
+    fn kv(&self, id: BlockId) -> BlockHash {
+        self.get(id).map_or(BlockHash::default(), |r| r.kv)
     }
 
     /// A new record of `kv` with no holder; `None` at [`MAX_BLOCKS`].
-    fn alloc(&mut self, kv: u64) -> Option<BlockId> {
+    fn alloc(&mut self, kv: BlockHash) -> Option<BlockId> {
         let id = if self.free_head != NO_FREE {
             let id = self.free_head;
-            self.free_head = self.get(id).map_or(NO_FREE, |r| r.kv as BlockId);
+            self.free_head = self.get(id).map_or(NO_FREE, Record::next_free);
             id
         } else {
             if self.allocated >= MAX_BLOCKS {
@@ -257,10 +275,7 @@ impl Slab {
             }
             let id = BlockId::try_from(self.allocated).ok()?;
             if self.allocated == self.chunks.len() * CHUNK {
-                let free = Record {
-                    kv: u64::from(NO_FREE),
-                    set: FREE,
-                };
+                let free = Record::free(NO_FREE);
                 self.chunks.push(vec![free; CHUNK].into_boxed_slice());
             }
             self.allocated += 1;
@@ -274,10 +289,7 @@ impl Slab {
     fn free(&mut self, id: BlockId) {
         let next = self.free_head;
         if let Some(rec) = self.get_mut(id) {
-            *rec = Record {
-                kv: u64::from(next),
-                set: FREE,
-            };
+            *rec = Record::free(next);
             self.free_head = id;
             self.live = self.live.saturating_sub(1);
         }
@@ -314,7 +326,7 @@ impl Blocks {
     }
 
     /// The kvroute hash of a record.
-    pub(super) fn kv(&self, id: BlockId) -> u64 {
+    pub(super) fn kv(&self, id: BlockId) -> BlockHash {
         self.slab.kv(id)
     }
 
@@ -322,23 +334,23 @@ impl Blocks {
     /// compares them and the feed carries them: hashes that agree on those
     /// bits are one block here too. The record keeps the first full hash
     /// (the parent of the chain's next block).
-    pub(super) fn find(&self, kv: u64) -> Option<BlockId> {
-        let key = index_key(kv);
+    pub(super) fn find(&self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
         let slab = &self.slab;
         self.index
-            .find(mix(key), |&id| index_key(slab.kv(id)) == key)
+            .find(mix(key), |&id| slab.kv(id).index_key() == key)
             .copied()
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
-    pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
-        let key = index_key(kv);
+    pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
         let slab = &mut self.slab;
         match self.index.entry(
             mix(key),
-            |&id| index_key(slab.kv(id)) == key,
-            |&id| mix(index_key(slab.kv(id))),
+            |&id| slab.kv(id).index_key() == key,
+            |&id| mix(slab.kv(id).index_key()),
         ) {
             hash_table::Entry::Occupied(o) => Some(*o.get()),
             hash_table::Entry::Vacant(v) => {
@@ -377,7 +389,7 @@ impl Blocks {
             None => self.adjust_set(set, pod, tier, up),
         };
         if new_set == EMPTY_SET {
-            if let Ok(e) = self.index.find_entry(mix(index_key(kv)), |&i| i == id) {
+            if let Ok(e) = self.index.find_entry(mix(kv.index_key()), |&i| i == id) {
                 e.remove();
             }
             self.slab.free(id);
@@ -441,7 +453,7 @@ impl Blocks {
         sink: &mut Sink,
         held: &mut Held,
         pod: PodKey,
-        kv: u64,
+        kv: BlockHash,
         tier: Tier,
         up: bool,
     ) {
@@ -452,12 +464,12 @@ impl Blocks {
     }
 
     /// The best tier of `kv` on each pod holding it.
-    pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
+    pub(super) fn holders(&self, kv: BlockHash) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
         self.set_holders(self.set_of(kv))
     }
 
     /// The interned set of pods holding `kv` (equal ids: equal holders and tiers).
-    pub(super) fn set_of(&self, kv: u64) -> SetId {
+    pub(super) fn set_of(&self, kv: BlockHash) -> SetId {
         self.find(kv)
             .and_then(|id| self.slab.get(id))
             .map_or(EMPTY_SET, |r| r.set)
@@ -518,11 +530,12 @@ mod tests {
         let mut sink = Sink::default();
         let (mut first, mut second) = (Held::default(), Held::default());
         let (one, two) = (PodKey::new(1), PodKey::new(2));
-        let id = blocks.acquire(7).unwrap();
+        let (seven, nine) = (BlockHash::new(7), BlockHash::new(9));
+        let id = blocks.acquire(seven).unwrap();
         blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
         blocks.adjust(&mut sink, &mut second, two, id, Tier::Cpu, true);
         blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
-        let holders: Vec<_> = blocks.holders(7).collect();
+        let holders: Vec<_> = blocks.holders(seven).collect();
         assert_eq!(holders, [(one, Tier::Gpu), (two, Tier::Cpu)]);
         assert_eq!(
             (blocks.len(), first.total(), second.by_tier(Tier::Cpu)),
@@ -533,13 +546,16 @@ mod tests {
         blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         // One pod counting once: back to a set id that needs no interning.
         assert!(blocks.sets.ids.is_empty());
-        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(one, Tier::Gpu)]);
+        assert_eq!(
+            blocks.holders(seven).collect::<Vec<_>>(),
+            [(one, Tier::Gpu)]
+        );
 
         blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
-        assert_eq!(blocks.find(7), None);
-        assert_eq!(blocks.acquire(9), Some(id));
-        assert_eq!(blocks.kv(id), 9);
+        assert_eq!(blocks.find(seven), None);
+        assert_eq!(blocks.acquire(nine), Some(id));
+        assert_eq!(blocks.kv(id), nine);
     }
 
     #[test]
@@ -557,10 +573,14 @@ mod tests {
         let mut sink = Sink::default();
         let mut held = Held::default();
         let pod = PodKey::new(1 << 40);
-        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, true);
-        assert_eq!(blocks.holders(3).collect::<Vec<_>>(), [(pod, Tier::Disk)]);
+        let three = BlockHash::new(3);
+        blocks.adjust_kv(&mut sink, &mut held, pod, three, Tier::Disk, true);
+        assert_eq!(
+            blocks.holders(three).collect::<Vec<_>>(),
+            [(pod, Tier::Disk)]
+        );
         assert_eq!(blocks.sets.ids.len(), 1);
-        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, false);
+        blocks.adjust_kv(&mut sink, &mut held, pod, three, Tier::Disk, false);
         assert!(blocks.sets.ids.is_empty());
         assert_eq!(blocks.len(), 0);
     }

@@ -19,7 +19,7 @@ use kvroute_core::feed_client::FeedRequest;
 
 use super::blocks::BlockId;
 use super::feed_log::Op;
-use super::keys::PodKey;
+use super::keys::{BlockHash, PodKey};
 use super::pods::Pod;
 use super::sources::SourceEntry;
 use super::Index;
@@ -120,11 +120,11 @@ impl Index {
                 Op::Stored(tier, h) => BlockOp::Stored {
                     pod,
                     tier: *tier,
-                    hashes: h.clone(),
+                    hashes: wire_hashes(h),
                 },
                 Op::Removed(h) => BlockOp::Removed {
                     pod,
-                    hashes: h.clone(),
+                    hashes: wire_hashes(h),
                 },
                 Op::Cleared => BlockOp::Cleared { pod },
             });
@@ -140,7 +140,11 @@ impl Index {
         idx: &HashMap<PodKey, u32>,
     ) -> (Vec<BlockOp>, Option<PageToken>) {
         let room = self.cfg.feed_max_hashes.max(1);
-        let after_of = |key: PodKey| from.filter(|t| t.pod == key.get()).and_then(|t| t.after);
+        let after_of = |key: PodKey| {
+            from.filter(|t| t.pod == key.get())
+                .and_then(|t| t.after)
+                .map(BlockHash::new)
+        };
         // The pods this page may cover: in key order until their entry counts
         // (an upper bound for a pod resumed part-way) fill the page.
         let mut order = Vec::new();
@@ -175,7 +179,7 @@ impl Index {
                     ops,
                     Some(PageToken {
                         pod: key.get(),
-                        after: after_of(key),
+                        after: after_of(key).map(BlockHash::get),
                     }),
                 );
             }
@@ -186,13 +190,13 @@ impl Index {
                 entries.truncate(left);
                 next = entries.last().map(|e| PageToken {
                     pod: key.get(),
-                    after: Some(e.0),
+                    after: Some(e.0.get()),
                 });
             }
             left -= entries.len();
             let mut by_tier: [Vec<u64>; 4] = Default::default();
             for (h, t) in entries {
-                by_tier[t.code() as usize].push(h);
+                by_tier[t.code() as usize].push(h.get());
             }
             for (code, hashes) in (0u8..).zip(by_tier) {
                 if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
@@ -213,7 +217,12 @@ impl Index {
     /// A pod's (kvroute hash, best tier) entries in the block map with a
     /// hash above `after`: found from the records its sources and learned
     /// entries refer to, so a page costs its pods' entries, not the map.
-    fn pod_entries(&self, key: PodKey, pod: &Pod, after: Option<u64>) -> Vec<(u64, Tier)> {
+    fn pod_entries(
+        &self,
+        key: PodKey,
+        pod: &Pod,
+        after: Option<BlockHash>,
+    ) -> Vec<(BlockHash, Tier)> {
         let mut ids: Vec<BlockId> = Vec::with_capacity(pod.held.total());
         for group in pod.sources.values().flat_map(|s| s.groups.values()) {
             ids.extend(group.blocks.iter().map(SourceEntry::block));
@@ -233,4 +242,9 @@ impl Index {
             })
             .collect()
     }
+}
+
+/// The feed carries kvroute hashes as u64.
+fn wire_hashes(hashes: &[BlockHash]) -> Vec<u64> {
+    hashes.iter().map(|h| h.get()).collect()
 }

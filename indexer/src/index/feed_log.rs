@@ -3,13 +3,13 @@
 
 use kvroute_core::feed::Tier;
 
-use super::keys::PodKey;
+use super::keys::{BlockHash, PodKey};
 use super::Index;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Op {
-    Stored(Tier, Vec<u64>),
-    Removed(Vec<u64>),
+    Stored(Tier, Vec<BlockHash>),
+    Removed(Vec<BlockHash>),
     Cleared,
 }
 
@@ -35,7 +35,7 @@ pub(super) struct Sink {
 }
 
 impl Sink {
-    pub(super) fn stored(&mut self, pod: PodKey, tier: Tier, h: u64) {
+    pub(super) fn stored(&mut self, pod: PodKey, tier: Tier, h: BlockHash) {
         if let Some(LogOp {
             pod: p,
             op: Op::Stored(t, hs),
@@ -52,7 +52,7 @@ impl Sink {
         });
     }
 
-    pub(super) fn removed(&mut self, pod: PodKey, h: u64) {
+    pub(super) fn removed(&mut self, pod: PodKey, h: BlockHash) {
         if let Some(LogOp {
             pod: p,
             op: Op::Removed(hs),

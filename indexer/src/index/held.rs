@@ -6,7 +6,7 @@ use kvroute_core::lookup::HeldPrefix;
 
 use super::blocks::SetId;
 use super::hashing::Map;
-use super::keys::PodKey;
+use super::keys::{BlockHash, PodKey};
 use super::pods::Pod;
 use super::{Index, Load};
 
@@ -83,7 +83,7 @@ impl Index {
 
     /// The chain as runs (pod set, blocks) in order, found by bisection.
     fn set_runs(&self, hashes: &[u64]) -> Vec<(SetId, u32)> {
-        let set_at = |i: usize| self.blocks.set_of(hashes[i]);
+        let set_at = |i: usize| self.blocks.set_of(BlockHash::new(hashes[i]));
         let mut runs: Vec<(SetId, u32)> = Vec::new();
         let mut push = |set: SetId, len: usize| match runs.last_mut() {
             Some((last, n)) if *last == set => *n = n.saturating_add(len as u32),

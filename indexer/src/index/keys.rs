@@ -7,6 +7,8 @@
 //! Conversions happen at the edges only: where a decoded event, a core feed
 //! or lookup type (which carry u64 on the wire) enters or leaves the index.
 
+use kvroute_core::hash::index_key;
+
 /// The index's key of a pod: assigned when the pod becomes known, stable
 /// while it stays known, never reused within a run. Pod keys order the feed's
 /// snapshot pages and break ties in the least-loaded order.
@@ -42,5 +44,27 @@ pub struct VllmHash(u64);
 impl VllmHash {
     pub(crate) const fn new(hash: u64) -> VllmHash {
         VllmHash(hash)
+    }
+}
+
+/// kvroute's chained block hash (`kvroute_core::hash`): what the indexer
+/// computes from an event's tokens, and what the feed, lookups and learned
+/// posts carry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct BlockHash(u64);
+
+impl BlockHash {
+    pub(crate) const fn new(hash: u64) -> BlockHash {
+        BlockHash(hash)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The bits the routing index compares (`kvroute_core::hash::index_key`).
+    pub fn index_key(self) -> u64 {
+        index_key(self.0)
     }
 }

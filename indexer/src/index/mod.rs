@@ -33,6 +33,7 @@ use blocks::Blocks;
 use feed_log::LogOp;
 pub use hashing::{BuildMix, MixHasher};
 pub use held::PodView;
+use keys::BlockHash;
 pub use keys::PodKey;
 use least_loaded::LeastLoaded;
 use pods::Pod;
@@ -164,7 +165,7 @@ pub struct Index {
     log_start: u64,
     log_hashes: usize,
     /// (expiry ms, pod key, hash) in insertion order (constant TTL).
-    learned_fifo: VecDeque<(u64, PodKey, u64)>,
+    learned_fifo: VecDeque<(u64, PodKey, BlockHash)>,
     learned_total: usize,
 }
 
@@ -211,7 +212,7 @@ impl Index {
     pub fn memory_bytes(&self) -> usize {
         let pods: usize = self.pods.values().map(Pod::memory_bytes).sum();
         let log = self.log.capacity() * std::mem::size_of::<LogOp>() + self.log_hashes * 8;
-        let fifo = self.learned_fifo.capacity() * std::mem::size_of::<(u64, PodKey, u64)>();
+        let fifo = self.learned_fifo.capacity() * std::mem::size_of::<(u64, PodKey, BlockHash)>();
         self.blocks.memory_bytes() + pods + log + fifo
     }
 

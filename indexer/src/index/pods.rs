@@ -8,7 +8,7 @@ use kvroute_core::feed::Tier;
 use super::blocks::{Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
-use super::keys::PodKey;
+use super::keys::{BlockHash, PodKey};
 use super::least_loaded::LoadRank;
 use super::sequence::Source;
 use super::sources::Group;
@@ -48,7 +48,7 @@ pub(super) struct Pod {
     /// The pod's (kvroute hash, pod) entries in the block map, by best tier.
     pub(super) held: Held,
     /// Learned kvroute hash → expiry (ms).
-    pub(super) learned: Map<u64, u64>,
+    pub(super) learned: Map<BlockHash, u64>,
     pub(super) source_blocks: usize,
 }
 

@@ -14,7 +14,7 @@ use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, mix, table_bytes, Map};
-use super::keys::{PodKey, VllmHash};
+use super::keys::{BlockHash, PodKey, VllmHash};
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -42,6 +42,8 @@ pub(super) struct SourceEntry {
 
 const TIERS_SHIFT: u32 = 29;
 const _: () = assert!(MAX_BLOCKS == 1 << TIERS_SHIFT);
+// The memory estimate and the README count 12 bytes an entry.
+const _: () = assert!(std::mem::size_of::<SourceEntry>() == 12);
 
 impl SourceEntry {
     fn new(vh: VllmHash, block: BlockId, tiers: u8) -> SourceEntry {
@@ -120,17 +122,18 @@ impl Group {
     }
 }
 
-/// The records of a vLLM block's kvroute parts (head, last), added to the
-/// block map when new; `None` when it holds [`MAX_BLOCKS`] already.
+/// The records of a vLLM block's kvroute parts (head, as `kvroute_core::hash`
+/// computed them, and last), added to the block map when new; `None` when it
+/// holds [`MAX_BLOCKS`] already.
 fn acquire_parts(
     blocks: &mut Blocks,
-    kv: u64,
+    kv: BlockHash,
     head: Option<&[u64]>,
 ) -> Option<(BlockId, Option<Box<[BlockId]>>)> {
     let head = match head {
         Some(h) => Some(
             h.iter()
-                .map(|&part| blocks.acquire(part))
+                .map(|&part| blocks.acquire(BlockHash::new(part)))
                 .collect::<Option<Box<[BlockId]>>>()?,
         ),
         None => None,
@@ -267,7 +270,7 @@ impl Index {
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
             Some(p) => match group.find(VllmHash::new(p)) {
-                Some(entry) => self.blocks.kv(entry.block()),
+                Some(entry) => self.blocks.kv(entry.block()).get(),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
                     return;
@@ -296,6 +299,7 @@ impl Index {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
             };
+            let kv = BlockHash::new(kv);
             let head = (!head.is_empty()).then_some(head);
             match group
                 .blocks
