@@ -10,7 +10,7 @@ use std::collections::HashSet;
 
 use kvroute_core::lookup::{Candidate, HeldPrefix, LookupAnswer, LookupRequest};
 
-use crate::index::{BuildMix, Index, Load, PodView};
+use crate::index::{BuildMix, Index, Load, PodKey, PodView};
 
 /// Pods holding a prefix that an answer lists at most: the longest prefixes
 /// first. Past a few dozen, a shorter prefix loses to a longer one on the
@@ -61,7 +61,7 @@ pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
             .cmp(&(ha.blocks, ha.gpu_blocks))
             .then(less_loaded(a.load, b.load))
     });
-    let holding: HashSet<u64, BuildMix> = holders.iter().map(|(pod, _)| pod.key).collect();
+    let holding: HashSet<PodKey, BuildMix> = holders.iter().map(|(pod, _)| pod.key).collect();
     holders.truncate(MAX_HOLDERS);
     let others = index
         .serving_by_load(&request.model)

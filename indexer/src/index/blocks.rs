@@ -6,10 +6,10 @@
 
 use hashbrown::{hash_table, HashMap, HashTable};
 use kvroute_core::feed::Tier;
-use kvroute_core::hash::index_key;
 
 use super::feed_log::Sink;
 use super::hashing::{mix, table_bytes};
+use super::keys::{BlockHash, PodKey};
 
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
@@ -68,7 +68,7 @@ impl Held {
 /// One pod's hold on a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Holder {
-    pod: u64,
+    pod: PodKey,
     counts: TierCounts,
 }
 
@@ -85,20 +85,21 @@ const SINGLE_PODS: u64 = (1 << 29) - 1;
 const FREE: SetId = SetId::MAX;
 const NO_FREE: BlockId = BlockId::MAX;
 
-fn single(pod: u64, tier: Tier) -> Option<SetId> {
+fn single(pod: PodKey, tier: Tier) -> Option<SetId> {
+    let pod = pod.get();
     (pod < SINGLE_PODS).then(|| SINGLE | (pod as SetId) << 2 | SetId::from(tier.code()))
 }
 
 /// The (pod, tier) of a [`SINGLE`] id.
-fn single_parts(set: SetId) -> Option<(u64, Tier)> {
+fn single_parts(set: SetId) -> Option<(PodKey, Tier)> {
     if set & SINGLE == 0 || set == FREE {
         return None;
     }
     let tier = Tier::from_code((set & 3) as u8)?;
-    Some((u64::from((set & !SINGLE) >> 2), tier))
+    Some((PodKey::new(u64::from((set & !SINGLE) >> 2)), tier))
 }
 
-fn single_holder(pod: u64, tier: Tier) -> Holder {
+fn single_holder(pod: PodKey, tier: Tier) -> Holder {
     let mut counts = TierCounts::default();
     counts.0[tier.code() as usize] = 1;
     Holder { pod, counts }
@@ -108,8 +109,27 @@ fn single_holder(pod: u64, tier: Tier) -> Holder {
 #[derive(Debug, Clone, Copy)]
 #[repr(C, packed(4))]
 struct Record {
-    kv: u64,
+    kv: BlockHash,
     set: SetId,
+}
+
+// The memory estimate and the README count 12 bytes a record.
+const _: () = assert!(std::mem::size_of::<Record>() == 12);
+
+impl Record {
+    /// A free record: its `kv` field holds the id of the next free one.
+    fn free(next: BlockId) -> Record {
+        Record {
+            kv: BlockHash::new(u64::from(next)),
+            set: FREE,
+        }
+    }
+
+    /// The next free record after this free one.
+    fn next_free(&self) -> BlockId {
+        let link = self.kv;
+        link.get() as BlockId
+    }
 }
 
 /// Records per slab chunk: the slab grows by a chunk, never by doubling.
@@ -146,7 +166,7 @@ impl PodSets {
     }
 
     /// `pod`'s hold in a set (interned sets are sorted by pod).
-    fn holder(&self, set: SetId, pod: u64) -> Option<Holder> {
+    fn holder(&self, set: SetId, pod: PodKey) -> Option<Holder> {
         if let Some((single_pod, tier)) = single_parts(set) {
             return (single_pod == pod).then(|| single_holder(pod, tier));
         }
@@ -239,15 +259,15 @@ impl Slab {
             .get_mut(id as usize % CHUNK)
     }
 
-    fn kv(&self, id: BlockId) -> u64 {
-        self.get(id).map_or(0, |r| r.kv)
+    fn kv(&self, id: BlockId) -> BlockHash {
+        self.get(id).map_or(BlockHash::default(), |r| r.kv)
     }
 
     /// A new record of `kv` with no holder; `None` at [`MAX_BLOCKS`].
-    fn alloc(&mut self, kv: u64) -> Option<BlockId> {
+    fn alloc(&mut self, kv: BlockHash) -> Option<BlockId> {
         let id = if self.free_head != NO_FREE {
             let id = self.free_head;
-            self.free_head = self.get(id).map_or(NO_FREE, |r| r.kv as BlockId);
+            self.free_head = self.get(id).map_or(NO_FREE, Record::next_free);
             id
         } else {
             if self.allocated >= MAX_BLOCKS {
@@ -255,10 +275,7 @@ impl Slab {
             }
             let id = BlockId::try_from(self.allocated).ok()?;
             if self.allocated == self.chunks.len() * CHUNK {
-                let free = Record {
-                    kv: u64::from(NO_FREE),
-                    set: FREE,
-                };
+                let free = Record::free(NO_FREE);
                 self.chunks.push(vec![free; CHUNK].into_boxed_slice());
             }
             self.allocated += 1;
@@ -272,10 +289,7 @@ impl Slab {
     fn free(&mut self, id: BlockId) {
         let next = self.free_head;
         if let Some(rec) = self.get_mut(id) {
-            *rec = Record {
-                kv: u64::from(next),
-                set: FREE,
-            };
+            *rec = Record::free(next);
             self.free_head = id;
             self.live = self.live.saturating_sub(1);
         }
@@ -312,7 +326,7 @@ impl Blocks {
     }
 
     /// The kvroute hash of a record.
-    pub(super) fn kv(&self, id: BlockId) -> u64 {
+    pub(super) fn kv(&self, id: BlockId) -> BlockHash {
         self.slab.kv(id)
     }
 
@@ -320,23 +334,23 @@ impl Blocks {
     /// compares them and the feed carries them: hashes that agree on those
     /// bits are one block here too. The record keeps the first full hash
     /// (the parent of the chain's next block).
-    pub(super) fn find(&self, kv: u64) -> Option<BlockId> {
-        let key = index_key(kv);
+    pub(super) fn find(&self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
         let slab = &self.slab;
         self.index
-            .find(mix(key), |&id| index_key(slab.kv(id)) == key)
+            .find(mix(key), |&id| slab.kv(id).index_key() == key)
             .copied()
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
-    pub(super) fn acquire(&mut self, kv: u64) -> Option<BlockId> {
-        let key = index_key(kv);
+    pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
         let slab = &mut self.slab;
         match self.index.entry(
             mix(key),
-            |&id| index_key(slab.kv(id)) == key,
-            |&id| mix(index_key(slab.kv(id))),
+            |&id| slab.kv(id).index_key() == key,
+            |&id| mix(slab.kv(id).index_key()),
         ) {
             hash_table::Entry::Occupied(o) => Some(*o.get()),
             hash_table::Entry::Vacant(v) => {
@@ -354,7 +368,7 @@ impl Blocks {
         &mut self,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
+        pod: PodKey,
         id: BlockId,
         tier: Tier,
         up: bool,
@@ -375,7 +389,7 @@ impl Blocks {
             None => self.adjust_set(set, pod, tier, up),
         };
         if new_set == EMPTY_SET {
-            if let Ok(e) = self.index.find_entry(mix(index_key(kv)), |&i| i == id) {
+            if let Ok(e) = self.index.find_entry(mix(kv.index_key()), |&i| i == id) {
                 e.remove();
             }
             self.slab.free(id);
@@ -397,7 +411,7 @@ impl Blocks {
     fn adjust_set(
         &mut self,
         set: SetId,
-        pod: u64,
+        pod: PodKey,
         tier: Tier,
         up: bool,
     ) -> (Option<Tier>, Option<Tier>, SetId) {
@@ -438,8 +452,8 @@ impl Blocks {
         &mut self,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
-        kv: u64,
+        pod: PodKey,
+        kv: BlockHash,
         tier: Tier,
         up: bool,
     ) {
@@ -450,26 +464,26 @@ impl Blocks {
     }
 
     /// The best tier of `kv` on each pod holding it.
-    pub(super) fn holders(&self, kv: u64) -> impl Iterator<Item = (u64, Tier)> + '_ {
+    pub(super) fn holders(&self, kv: BlockHash) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
         self.set_holders(self.set_of(kv))
     }
 
     /// The interned set of pods holding `kv` (equal ids: equal holders and tiers).
-    pub(super) fn set_of(&self, kv: u64) -> SetId {
+    pub(super) fn set_of(&self, kv: BlockHash) -> SetId {
         self.find(kv)
             .and_then(|id| self.slab.get(id))
             .map_or(EMPTY_SET, |r| r.set)
     }
 
     /// The best tier of each pod in `set`.
-    pub(super) fn set_holders(&self, set: SetId) -> impl Iterator<Item = (u64, Tier)> + '_ {
+    pub(super) fn set_holders(&self, set: SetId) -> impl Iterator<Item = (PodKey, Tier)> + '_ {
         self.sets
             .holders(set)
             .filter_map(|h| Some((h.pod, h.counts.best()?)))
     }
 
     /// The best tier of block `id` on `pod`; `None` when the pod holds it not.
-    pub(super) fn tier_on(&self, id: BlockId, pod: u64) -> Option<Tier> {
+    pub(super) fn tier_on(&self, id: BlockId, pod: PodKey) -> Option<Tier> {
         let set = self.slab.get(id)?.set;
         if set == FREE {
             return None;
@@ -494,7 +508,7 @@ pub(super) fn adjust_block(
     blocks: &mut Blocks,
     sink: &mut Sink,
     held: &mut Held,
-    pod: u64,
+    pod: PodKey,
     id: BlockId,
     head: Option<&[BlockId]>,
     tier: Tier,
@@ -515,49 +529,58 @@ mod tests {
         let mut blocks = Blocks::default();
         let mut sink = Sink::default();
         let (mut first, mut second) = (Held::default(), Held::default());
-        let id = blocks.acquire(7).unwrap();
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
-        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, true);
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, true);
-        let holders: Vec<_> = blocks.holders(7).collect();
-        assert_eq!(holders, [(1, Tier::Gpu), (2, Tier::Cpu)]);
+        let (one, two) = (PodKey::new(1), PodKey::new(2));
+        let (seven, nine) = (BlockHash::new(7), BlockHash::new(9));
+        let id = blocks.acquire(seven).unwrap();
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
+        blocks.adjust(&mut sink, &mut second, two, id, Tier::Cpu, true);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, true);
+        let holders: Vec<_> = blocks.holders(seven).collect();
+        assert_eq!(holders, [(one, Tier::Gpu), (two, Tier::Cpu)]);
         assert_eq!(
             (blocks.len(), first.total(), second.by_tier(Tier::Cpu)),
             (1, 1, 1)
         );
 
-        blocks.adjust(&mut sink, &mut second, 2, id, Tier::Cpu, false);
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        blocks.adjust(&mut sink, &mut second, two, id, Tier::Cpu, false);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         // One pod counting once: back to a set id that needs no interning.
         assert!(blocks.sets.ids.is_empty());
-        assert_eq!(blocks.holders(7).collect::<Vec<_>>(), [(1, Tier::Gpu)]);
+        assert_eq!(
+            blocks.holders(seven).collect::<Vec<_>>(),
+            [(one, Tier::Gpu)]
+        );
 
-        blocks.adjust(&mut sink, &mut first, 1, id, Tier::Gpu, false);
+        blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
-        assert_eq!(blocks.find(7), None);
-        assert_eq!(blocks.acquire(9), Some(id));
-        assert_eq!(blocks.kv(id), 9);
+        assert_eq!(blocks.find(seven), None);
+        assert_eq!(blocks.acquire(nine), Some(id));
+        assert_eq!(blocks.kv(id), nine);
     }
 
     #[test]
     fn single_set_ids_carry_their_pod_and_tier_and_larger_pod_keys_are_interned() {
-        for pod in [0, 1, SINGLE_PODS - 1] {
+        for pod in [0, 1, SINGLE_PODS - 1].map(PodKey::new) {
             for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Learned] {
                 let set = single(pod, tier).unwrap();
                 assert_ne!(set, FREE);
                 assert_eq!(single_parts(set), Some((pod, tier)));
             }
         }
-        assert_eq!(single(SINGLE_PODS, Tier::Gpu), None);
+        assert_eq!(single(PodKey::new(SINGLE_PODS), Tier::Gpu), None);
 
         let mut blocks = Blocks::default();
         let mut sink = Sink::default();
         let mut held = Held::default();
-        let pod = 1 << 40;
-        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, true);
-        assert_eq!(blocks.holders(3).collect::<Vec<_>>(), [(pod, Tier::Disk)]);
+        let pod = PodKey::new(1 << 40);
+        let three = BlockHash::new(3);
+        blocks.adjust_kv(&mut sink, &mut held, pod, three, Tier::Disk, true);
+        assert_eq!(
+            blocks.holders(three).collect::<Vec<_>>(),
+            [(pod, Tier::Disk)]
+        );
         assert_eq!(blocks.sets.ids.len(), 1);
-        blocks.adjust_kv(&mut sink, &mut held, pod, 3, Tier::Disk, false);
+        blocks.adjust_kv(&mut sink, &mut held, pod, three, Tier::Disk, false);
         assert!(blocks.sets.ids.is_empty());
         assert_eq!(blocks.len(), 0);
     }

@@ -19,12 +19,13 @@ use kvroute_core::feed_client::FeedRequest;
 
 use super::blocks::BlockId;
 use super::feed_log::Op;
+use super::keys::{BlockHash, PodKey};
 use super::pods::Pod;
 use super::sources::SourceEntry;
 use super::Index;
 
 impl Index {
-    fn pod_infos(&self) -> (Vec<PodInfo>, HashMap<u64, u32>) {
+    fn pod_infos(&self) -> (Vec<PodInfo>, HashMap<PodKey, u32>) {
         let mut infos = Vec::with_capacity(self.pods.len());
         let mut idx = HashMap::with_capacity(self.pods.len());
         for (i, (k, p)) in self.pods.iter().enumerate() {
@@ -101,7 +102,7 @@ impl Index {
 
     /// Ops after `cursor`, at most `feed_max_hashes` hashes (but at least one
     /// op), and the cursor after them.
-    fn deltas(&self, cursor: u64, idx: &HashMap<u64, u32>) -> (Vec<BlockOp>, u64) {
+    fn deltas(&self, cursor: u64, idx: &HashMap<PodKey, u32>) -> (Vec<BlockOp>, u64) {
         let mut ops = Vec::new();
         let mut hashes = 0usize;
         let mut at = cursor;
@@ -119,11 +120,11 @@ impl Index {
                 Op::Stored(tier, h) => BlockOp::Stored {
                     pod,
                     tier: *tier,
-                    hashes: h.clone(),
+                    hashes: wire_hashes(h),
                 },
                 Op::Removed(h) => BlockOp::Removed {
                     pod,
-                    hashes: h.clone(),
+                    hashes: wire_hashes(h),
                 },
                 Op::Cleared => BlockOp::Cleared { pod },
             });
@@ -136,17 +137,22 @@ impl Index {
     fn snapshot_page(
         &self,
         from: Option<PageToken>,
-        idx: &HashMap<u64, u32>,
+        idx: &HashMap<PodKey, u32>,
     ) -> (Vec<BlockOp>, Option<PageToken>) {
         let room = self.cfg.feed_max_hashes.max(1);
-        let after_of = |key: u64| from.filter(|t| t.pod == key).and_then(|t| t.after);
+        let after_of = |key: PodKey| {
+            from.filter(|t| t.pod == key.get())
+                .and_then(|t| t.after)
+                .map(BlockHash::new)
+        };
         // The pods this page may cover: in key order until their entry counts
         // (an upper bound for a pod resumed part-way) fill the page.
         let mut order = Vec::new();
         let mut counted = 0usize;
         // The first pod left for the next page.
         let mut beyond = None;
-        for (&key, p) in self.pods.range(from.map_or(0, |t| t.pod)..) {
+        let first = PodKey::new(from.map_or(0, |t| t.pod));
+        for (&key, p) in self.pods.range(first..) {
             let held = p.held.total();
             if held == 0 || !idx.contains_key(&key) {
                 continue;
@@ -172,8 +178,8 @@ impl Index {
                 return (
                     ops,
                     Some(PageToken {
-                        pod: key,
-                        after: after_of(key),
+                        pod: key.get(),
+                        after: after_of(key).map(BlockHash::get),
                     }),
                 );
             }
@@ -183,14 +189,14 @@ impl Index {
                 entries.sort_unstable_by_key(|e| e.0);
                 entries.truncate(left);
                 next = entries.last().map(|e| PageToken {
-                    pod: key,
-                    after: Some(e.0),
+                    pod: key.get(),
+                    after: Some(e.0.get()),
                 });
             }
             left -= entries.len();
             let mut by_tier: [Vec<u64>; 4] = Default::default();
             for (h, t) in entries {
-                by_tier[t.code() as usize].push(h);
+                by_tier[t.code() as usize].push(h.get());
             }
             for (code, hashes) in (0u8..).zip(by_tier) {
                 if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
@@ -201,13 +207,22 @@ impl Index {
                 return (ops, next);
             }
         }
-        (ops, beyond.map(|pod| PageToken { pod, after: None }))
+        let next = beyond.map(|pod| PageToken {
+            pod: pod.get(),
+            after: None,
+        });
+        (ops, next)
     }
 
     /// A pod's (kvroute hash, best tier) entries in the block map with a
     /// hash above `after`: found from the records its sources and learned
     /// entries refer to, so a page costs its pods' entries, not the map.
-    fn pod_entries(&self, key: u64, pod: &Pod, after: Option<u64>) -> Vec<(u64, Tier)> {
+    fn pod_entries(
+        &self,
+        key: PodKey,
+        pod: &Pod,
+        after: Option<BlockHash>,
+    ) -> Vec<(BlockHash, Tier)> {
         let mut ids: Vec<BlockId> = Vec::with_capacity(pod.held.total());
         for group in pod.sources.values().flat_map(|s| s.groups.values()) {
             ids.extend(group.blocks.iter().map(SourceEntry::block));
@@ -227,4 +242,9 @@ impl Index {
             })
             .collect()
     }
+}
+
+/// The feed carries kvroute hashes as u64.
+fn wire_hashes(hashes: &[BlockHash]) -> Vec<u64> {
+    hashes.iter().map(|h| h.get()).collect()
 }

@@ -3,12 +3,13 @@
 
 use kvroute_core::feed::Tier;
 
+use super::keys::{BlockHash, PodKey};
 use super::Index;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Op {
-    Stored(Tier, Vec<u64>),
-    Removed(Vec<u64>),
+    Stored(Tier, Vec<BlockHash>),
+    Removed(Vec<BlockHash>),
     Cleared,
 }
 
@@ -23,7 +24,7 @@ impl Op {
 
 #[derive(Debug, Clone)]
 pub(super) struct LogOp {
-    pub(super) pod: u64,
+    pub(super) pod: PodKey,
     pub(super) op: Op,
 }
 
@@ -34,7 +35,7 @@ pub(super) struct Sink {
 }
 
 impl Sink {
-    pub(super) fn stored(&mut self, pod: u64, tier: Tier, h: u64) {
+    pub(super) fn stored(&mut self, pod: PodKey, tier: Tier, h: BlockHash) {
         if let Some(LogOp {
             pod: p,
             op: Op::Stored(t, hs),
@@ -51,7 +52,7 @@ impl Sink {
         });
     }
 
-    pub(super) fn removed(&mut self, pod: u64, h: u64) {
+    pub(super) fn removed(&mut self, pod: PodKey, h: BlockHash) {
         if let Some(LogOp {
             pod: p,
             op: Op::Removed(hs),
@@ -68,7 +69,7 @@ impl Sink {
         });
     }
 
-    pub(super) fn cleared(&mut self, pod: u64) {
+    pub(super) fn cleared(&mut self, pod: PodKey) {
         // Earlier ops of the pod in this batch are moot.
         self.ops.retain(|o| o.pod != pod);
         self.ops.push(LogOp {

@@ -1,7 +1,7 @@
 //! Hashing for keys that are already hashes, and the map type built on it.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 
 /// Hasher for keys that are already hashes: one multiply-xorshift.
 #[derive(Default, Clone, Copy)]
@@ -33,12 +33,14 @@ impl BuildHasher for BuildMix {
     }
 }
 
-/// [`MixHasher`] of one hash.
-pub(super) fn mix(h: u64) -> u64 {
+/// [`MixHasher`] of one hash (a u64 or one of the [`super::keys`] newtypes:
+/// both write one u64).
+pub(super) fn mix(h: impl Hash) -> u64 {
     BuildMix.hash_one(h)
 }
 
-pub(super) type Map<V> = HashMap<u64, V, BuildMix>;
+/// A map keyed by a hash or a pod key.
+pub(super) type Map<K, V> = HashMap<K, V, BuildMix>;
 
 /// Bytes a hashbrown table holds for `capacity` entries of `entry` bytes
 /// (a control byte per bucket, buckets a power of two at most 7/8 full).
@@ -52,6 +54,6 @@ pub(super) fn table_bytes(capacity: usize, entry: usize) -> usize {
 }
 
 /// Bytes a [`Map`] holds.
-pub(super) fn map_bytes<V>(m: &Map<V>) -> usize {
-    table_bytes(m.capacity(), std::mem::size_of::<(u64, V)>())
+pub(super) fn map_bytes<K, V>(m: &Map<K, V>) -> usize {
+    table_bytes(m.capacity(), std::mem::size_of::<(K, V)>())
 }

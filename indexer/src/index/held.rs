@@ -6,6 +6,7 @@ use kvroute_core::lookup::HeldPrefix;
 
 use super::blocks::SetId;
 use super::hashing::Map;
+use super::keys::{BlockHash, PodKey};
 use super::pods::Pod;
 use super::{Index, Load};
 
@@ -13,14 +14,14 @@ use super::{Index, Load};
 #[derive(Debug, Clone, Copy)]
 pub struct PodView<'a> {
     /// The pod's key in the index (stable while it is known).
-    pub key: u64,
+    pub key: PodKey,
     pub address: &'a str,
     pub load: &'a Load,
     /// As its source states it; 0: not stated.
     pub speed: f32,
 }
 
-fn view(key: u64, pod: &Pod) -> PodView<'_> {
+fn view(key: PodKey, pod: &Pod) -> PodView<'_> {
     PodView {
         key,
         address: &pod.address,
@@ -39,10 +40,10 @@ impl Index {
     /// pods hold prefixes of a chain), then each run's holders are extended
     /// by its length: the cost is the runs' holders, not pods × blocks.
     pub fn held_prefixes(&self, model: &str, hashes: &[u64]) -> Vec<(PodView<'_>, HeldPrefix)> {
-        let mut walking: Map<HeldPrefix> = Map::default();
-        let mut held: Map<HeldPrefix> = Map::default();
+        let mut walking: Map<PodKey, HeldPrefix> = Map::default();
+        let mut held: Map<PodKey, HeldPrefix> = Map::default();
         for (i, (set, len)) in self.set_runs(hashes).into_iter().enumerate() {
-            let tiers: Map<Tier> = self.blocks.set_holders(set).collect();
+            let tiers: Map<PodKey, Tier> = self.blocks.set_holders(set).collect();
             if i == 0 {
                 walking.extend(tiers.keys().map(|&pod| (pod, HeldPrefix::default())));
             }
@@ -76,13 +77,13 @@ impl Index {
             .filter_map(|key| self.pod_view(key))
     }
 
-    fn pod_view(&self, key: u64) -> Option<PodView<'_>> {
+    fn pod_view(&self, key: PodKey) -> Option<PodView<'_>> {
         self.pods.get(&key).map(|pod| view(key, pod))
     }
 
     /// The chain as runs (pod set, blocks) in order, found by bisection.
     fn set_runs(&self, hashes: &[u64]) -> Vec<(SetId, u32)> {
-        let set_at = |i: usize| self.blocks.set_of(hashes[i]);
+        let set_at = |i: usize| self.blocks.set_of(BlockHash::new(hashes[i]));
         let mut runs: Vec<(SetId, u32)> = Vec::new();
         let mut push = |set: SetId, len: usize| match runs.last_mut() {
             Some((last, n)) if *last == set => *n = n.saturating_add(len as u32),

@@ -4,6 +4,7 @@
 use kvroute_core::feed::{LearnedBatch, Tier};
 
 use super::feed_log::Sink;
+use super::keys::BlockHash;
 use super::Index;
 
 impl Index {
@@ -11,7 +12,7 @@ impl Index {
     /// learned): such a hash is a token-domain block, never a byte chunk.
     pub fn reported_by_a_pod(&self, hash: u64) -> bool {
         self.blocks
-            .holders(hash)
+            .holders(BlockHash::new(hash))
             .any(|(_, best)| best != Tier::Learned)
     }
 
@@ -25,7 +26,7 @@ impl Index {
                 rejected += hashes.len();
                 continue;
             };
-            for &h in hashes {
+            for h in hashes.iter().map(|&h| BlockHash::new(h)) {
                 if self.cfg.learned_max_entries == 0 {
                     rejected += 1;
                     continue;

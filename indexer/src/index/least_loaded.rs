@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::iter::Peekable;
 
+use super::keys::PodKey;
 use super::pods::Load;
 
 /// A pod's place in the order: fewer requests queued and running first,
@@ -15,11 +16,11 @@ pub(super) struct LoadRank {
     busy: u32,
     /// `kv_usage` bits mapped so that unsigned order is `f32::total_cmp`'s.
     kv_usage: u32,
-    pod: u64,
+    pod: PodKey,
 }
 
 impl LoadRank {
-    pub(super) fn new(load: &Load, pod: u64) -> LoadRank {
+    pub(super) fn new(load: &Load, pod: PodKey) -> LoadRank {
         let bits = load.kv_usage.to_bits();
         let kv_usage = if bits >> 31 == 1 {
             !bits
@@ -67,7 +68,7 @@ impl LeastLoaded {
 
     /// Keys of the pods serving `model`, least loaded first: the pods naming
     /// it merged with those naming none.
-    pub(super) fn serving<'a>(&'a self, model: &str) -> impl Iterator<Item = u64> + 'a {
+    pub(super) fn serving<'a>(&'a self, model: &str) -> impl Iterator<Item = PodKey> + 'a {
         Merge {
             a: self.by_model.get(model).into_iter().flatten().peekable(),
             b: self.any_model.iter().peekable(),
@@ -102,6 +103,14 @@ where
 mod tests {
     use super::*;
 
+    fn rank(load: Load, pod: u64) -> LoadRank {
+        LoadRank::new(&load, PodKey::new(pod))
+    }
+
+    fn keys(order: &LeastLoaded, model: &str) -> Vec<u64> {
+        order.serving(model).map(PodKey::get).collect()
+    }
+
     fn load(waiting: u32, running: u32, kv_usage: f32) -> Load {
         Load {
             waiting,
@@ -115,32 +124,29 @@ mod tests {
     fn orders_by_requests_then_kv_usage_and_merges_pods_of_every_model() {
         let mut order = LeastLoaded::default();
         let m = |names: &[&str]| names.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        order.insert(&m(&["a"]), LoadRank::new(&load(1, 1, 0.1), 1));
-        order.insert(&m(&["a", "b"]), LoadRank::new(&load(0, 1, 0.9), 2));
-        order.insert(&m(&[]), LoadRank::new(&load(0, 1, 0.5), 3));
-        order.insert(&m(&["b"]), LoadRank::new(&load(0, 0, 0.0), 4));
-        order.insert(&m(&[]), LoadRank::new(&load(5, 0, -0.0), 5));
-        assert_eq!(order.serving("a").collect::<Vec<_>>(), [3, 2, 1, 5]);
-        assert_eq!(order.serving("b").collect::<Vec<_>>(), [4, 3, 2, 5]);
-        assert_eq!(order.serving("c").collect::<Vec<_>>(), [3, 5]);
-        order.remove(&m(&["a", "b"]), LoadRank::new(&load(0, 1, 0.9), 2));
-        order.remove(&m(&[]), LoadRank::new(&load(0, 1, 0.5), 3));
-        assert_eq!(order.serving("a").collect::<Vec<_>>(), [1, 5]);
-        order.remove(&m(&["a"]), LoadRank::new(&load(1, 1, 0.1), 1));
+        order.insert(&m(&["a"]), rank(load(1, 1, 0.1), 1));
+        order.insert(&m(&["a", "b"]), rank(load(0, 1, 0.9), 2));
+        order.insert(&m(&[]), rank(load(0, 1, 0.5), 3));
+        order.insert(&m(&["b"]), rank(load(0, 0, 0.0), 4));
+        order.insert(&m(&[]), rank(load(5, 0, -0.0), 5));
+        assert_eq!(keys(&order, "a"), [3, 2, 1, 5]);
+        assert_eq!(keys(&order, "b"), [4, 3, 2, 5]);
+        assert_eq!(keys(&order, "c"), [3, 5]);
+        order.remove(&m(&["a", "b"]), rank(load(0, 1, 0.9), 2));
+        order.remove(&m(&[]), rank(load(0, 1, 0.5), 3));
+        assert_eq!(keys(&order, "a"), [1, 5]);
+        order.remove(&m(&["a"]), rank(load(1, 1, 0.1), 1));
         assert!(!order.by_model.contains_key("a"), "an empty model goes");
         // KV usage orders as f32::total_cmp does, negative values included.
         let ranks: Vec<LoadRank> = [0.5f32, -1.0, 0.0, -0.0, 1.0]
             .iter()
-            .map(|&k| LoadRank::new(&load(0, 0, k), 0))
+            .map(|&k| rank(load(0, 0, k), 0))
             .collect();
         let mut sorted = ranks.clone();
         sorted.sort();
         let mut expected = [0.5f32, -1.0, 0.0, -0.0, 1.0];
         expected.sort_by(f32::total_cmp);
-        let want: Vec<LoadRank> = expected
-            .iter()
-            .map(|&k| LoadRank::new(&load(0, 0, k), 0))
-            .collect();
+        let want: Vec<LoadRank> = expected.iter().map(|&k| rank(load(0, 0, k), 0)).collect();
         assert_eq!(sorted, want);
     }
 }

@@ -9,13 +9,15 @@
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
-//! `least_loaded` (the serving pods in load order, for the same).
+//! `least_loaded` (the serving pods in load order, for the same), `keys`
+//! (the newtypes of pod keys and block hashes).
 
 mod blocks;
 mod feed;
 mod feed_log;
 mod hashing;
 mod held;
+mod keys;
 mod learned;
 mod least_loaded;
 mod pods;
@@ -31,6 +33,8 @@ use blocks::Blocks;
 use feed_log::LogOp;
 pub use hashing::{BuildMix, MixHasher};
 pub use held::PodView;
+use keys::BlockHash;
+pub use keys::PodKey;
 use least_loaded::LeastLoaded;
 use pods::Pod;
 pub use pods::{origin, Load};
@@ -148,20 +152,20 @@ pub struct Index {
     cfg: IndexConfig,
     metrics: Metrics,
     epoch: u64,
-    pods: BTreeMap<u64, Pod>,
+    pods: BTreeMap<PodKey, Pod>,
     /// The pods of each model in load order (`POST /v1/lookup`).
     least_loaded: LeastLoaded,
     /// Every (kvroute hash, pod) the feed serves, each hash stored once.
     blocks: Blocks,
-    by_address: HashMap<String, u64>,
-    next_pod_key: u64,
+    by_address: HashMap<String, PodKey>,
+    next_pod_key: PodKey,
     next_replay_id: u64,
     /// Ops after cursor `log_start`, oldest first.
     log: VecDeque<LogOp>,
     log_start: u64,
     log_hashes: usize,
     /// (expiry ms, pod key, hash) in insertion order (constant TTL).
-    learned_fifo: VecDeque<(u64, u64, u64)>,
+    learned_fifo: VecDeque<(u64, PodKey, BlockHash)>,
     learned_total: usize,
 }
 
@@ -176,7 +180,7 @@ impl Index {
             least_loaded: LeastLoaded::default(),
             blocks: Blocks::default(),
             by_address: HashMap::new(),
-            next_pod_key: 1,
+            next_pod_key: PodKey::FIRST,
             next_replay_id: 1,
             log: VecDeque::new(),
             log_start: 0,
@@ -208,7 +212,7 @@ impl Index {
     pub fn memory_bytes(&self) -> usize {
         let pods: usize = self.pods.values().map(Pod::memory_bytes).sum();
         let log = self.log.capacity() * std::mem::size_of::<LogOp>() + self.log_hashes * 8;
-        let fifo = self.learned_fifo.capacity() * 24;
+        let fifo = self.learned_fifo.capacity() * std::mem::size_of::<(u64, PodKey, BlockHash)>();
         self.blocks.memory_bytes() + pods + log + fifo
     }
 

@@ -8,6 +8,7 @@ use kvroute_core::feed::Tier;
 use super::blocks::{Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
+use super::keys::{BlockHash, PodKey};
 use super::least_loaded::LoadRank;
 use super::sequence::Source;
 use super::sources::Group;
@@ -47,7 +48,7 @@ pub(super) struct Pod {
     /// The pod's (kvroute hash, pod) entries in the block map, by best tier.
     pub(super) held: Held,
     /// Learned kvroute hash → expiry (ms).
-    pub(super) learned: Map<u64>,
+    pub(super) learned: Map<BlockHash, u64>,
     pub(super) source_blocks: usize,
 }
 
@@ -81,7 +82,7 @@ impl Pod {
     /// Takes everything the pod holds out of the block map: its sources'
     /// blocks and its learned entries. Their ops are moot (the caller records
     /// one `Cleared`). Returns how many learned entries went.
-    pub(super) fn release_blocks(&mut self, blocks: &mut Blocks, key: u64) -> usize {
+    pub(super) fn release_blocks(&mut self, blocks: &mut Blocks, key: PodKey) -> usize {
         let mut moot = Sink::default();
         for source in self.sources.values_mut() {
             for group in source.groups.values_mut() {
@@ -108,7 +109,7 @@ impl Index {
                     return;
                 }
                 let k = self.next_pod_key;
-                self.next_pod_key += 1;
+                self.next_pod_key = k.next();
                 let pod = Pod::new(address.to_owned(), 0, now_ms);
                 self.least_loaded
                     .insert(&pod.models, LoadRank::new(&pod.load, k));
@@ -127,7 +128,7 @@ impl Index {
     }
 
     /// Adds a served model to a pod (none: it serves every model).
-    pub(super) fn add_model(&mut self, key: u64, model: &str) {
+    pub(super) fn add_model(&mut self, key: PodKey, model: &str) {
         let known = self
             .pods
             .get(&key)
@@ -139,7 +140,7 @@ impl Index {
 
     /// Applies `change` to a pod's load or models, keeping its place in the
     /// least-loaded order.
-    fn reranked(&mut self, key: u64, change: impl FnOnce(&mut Pod)) {
+    fn reranked(&mut self, key: PodKey, change: impl FnOnce(&mut Pod)) {
         if let Some(pod) = self.pods.get_mut(&key) {
             self.least_loaded
                 .remove(&pod.models, LoadRank::new(&pod.load, key));
@@ -197,7 +198,7 @@ impl Index {
             .collect()
     }
 
-    fn drop_pod(&mut self, key: u64) {
+    fn drop_pod(&mut self, key: PodKey) {
         let mut sink = Sink::default();
         if let Some(mut pod) = self.pods.remove(&key) {
             self.least_loaded
@@ -226,7 +227,7 @@ impl Index {
         self.evict_learned(&mut sink, now_ms, 0);
         self.commit(sink);
         if self.cfg.pod_timeout_ms > 0 {
-            let silent: Vec<(u64, u8)> = self
+            let silent: Vec<(PodKey, u8)> = self
                 .pods
                 .iter()
                 .filter(|(_, p)| now_ms.saturating_sub(p.last_seen_ms) > self.cfg.pod_timeout_ms)
@@ -248,7 +249,7 @@ impl Index {
     }
 
     /// Drops a pod's entries and sequence state but keeps it listed.
-    fn reset_pod(&mut self, key: u64) {
+    fn reset_pod(&mut self, key: PodKey) {
         let mut sink = Sink::default();
         if let Some(pod) = self.pods.get_mut(&key) {
             let learned = pod.release_blocks(&mut self.blocks, key);

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use crate::vllm_wire::{decode_batch, decode_seq, parse_topic, DecodedBatch, EventBatch};
 
 use super::feed_log::Sink;
+use super::keys::PodKey;
 use super::pods::origin;
 use super::sources::Group;
 use super::{Incoming, Index, ReplayRequest};
@@ -99,7 +100,7 @@ impl Index {
 
     fn sequence(
         &mut self,
-        key: u64,
+        key: PodKey,
         rank: i64,
         seq: u64,
         batch: EventBatch,
@@ -181,7 +182,7 @@ impl Index {
     /// buffered message was counted when it was detected (or was the join of
     /// a running publisher): if the replay left it open, it counts once more
     /// only as unrecovered.
-    fn flush_after_replay(&mut self, key: u64, rank: i64, pending: PendingReplay, now_ms: u64) {
+    fn flush_after_replay(&mut self, key: PodKey, rank: i64, pending: PendingReplay, now_ms: u64) {
         let mut buffered = pending.buffered.into_iter();
         if let Some((seq, batch, received_ms)) = buffered.next() {
             let next = self
@@ -206,7 +207,7 @@ impl Index {
     /// (no replay: used to flush buffers).
     fn apply_in_order(
         &mut self,
-        key: u64,
+        key: PodKey,
         rank: i64,
         seq: u64,
         batch: EventBatch,
@@ -232,7 +233,7 @@ impl Index {
 
     fn apply_seq(
         &mut self,
-        key: u64,
+        key: PodKey,
         rank: i64,
         seq: u64,
         batch: &EventBatch,
@@ -254,7 +255,7 @@ impl Index {
             .observe(now_ms.saturating_sub(received_ms) as f64 / 1000.0);
     }
 
-    fn replay_endpoint(&self, key: u64, rank: i64) -> Option<String> {
+    fn replay_endpoint(&self, key: PodKey, rank: i64) -> Option<String> {
         let pod = self.pods.get(&key)?;
         let offset = u16::try_from(rank).ok()?;
         if let Some(e) = &pod.replay_endpoint {

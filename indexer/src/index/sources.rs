@@ -14,6 +14,7 @@ use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, mix, table_bytes, Map};
+use super::keys::{BlockHash, PodKey, VllmHash};
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -32,7 +33,7 @@ pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
 #[repr(C, packed(4))]
 pub(super) struct SourceEntry {
     /// vLLM hash (the key).
-    vh: u64,
+    vh: VllmHash,
     /// The record of the block's kvroute hash (of its last kvroute-sized part
     /// when it spans several: the parent of the next block) below
     /// [`TIERS_SHIFT`], a bit per tier it is in (GPU, CPU, disk) above.
@@ -41,16 +42,18 @@ pub(super) struct SourceEntry {
 
 const TIERS_SHIFT: u32 = 29;
 const _: () = assert!(MAX_BLOCKS == 1 << TIERS_SHIFT);
+// The memory estimate and the README count 12 bytes an entry.
+const _: () = assert!(std::mem::size_of::<SourceEntry>() == 12);
 
 impl SourceEntry {
-    fn new(vh: u64, block: BlockId, tiers: u8) -> SourceEntry {
+    fn new(vh: VllmHash, block: BlockId, tiers: u8) -> SourceEntry {
         SourceEntry {
             vh,
             block_tiers: block | u32::from(tiers) << TIERS_SHIFT,
         }
     }
 
-    fn vh(&self) -> u64 {
+    fn vh(&self) -> VllmHash {
         self.vh
     }
 
@@ -84,11 +87,11 @@ pub(super) struct Group {
     /// vLLM hash → records of the parts before the entry's `block`, for
     /// blocks of a multiple of the configured block size (kept apart so the
     /// common entry stays small).
-    pub(super) heads: Map<Box<[BlockId]>>,
+    pub(super) heads: Map<VllmHash, Box<[BlockId]>>,
 }
 
 impl Group {
-    fn find(&self, vh: u64) -> Option<&SourceEntry> {
+    fn find(&self, vh: VllmHash) -> Option<&SourceEntry> {
         self.blocks.find(mix(vh), |e| e.vh() == vh)
     }
 
@@ -108,7 +111,7 @@ impl Group {
         blocks: &mut Blocks,
         sink: &mut Sink,
         held: &mut Held,
-        pod: u64,
+        pod: PodKey,
     ) -> usize {
         let drained = self.blocks.len();
         for entry in self.blocks.drain() {
@@ -119,17 +122,18 @@ impl Group {
     }
 }
 
-/// The records of a vLLM block's kvroute parts (head, last), added to the
-/// block map when new; `None` when it holds [`MAX_BLOCKS`] already.
+/// The records of a vLLM block's kvroute parts (head, as `kvroute_core::hash`
+/// computed them, and last), added to the block map when new; `None` when it
+/// holds [`MAX_BLOCKS`] already.
 fn acquire_parts(
     blocks: &mut Blocks,
-    kv: u64,
+    kv: BlockHash,
     head: Option<&[u64]>,
 ) -> Option<(BlockId, Option<Box<[BlockId]>>)> {
     let head = match head {
         Some(h) => Some(
             h.iter()
-                .map(|&part| blocks.acquire(part))
+                .map(|&part| blocks.acquire(BlockHash::new(part)))
                 .collect::<Option<Box<[BlockId]>>>()?,
         ),
         None => None,
@@ -142,7 +146,7 @@ pub(super) fn drop_block(
     blocks: &mut Blocks,
     sink: &mut Sink,
     held: &mut Held,
-    pod: u64,
+    pod: PodKey,
     entry: SourceEntry,
     head: Option<&[BlockId]>,
 ) {
@@ -169,7 +173,13 @@ pub(super) fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [Ex
 }
 
 impl Index {
-    pub(super) fn apply_batch(&mut self, key: u64, rank: i64, batch: &EventBatch, sink: &mut Sink) {
+    pub(super) fn apply_batch(
+        &mut self,
+        key: PodKey,
+        rank: i64,
+        batch: &EventBatch,
+        sink: &mut Sink,
+    ) {
         for ev in &batch.events {
             match ev {
                 KvEvent::BlockStored(e) => {
@@ -204,7 +214,7 @@ impl Index {
         }
     }
 
-    fn stored(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+    fn stored(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
         let group_idx = e.group_idx.unwrap_or(0);
         let span = self.span(e.block_size);
         let Some(pod) = self.pods.get_mut(&key) else {
@@ -259,8 +269,8 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match group.find(p) {
-                Some(entry) => self.blocks.kv(entry.block()),
+            Some(p) => match group.find(VllmHash::new(p)) {
+                Some(entry) => self.blocks.kv(entry.block()).get(),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
                     return;
@@ -284,10 +294,12 @@ impl Index {
         let blocks = &mut self.blocks;
         let held = &mut pod.held;
         let mut applied = 0u64;
-        for (&vh, parts) in e.block_hashes.iter().zip(kvs.chunks_exact(span)) {
+        let vhs = e.block_hashes.iter().map(|&h| VllmHash::new(h));
+        for (vh, parts) in vhs.zip(kvs.chunks_exact(span)) {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
             };
+            let kv = BlockHash::new(kv);
             let head = (!head.is_empty()).then_some(head);
             match group
                 .blocks
@@ -343,7 +355,7 @@ impl Index {
     /// A CPU-offload placeholder names blocks by hash only: they now also
     /// reside in its medium. Blocks this publisher never stored with tokens
     /// cannot be re-hashed, so they are counted and skipped.
-    fn placeholder(&mut self, key: u64, rank: i64, e: &BlockStored, sink: &mut Sink) {
+    fn placeholder(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
@@ -359,7 +371,7 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
-        for &vh in &e.block_hashes {
+        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
             let Some(entry) = group.blocks.find_mut(mix(vh), |e| e.vh() == vh) else {
                 unknown += 1;
                 continue;
@@ -385,7 +397,7 @@ impl Index {
         self.metrics.placeholder_blocks("unknown", unknown);
     }
 
-    fn removed(&mut self, key: u64, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
+    fn removed(&mut self, key: PodKey, rank: i64, e: &BlockRemoved, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
@@ -406,7 +418,7 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
-        for &vh in &e.block_hashes {
+        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
             let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| e.vh() == vh) else {
                 self.metrics.removed_unknown.inc();
                 continue;
@@ -443,7 +455,7 @@ impl Index {
         self.metrics.blocks_removed.inc_by(removed);
     }
 
-    pub(super) fn clear_source(&mut self, key: u64, rank: i64) {
+    pub(super) fn clear_source(&mut self, key: PodKey, rank: i64) {
         let mut sink = Sink::default();
         self.clear_source_into(key, rank, &mut sink);
         self.commit(sink);
@@ -452,7 +464,7 @@ impl Index {
     /// Drops a publisher's blocks; when it was the pod's only holder of
     /// entries, the pod's learned entries go too (its cache is gone) and one
     /// `Cleared` op replaces the per-hash removals.
-    fn clear_source_into(&mut self, key: u64, rank: i64, sink: &mut Sink) {
+    fn clear_source_into(&mut self, key: PodKey, rank: i64, sink: &mut Sink) {
         let Some(pod) = self.pods.get_mut(&key) else {
             return;
         };
