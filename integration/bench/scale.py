@@ -734,8 +734,10 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
             if f"{kb}KB" in baseline:
                 added_cpu(cpu, baseline[f"{kb}KB"])
             result["cpu"][f"{kb}KB"] = cpu
-        # again after the probes and the CPU readings (tens of seconds later): what an allocator
-        # that returns freed pages (memory_allocator_manager) gave back by then
+        # again after the probes and the CPU readings (and --settle-seconds more): what the
+        # allocator, which returns freed pages at a bounded rate (memory_allocator_manager), gave back
+        time.sleep(args.settle_seconds)
+        result["settle_s"] = args.settle_seconds
         result["rss_end_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
         result["memory_end"] = allocator_memory(envoy)
     return result
@@ -932,7 +934,7 @@ def render(results: dict) -> str:
                 readings = ([("after start", "rss_after_start_mb", "memory_after_start"),
                              ("after the probes", "rss_after_probes_mb", "memory_after_probes")]
                             if mode == "approximate" else [("index loaded and published", "rss_mb", "memory"),
-                                                    ("after the probes and CPU readings", "rss_end_mb", "memory_end")])
+                                                    (f"after the probes, CPU readings and {r.get('settle_s', 0):g} s idle", "rss_end_mb", "memory_end")])
                 for when, rss_key, mem_key in readings:
                     m = r.get(mem_key)
                     if not m:
@@ -966,6 +968,8 @@ def main() -> None:
                          "request without the added-by-kvroute difference)")
     ap.add_argument("--no-envoy", action="store_true",
                     help="precise mode: fill the indexer and measure the feed only, start no Envoy")
+    ap.add_argument("--settle-seconds", type=float, default=0,
+                    help="precise mode: idle this long after the CPU readings before the last RSS reading")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
     ap.add_argument("--results-dir", default=None)
