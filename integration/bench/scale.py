@@ -28,6 +28,9 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   CPU per chat request including the tokenizer call-out. Both modes also record the CPU of
   Envoy's main thread, where the singleton (the index's one writer) runs: per request, and in
   precise mode from start until the index is routable.
+Every RSS is read with Envoy's allocator figures (admin `GET /memory`: live heap, free memory
+tcmalloc holds, memory returned to the OS); in precise mode both are read again after the CPU
+readings and --settle-seconds of idle.
 Every reading is checked (verify()): decisions fully matched on the right pod, histogram
 samples = probes, `kvroute.blocks.matched` growth = the headers' matched blocks, the indexer
 holding every entry sent, load all answered; a failed check exits non-zero. Everything binds
