@@ -28,6 +28,9 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   CPU per chat request including the tokenizer call-out. Both modes also record the CPU of
   Envoy's main thread, where the singleton (the index's one writer) runs: per request, and in
   precise mode from start until the index is routable.
+Every RSS is read with Envoy's allocator figures (admin `GET /memory`: live heap, free memory
+tcmalloc holds, memory returned to the OS); in precise mode both are read again after the CPU
+readings and --settle-seconds of idle.
 Every reading is checked (verify()): decisions fully matched on the right pod, histogram
 samples = probes, `kvroute.blocks.matched` growth = the headers' matched blocks, the indexer
 holding every entry sent, load all answered; a failed check exits non-zero. Everything binds
@@ -236,6 +239,17 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def allocator_memory(envoy: EnvoyProcess) -> dict[str, float]:
+    """Envoy's tcmalloc figures (admin `GET /memory`) in MB, read next to RSS: `allocated` is live
+    heap data (shared data, buffers, stats; not the VMs' wasm memory, which V8 maps itself);
+    `pageheap_free` and `total_thread_cache` are freed memory tcmalloc still holds (resident);
+    `pageheap_unmapped` was returned to the OS."""
+    with urllib.request.urlopen(envoy.admin_url + "/memory", timeout=5) as r:
+        data = json.load(r)
+    return {k: round(int(data.get(k, 0)) / 2**20, 1) for k in (
+        "allocated", "heap_size", "pageheap_unmapped", "pageheap_free", "total_thread_cache", "total_physical_bytes")}
+
+
 def histogram_buckets(envoy: EnvoyProcess, name: str) -> list[tuple[float, float, int]]:
     """Cumulative (lower_bound, width, count) buckets of a histogram from the admin endpoint."""
     url = f"{envoy.admin_url}/stats?format=json&histogram_buckets=detailed&filter={name}$"
@@ -402,6 +416,7 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
             return result
         envoy.wait_for_peers(timeout=60)
         result["rss_after_start_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["memory_after_start"] = allocator_memory(envoy)
         # Teach, then probe: each sequence is learned on the pod of its first decision.
         taught = [token_request(sequence_tokens(i, 0)) for i in range(args.probes)]
         teach = run_load(envoy.listener_port, taught, len(taught), 1)
@@ -412,6 +427,7 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
         result["index_blocks"] = gauges.get("wasmcustom.kvroute.index.blocks")
         result["index_bytes"] = gauges.get("wasmcustom.kvroute.index.bytes")
         result["rss_after_probes_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["memory_after_probes"] = allocator_memory(envoy)
         result["cpu"] = {f"{kb}KB": envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests,
                                                           args.connections) for kb in (30, 128)}
     base: dict[str, Any] = {}
@@ -696,6 +712,7 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         feed = envoy.stats("kvroute.feed")
         result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
         result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["memory"] = allocator_memory(envoy)
         result["writer_memory_mb"] = round(envoy.stats("kvroute.index.writer_memory_bytes").get(
             "wasmcustom.kvroute.index.writer_memory_bytes", 0) / 2**20, 1)
         if ok:
@@ -720,6 +737,12 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
             if f"{kb}KB" in baseline:
                 added_cpu(cpu, baseline[f"{kb}KB"])
             result["cpu"][f"{kb}KB"] = cpu
+        # again after the probes and the CPU readings (and --settle-seconds more): what the
+        # allocator, which returns freed pages at a bounded rate (memory_allocator_manager), gave back
+        time.sleep(args.settle_seconds)
+        result["settle_s"] = args.settle_seconds
+        result["rss_end_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
+        result["memory_end"] = allocator_memory(envoy)
     return result
 
 
@@ -901,7 +924,31 @@ def render(results: dict) -> str:
                     f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
                     f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
                     f" {' / '.join(taught)} |")
-    return "\n".join(rows) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
+    memory = ["| mode | pods | c | when | Envoy RSS MB | tcmalloc allocated MB | held free: pageheap_free +"
+              " thread caches MB | returned (pageheap_unmapped) MB | resident outside tcmalloc (V8, VMs' wasm"
+              " memory, binary) MB | the singleton's wasm memory MB |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for n, by_mode in results["fleets"].items():
+        for mode in ("approximate", "precise"):
+            for c in results["concurrency"]:
+                r = by_mode.get(mode, {}).get(f"c{c}")
+                if not r:
+                    continue
+                readings = ([("after start", "rss_after_start_mb", "memory_after_start"),
+                             ("after the probes", "rss_after_probes_mb", "memory_after_probes")]
+                            if mode == "approximate" else [("index loaded and published", "rss_mb", "memory"),
+                                                    (f"after the probes, CPU readings and {r.get('settle_s', 0):g} s idle", "rss_end_mb", "memory_end")])
+                for when, rss_key, mem_key in readings:
+                    m = r.get(mem_key)
+                    if not m:
+                        continue
+                    held = round(m["pageheap_free"] + m["total_thread_cache"], 1)
+                    outside = round(r[rss_key] - (m["heap_size"] - m["pageheap_unmapped"]), 1)
+                    memory.append(f"| {mode} | {n} | {c} | {when} | {r[rss_key]} | {m['allocated']} | {held} |"
+                                  f" {m['pageheap_unmapped']} | {outside} |"
+                                  f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |")
+    return "\n".join(rows) + "\n\nEnvoy's memory (RSS and admin `GET /memory`, read together):\n\n" + \
+        "\n".join(memory) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
         "\n".join(feed) + "\n\nThe index writer (the singleton, Envoy's main thread) during the CPU readings:\n\n" + \
         "\n".join(writer) + "\n"
 
@@ -924,6 +971,8 @@ def main() -> None:
                          "request without the added-by-kvroute difference)")
     ap.add_argument("--no-envoy", action="store_true",
                     help="precise mode: fill the indexer and measure the feed only, start no Envoy")
+    ap.add_argument("--settle-seconds", type=float, default=0,
+                    help="precise mode: idle this long after the CPU readings before the last RSS reading")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
     ap.add_argument("--results-dir", default=None)

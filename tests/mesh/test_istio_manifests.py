@@ -159,7 +159,9 @@ def test_filter_and_singleton_share_vm_and_module():
     assert plugin_json(filt).get("role", "filter") == "filter"
     assert plugin_json(sing)["role"] == "singleton"
     assert plugin_json(filt)["block_size"] == plugin_json(sing)["block_size"]
-    assert set(boot) == {"bootstrap_extensions"}, "the override should only add the singleton"
+    # the override adds the singleton and the allocator's release of freed heap, nothing else
+    assert set(boot) == {"bootstrap_extensions", "memory_allocator_manager"}, set(boot)
+    assert int(boot["memory_allocator_manager"]["bytes_to_release"]) > 0
 
 
 def test_sidecars_hold_no_index():

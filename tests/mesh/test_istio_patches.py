@@ -102,6 +102,7 @@ def strip_kvroute(config):
     """The reproduction without anything kvroute adds: what Istio alone generates."""
     cfg = copy.deepcopy(config)
     cfg.pop("bootstrap_extensions", None)
+    cfg.pop("memory_allocator_manager", None)
     for listener in cfg["static_resources"]["listeners"]:
         listener.pop("per_connection_buffer_limit_bytes", None)
         hcm = hcm_of(listener)
