@@ -51,7 +51,7 @@ impl FeedRequest {
             self.epoch, self.cursor, self.pods_version, self.load_version
         );
         if let Some((number, token)) = self.page {
-            q.push_str(&format!("&page={number}&page_pod={}", token.pod));
+            q.push_str(&format!("&page={number}&page_pod={}", token.start));
             if let Some(after) = token.after {
                 q.push_str(&format!("&page_after={after}"));
             }
@@ -86,10 +86,10 @@ impl FeedRequest {
             }
         }
         r.page = match (page, page_pod) {
-            (Some(number), Some(pod)) => Some((
+            (Some(number), Some(start)) => Some((
                 number,
                 PageToken {
-                    pod,
+                    start,
                     after: page_after,
                 },
             )),
@@ -393,7 +393,7 @@ mod tests {
             load_version: load_version(&all),
             kind: FeedKind::Page {
                 number,
-                next: next.map(|pod| PageToken { pod, after: None }),
+                next: next.map(|start| PageToken { start, after: None }),
             },
             pods: list.map(<[PodInfo]>::to_vec),
             load: None,
@@ -454,7 +454,7 @@ mod tests {
             Some((
                 1,
                 PageToken {
-                    pod: 11,
+                    start: 11,
                     after: None
                 }
             ))
@@ -622,7 +622,7 @@ mod tests {
                 page: Some((
                     5,
                     PageToken {
-                        pod: 6,
+                        start: 6,
                         after: Some(7),
                     },
                 )),
