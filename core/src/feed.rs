@@ -46,7 +46,11 @@
 //!
 //! A delta or idle poll carries neither list when the consumer's versions are
 //! current (a 41-byte idle poll); a page carries at most the indexer's
-//! `--feed-max-hashes` keys. [`crate::feed_client::FeedClient`] keeps the lists
+//! `--feed-max-hashes` keys (more only when one key's holders outnumber
+//! them). A snapshot's pages are ascending, disjoint ranges of the index key,
+//! each with every (pod, key, tier) of its range, so a page lands on one run
+//! of the consumer's buckets; the token ([`PageToken`]) is opaque to the
+//! consumer and names the next range's first key. [`crate::feed_client::FeedClient`] keeps the lists
 //! and the paging state and turns each message into a [`FeedUpdate`], the form
 //! routing consumes. [`encode`]/[`decode`] carry a complete [`FeedUpdate`] (pod
 //! list included) in the same format, between the VMs of one proxy.

@@ -1385,6 +1385,86 @@ mod tests {
         }
     }
 
+    /// A snapshot in pages by index-key range (what the indexer sends: every
+    /// pod's keys of one range per page, ranges ascending) leaves the index
+    /// as the same snapshot in one page does.
+    #[test]
+    fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
+        let pods: Vec<PodInfo> = (0..5).map(|p| fed_pod(&format!("p:{p}"), 400)).collect();
+        // Per pod and tier, keys spread over the key space; pods 0–2 share some.
+        let key = |i: u64| crate::hash::index_key(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let runs: Vec<(u32, Tier, Vec<u64>)> = (0u32..5)
+            .flat_map(|pod| {
+                let from = if pod < 3 { 0 } else { 1000 * u64::from(pod) };
+                [
+                    (Tier::Gpu, 0..60),
+                    (Tier::Cpu, 60..80),
+                    (Tier::Learned, 80..90),
+                ]
+                .into_iter()
+                .map(move |(tier, range)| {
+                    let mut keys: Vec<u64> = range.map(|i| key(from + i)).collect();
+                    keys.sort_unstable();
+                    (pod, tier, keys)
+                })
+            })
+            .collect();
+        let update = |snapshot: bool, ops: Vec<BlockOp>| FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot,
+            pods: pods.clone(),
+            ops,
+        };
+        let stored = |(pod, tier, keys): &(u32, Tier, Vec<u64>), range: &std::ops::Range<u64>| {
+            let hashes: Vec<u64> = keys.iter().copied().filter(|k| range.contains(k)).collect();
+            (!hashes.is_empty()).then(|| BlockOp::Stored {
+                pod: *pod,
+                tier: *tier,
+                hashes,
+            })
+        };
+        let key_end = 1u64 << crate::hash::INDEX_KEY_BITS;
+        let whole = update(
+            true,
+            runs.iter()
+                .filter_map(|run| stored(run, &(0..key_end)))
+                .collect(),
+        );
+        let ranges = 7;
+        let width = key_end / ranges;
+        let pages: Vec<FeedUpdate> = (0..ranges)
+            .map(|i| {
+                let range = i * width..if i + 1 == ranges {
+                    key_end
+                } else {
+                    (i + 1) * width
+                };
+                update(
+                    i == 0,
+                    runs.iter().filter_map(|run| stored(run, &range)).collect(),
+                )
+            })
+            .collect();
+        assert!(
+            pages.iter().all(|p| !p.ops.is_empty()),
+            "every range holds keys"
+        );
+        let entries = |cluster: &Cluster| {
+            let mut entries = cluster.index().unwrap().entries_oldest_first();
+            entries.sort_unstable_by_key(|&(pod, key, _)| (pod, key));
+            entries
+        };
+        let mut unpaged = Cluster::default();
+        unpaged.apply_feed(&whole, 100, 5);
+        let mut paged = Cluster::default();
+        for page in &pages {
+            paged.apply_feed(page, 100, 5);
+        }
+        assert_eq!(entries(&unpaged).len(), 5 * 90);
+        assert_eq!(entries(&paged), entries(&unpaged));
+    }
+
     #[test]
     fn discovered_pods_of_unknown_capacity_get_the_configured_default() {
         let (c, mut cluster) = four_pods();

@@ -483,8 +483,10 @@ impl Blocks {
             .flat_map(|chunk| chunk.iter())
             .take(self.slab.allocated)
             .filter_map(move |&Record { kv, set }| {
+                // One compare for the range first: most records fall outside it.
                 let key = kv.index_key();
-                (set != FREE && set != EMPTY_SET && keys.contains(&key)).then_some((key, set))
+                let inside = key.wrapping_sub(keys.start) < keys.end.wrapping_sub(keys.start);
+                (inside && set != FREE && set != EMPTY_SET).then_some((key, set))
             })
     }
 

@@ -156,35 +156,46 @@ impl Index {
             }
         };
         let end = start.saturating_add(width).min(KEY_END);
-        let mut found: Vec<(u64, SetId)> = self.blocks.in_key_range(start..end).collect();
-        found.sort_unstable_by_key(|&(key, _)| key);
-        // Per pod (index into the pod list) and tier, the keys in ascending order.
+        let found: Vec<(u64, SetId)> = self.blocks.in_key_range(start..end).collect();
+        // Per pod (index into the pod list) and tier, the range's keys.
         let mut runs: Vec<[Vec<u64>; 4]> = vec![Default::default(); idx.len()];
-        let mut holders: Vec<(u32, Tier)> = Vec::new();
+        let holders = |set: SetId| {
+            self.blocks
+                .set_holders(set)
+                .filter_map(|(pod, tier)| Some((*idx.get(&pod)?, tier)))
+        };
         let mut sent = 0usize;
-        let mut next = (end < KEY_END).then_some(end);
-        for (key, set) in found {
-            holders.clear();
-            holders.extend(
-                self.blocks
-                    .set_holders(set)
-                    .filter_map(|(pod, tier)| Some((*idx.get(&pod)?, tier))),
-            );
-            if sent > 0 && sent + holders.len() > room {
-                next = Some(key);
-                break;
-            }
-            sent += holders.len();
-            for &(pod, tier) in &holders {
+        for &(key, set) in &found {
+            for (pod, tier) in holders(set) {
                 if let Some(run) = runs.get_mut(pod as usize) {
                     run[tier.code() as usize].push(key);
+                    sent += 1;
                 }
+            }
+        }
+        let mut next = (end < KEY_END).then_some(end);
+        if sent > room {
+            // Rare (the range aims below the room): cut after the last key that fits.
+            let mut by_key = found;
+            by_key.sort_unstable_by_key(|&(key, _)| key);
+            let mut kept = 0usize;
+            let cut = by_key.iter().find_map(|&(key, set)| {
+                let n = holders(set).count();
+                kept += n;
+                (kept > n && kept > room).then_some(key)
+            });
+            if let Some(cut) = cut {
+                for run in runs.iter_mut().flatten() {
+                    run.retain(|&key| key < cut);
+                }
+                next = Some(cut);
             }
         }
         let mut ops = Vec::new();
         for (pod, by_tier) in (0u32..).zip(runs) {
-            for (code, hashes) in (0u8..).zip(by_tier) {
+            for (code, mut hashes) in (0u8..).zip(by_tier) {
                 if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
+                    hashes.sort_unstable();
                     ops.push(BlockOp::Stored { pod, tier, hashes });
                 }
             }
