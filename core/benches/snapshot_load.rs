@@ -7,7 +7,7 @@
 //! store), then published (flushes of at most 8,192 keys until nothing is
 //! deferred). Prints per phase the time and the bucket reads and writes,
 //! for the resident index too (no store: the cost of the write-through),
-//! and for pages applied two at a time (`Cluster::apply_feeds`' grouping).
+//! and for pages applied two at a time (what the singleton did for pages by pod).
 //!
 //! Native, so every figure is below the wasm singleton's (where a shared-data
 //! read or write also copies the bucket across the VM boundary).

@@ -820,37 +820,17 @@ impl Cluster {
 
     /// Applies an indexer feed update: the pod set and load it states, then
     /// its block operations. Precise entries are trusted for `trust_for_s`.
+    /// A snapshot page is applied as it comes: pages are ranges of the index
+    /// key, so each lands on its own run of buckets and applying several in
+    /// one pass would save no bucket round trip (core/benches/snapshot_load.rs).
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
-        self.apply_feeds(std::slice::from_ref(update), now_s, trust_for_s);
-    }
-
-    /// Applies consecutive feed updates as [`Cluster::apply_feed`] applies
-    /// each in turn, but their block operations in one pass over the
-    /// index's buckets (a write-through index reads and stores back each
-    /// bucket once for all of them, not once per snapshot page). Updates
-    /// naming other pods than the first are applied one by one: their pod
-    /// indices cannot share one mapping.
-    pub fn apply_feeds(&mut self, updates: &[FeedUpdate], now_s: u32, trust_for_s: u32) {
-        let Some(first) = updates.first() else {
-            return;
-        };
-        if updates.len() > 1 && !updates.iter().all(|u| same_pods(u, first)) {
-            for update in updates {
-                self.apply_feeds(std::slice::from_ref(update), now_s, trust_for_s);
-            }
-            return;
+        if !update.pods.is_empty() || self.discovered {
+            self.adopt_pods(update);
         }
-        for update in updates {
-            if !update.pods.is_empty() || self.discovered {
-                self.adopt_pods(update);
-            }
-            self.record_reported_load(update);
-        }
+        self.record_reported_load(update);
         if let Some(mut index) = self.index.take() {
             let mut ops: Vec<IndexOp> = Vec::new();
-            for update in updates {
-                self.index_ops(update, &mut ops);
-            }
+            self.index_ops(update, &mut ops);
             index.apply_ops(&ops, now_s);
             self.index = Some(index);
         }
@@ -924,16 +904,6 @@ impl Cluster {
         let i = *self.by_address.get(address)?;
         self.pods.get_mut(i)
     }
-}
-
-/// True when `a` and `b` name the same pods in the same order (their op
-/// pod indices mean the same pods).
-fn same_pods(a: &FeedUpdate, b: &FeedUpdate) -> bool {
-    a.pods.len() == b.pods.len()
-        && a.pods
-            .iter()
-            .zip(&b.pods)
-            .all(|(x, y)| x.address == y.address)
 }
 
 #[cfg(test)]
@@ -1321,68 +1291,6 @@ mod tests {
             cluster.decide(&c, &hashed, 301, 0).unwrap().matched_blocks,
             4
         );
-    }
-
-    /// Snapshot pages and deltas applied together leave the index as
-    /// applying them one by one does: a later page's removals, a new
-    /// snapshot's clearing and a changed pod list all keep their order.
-    #[test]
-    fn feed_updates_applied_together_match_one_by_one() {
-        let (c, _) = four_pods();
-        let hashes = token_prompt(&c, "m", 320).hashes;
-        let pods = vec![
-            fed_pod("x:1", 100),
-            fed_pod("y:1", 100),
-            fed_pod("z:1", 100),
-        ];
-        let stored = |pod: u32, range: std::ops::Range<usize>| BlockOp::Stored {
-            pod,
-            tier: Tier::Gpu,
-            hashes: hashes[range].to_vec(),
-        };
-        let page = |snapshot: bool, ops: Vec<BlockOp>| FeedUpdate {
-            epoch: 1,
-            cursor: 1,
-            snapshot,
-            pods: pods.clone(),
-            ops,
-        };
-        let updates = [
-            page(true, vec![stored(0, 0..12), stored(1, 0..20)]),
-            page(
-                false,
-                vec![
-                    stored(2, 4..16),
-                    BlockOp::Removed {
-                        pod: 0,
-                        hashes: hashes[6..12].to_vec(),
-                    },
-                ],
-            ),
-            page(false, vec![stored(0, 8..10), BlockOp::Cleared { pod: 1 }]),
-            page(true, vec![stored(1, 0..5), stored(2, 0..3)]),
-            page(false, vec![stored(0, 0..7)]),
-            FeedUpdate {
-                pods: pods[1..].to_vec(),
-                ..page(false, vec![stored(0, 10..14)])
-            },
-        ];
-        let entries = |cluster: &Cluster| {
-            let mut entries = cluster.index().unwrap().entries_oldest_first();
-            entries.sort_unstable_by_key(|&(pod, key, _)| (pod, key));
-            entries
-        };
-        for cut in 1..updates.len() {
-            let mut one_by_one = Cluster::default();
-            for update in &updates[..cut] {
-                one_by_one.apply_feed(update, 100, 5);
-            }
-            let mut together = Cluster::default();
-            together.apply_feeds(&updates[..cut], 100, 5);
-            assert!(!entries(&one_by_one).is_empty());
-            assert_eq!(entries(&together), entries(&one_by_one), "{cut} updates");
-            assert_eq!(together.len(), one_by_one.len());
-        }
     }
 
     /// A snapshot in pages by index-key range (what the indexer sends: every
