@@ -126,7 +126,9 @@ fn pages(paging: Paging) -> Vec<Vec<u8>> {
             let mut by_range: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); PODS]; ranges];
             for p in 0..PODS {
                 for h in pod_hashes(p) {
-                    by_range[(index_key(h) / width) as usize][p].push(h);
+                    if let Some(run) = by_range[(index_key(h) / width) as usize].get_mut(p) {
+                        run.push(h);
+                    }
                 }
             }
             for range in by_range {

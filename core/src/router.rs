@@ -1326,7 +1326,7 @@ mod tests {
         };
         let stored = |(pod, tier, keys): &(u32, Tier, Vec<u64>), range: &std::ops::Range<u64>| {
             let hashes: Vec<u64> = keys.iter().copied().filter(|k| range.contains(k)).collect();
-            (!hashes.is_empty()).then(|| BlockOp::Stored {
+            (!hashes.is_empty()).then_some(BlockOp::Stored {
                 pod: *pod,
                 tier: *tier,
                 hashes,
