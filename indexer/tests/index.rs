@@ -864,6 +864,52 @@ fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
     assert_eq!(c.entries, whole.entries);
 }
 
+/// A key is never split across pages: three pods holding the same four
+/// blocks, paged at 2 hashes, come one key (three entries) a page.
+#[test]
+fn a_key_held_by_more_pods_than_a_page_holds_comes_whole_in_one_page() {
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    let mut ix = Index::new(
+        IndexConfig {
+            feed_max_hashes: 2,
+            ..IndexConfig::default()
+        },
+        Metrics::new(),
+        3,
+    );
+    for p in pods {
+        ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
+        store_blocks(&mut ix, p, 0, 1, 4);
+    }
+    let mut c = Consumer::default();
+    let request = c.client.on_tick(1).unwrap();
+    let mut got = c.exchange(&ix, request);
+    let mut keys_sent = Vec::new();
+    loop {
+        let mut keys: Vec<u64> = got
+            .update
+            .ops
+            .iter()
+            .flat_map(|o| o.hashes().to_vec())
+            .collect();
+        keys.dedup();
+        // Ranges with no key are possible; a page with keys holds exactly one.
+        assert!(keys.len() <= 1, "{keys:?}");
+        if let Some(&key) = keys.first() {
+            assert_eq!(got.update.ops.len(), 3, "the key's three holders");
+            keys_sent.push(key);
+        }
+        if got.snapshot_complete {
+            break;
+        }
+        let request = c.client.follow_up(1).expect("the next page at once");
+        got = c.exchange(&ix, request);
+    }
+    assert_eq!(keys_sent.len(), 4);
+    assert!(keys_sent.windows(2).all(|w| w[0] < w[1]), "{keys_sent:?}");
+    assert_eq!(c.entries.len(), 12);
+}
+
 #[test]
 fn a_pod_list_change_while_paging_restarts_the_snapshot() {
     let mut ix = index_with(IndexConfig {
