@@ -44,7 +44,10 @@ pub struct FeedRequest {
 
 impl FeedRequest {
     /// The query string: `epoch=&cursor=&pods=&load=`, then for a page
-    /// `&page=&page_pod=` and `&page_after=` when the token has one.
+    /// `&page=&page_pod=` and `&page_after=` when the token has one
+    /// (`page_pod` carries [`PageToken::start`]: the name is that of the
+    /// per-pod paging of earlier releases, kept so that either release's
+    /// filter and indexer understand each other).
     pub fn query(&self) -> String {
         let mut q = format!(
             "epoch={}&cursor={}&pods={}&load={}",
