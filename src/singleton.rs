@@ -1,8 +1,8 @@
 //! The singleton (bootstrap `wasm_service`, main thread): the only writer of
 //! the proxy's routing index. It applies the indexer feed (the calls
 //! `kvroute_core::feed_client` asks for: a poll per `indexer.poll_ms`,
-//! snapshot pages and waiting deltas at once; snapshot pages are applied two
-//! at a time, see [`MAX_HELD_PAGE_HASHES`]) and what the workers' routed
+//! snapshot pages and waiting deltas at once; each page is applied as it
+//! comes, on its own run of buckets: pages are ranges of the index key) and what the workers' routed
 //! prompts teach (its queue), and publishes what changed to shared data
 //! every `index.flush_ms`, where every worker VM reads it. Workers get from
 //! the feed only the pods and their load. It reports the workers' confirmed
@@ -34,12 +34,6 @@ const FLUSH_BATCH_WRITES: usize = 256;
 /// in shared data, read back on a bucket's first write since it was stored.
 const MAX_RESIDENT_BUCKETS: usize = 2048;
 
-/// Snapshot pages held back to be applied together, up to this many hashes
-/// (two pages of the indexer's default `--feed-max-hashes`, ≈ 8 MB decoded):
-/// each application reads and stores back nearly every bucket of the index,
-/// so two pages at once halve that work.
-const MAX_HELD_PAGE_HASHES: usize = 1 << 20;
-
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
 const MAX_PENDING_LEARNED: usize = 1 << 16;
@@ -64,8 +58,6 @@ pub struct Singleton {
     feed_call: Option<(u32, u64)>,
     learned_call: Option<u32>,
     /// Snapshot pages received and not applied yet, and their hashes.
-    held_pages: Vec<FeedUpdate>,
-    held_hashes: usize,
     pending: LearnedBatch,
     pending_hashes: usize,
     failing: bool,
@@ -118,8 +110,6 @@ impl Singleton {
             feed: FeedClient::new(poll_ms),
             feed_call: None,
             learned_call: None,
-            held_pages: Vec::new(),
-            held_hashes: 0,
             pending: LearnedBatch::default(),
             pending_hashes: 0,
             failing: false,
@@ -146,10 +136,6 @@ impl Singleton {
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
             self.flush(now_ms);
-        }
-        if self.feed_call.is_none() {
-            // No next page is coming: what is held waits no longer.
-            self.apply_held_pages();
         }
         let Some(indexer) = self.indexer.clone() else {
             return;
@@ -379,32 +365,9 @@ impl Singleton {
             host::log(LogLevel::Info, "kvroute singleton: indexer feed is back");
         }
         self.forward(&received.update);
-        // A snapshot page with more to come is held (the next one is already
-        // asked for) until the held pages reach their bound.
-        let more_pages = received.page.is_some() && !received.snapshot_complete;
-        self.held_hashes += received
-            .update
-            .ops
-            .iter()
-            .map(|op| op.hashes().len())
-            .sum::<usize>();
-        self.held_pages.push(received.update);
-        if !more_pages || self.held_hashes >= MAX_HELD_PAGE_HASHES {
-            self.apply_held_pages();
-        }
-    }
-
-    /// The index takes the held feed updates' block operations, in one pass
-    /// over its buckets.
-    fn apply_held_pages(&mut self) {
-        if self.held_pages.is_empty() {
-            return;
-        }
-        let updates = std::mem::take(&mut self.held_pages);
-        self.held_hashes = 0;
         // The singleton decides nothing: trusting precise entries is the
         // workers' call, from when the feed last reached them.
-        self.cluster.apply_feeds(&updates, host::now().0, 0);
+        self.cluster.apply_feed(&received.update, host::now().0, 0);
     }
 
     /// Every worker VM gets a feed update's pods and their load at once.
@@ -438,9 +401,7 @@ impl Singleton {
     }
 
     /// Counts a failure; logs when the feed goes from healthy to failing.
-    /// Held pages are applied: no next page is coming now.
     fn failed(&mut self, why: &str) {
-        self.apply_held_pages();
         self.metrics.errors.inc();
         host::log(
             first_failure_level(&mut self.failing),

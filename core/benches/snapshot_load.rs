@@ -1,12 +1,13 @@
 //! Where a new proxy's time to route goes: the issue-10 fleet's snapshot
 //! (1,000 pods × 13,445 blocks, no block shared) in the indexer's pages of
-//! 2¹⁹ hashes (26 pages, pods in order), taken the way the singleton takes
-//! it: each page decoded from the wire, applied bucket by bucket to the
+//! at most 2¹⁹ hashes, cut by pod as before (26 pages, pods in order) and by
+//! index-key range as now (28 pages of ≈ 15/16 of 2¹⁹), taken the way the
+//! singleton takes it: each page decoded from the wire, applied bucket by bucket to the
 //! write-through index (working set of 2,048 buckets over an in-memory
 //! store), then published (flushes of at most 8,192 keys until nothing is
 //! deferred). Prints per phase the time and the bucket reads and writes,
 //! for the resident index too (no store: the cost of the write-through),
-//! and for pages applied two or four at a time (what grouping would save).
+//! and for pages applied two at a time (what the singleton did for pages by pod).
 //!
 //! Native, so every figure is below the wasm singleton's (where a shared-data
 //! read or write also copies the bucket across the VM boundary).
@@ -18,6 +19,7 @@
 
 use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
+use kvroute_core::hash::{index_key, INDEX_KEY_BITS};
 use kvroute_core::index::published::{KeyReader, KeyStore};
 use kvroute_core::index::{BlockIndex, IndexOp, MatchRules, PodId, PodMatch};
 use std::cell::{Cell, RefCell};
@@ -66,9 +68,18 @@ impl KeyStore for MapStore {
     }
 }
 
-/// The snapshot's pages as the indexer sends them: pods in order, a pod cut
-/// where a page is full.
-fn pages() -> Vec<Vec<u8>> {
+/// How the indexer cuts its snapshot into pages.
+#[derive(Clone, Copy, Debug)]
+enum Paging {
+    /// Before: pods in order, a pod cut where a page is full.
+    ByPod,
+    /// Now: ascending ranges of the index key, each sized to about 15/16 of
+    /// a page (the indexer's aim), every pod's keys of the range in it.
+    ByKeyRange,
+}
+
+/// The snapshot's pages as the indexer sends them.
+fn pages(paging: Paging) -> Vec<Vec<u8>> {
     let pods: Vec<PodInfo> = (0..PODS)
         .map(|p| PodInfo {
             address: format!("10.0.{}.{}:8000", p / 256, p % 256),
@@ -78,48 +89,75 @@ fn pages() -> Vec<Vec<u8>> {
             ..PodInfo::default()
         })
         .collect();
-    let mut pages = Vec::new();
-    let mut ops: Vec<BlockOp> = Vec::new();
-    let mut in_page = 0;
-    let flush = |pages: &mut Vec<Vec<u8>>, ops: &mut Vec<BlockOp>| {
-        let first = pages.is_empty();
-        let message = FeedMessage {
-            epoch: 1,
-            cursor: 1,
-            kind: FeedKind::Page {
-                number: pages.len() as u32,
-                next: None,
-            },
-            pods: first.then(|| pods.clone()),
-            ops: std::mem::take(ops),
-            ..FeedMessage::default()
-        };
-        pages.push(feed::encode_message(&message));
-    };
-    for p in 0..PODS {
-        let mut hashes: Vec<u64> = (0..BLOCKS_PER_POD)
-            .map(|i| mix(((p as u64) << 32) | i as u64))
-            .collect();
-        while !hashes.is_empty() {
-            let take = hashes.len().min(PAGE_HASHES - in_page);
-            let rest = hashes.split_off(take);
-            ops.push(BlockOp::Stored {
-                pod: p as u32,
-                tier: Tier::Gpu,
-                hashes,
-            });
-            hashes = rest;
-            in_page += take;
-            if in_page == PAGE_HASHES {
-                flush(&mut pages, &mut ops);
-                in_page = 0;
+    let pod_hashes =
+        |p: usize| (0..BLOCKS_PER_POD).map(move |i| mix(((p as u64) << 32) | i as u64));
+    let mut pages_ops: Vec<Vec<BlockOp>> = Vec::new();
+    match paging {
+        Paging::ByPod => {
+            let mut ops: Vec<BlockOp> = Vec::new();
+            let mut in_page = 0;
+            for p in 0..PODS {
+                let mut hashes: Vec<u64> = pod_hashes(p).collect();
+                while !hashes.is_empty() {
+                    let take = hashes.len().min(PAGE_HASHES - in_page);
+                    let rest = hashes.split_off(take);
+                    ops.push(BlockOp::Stored {
+                        pod: p as u32,
+                        tier: Tier::Gpu,
+                        hashes,
+                    });
+                    hashes = rest;
+                    in_page += take;
+                    if in_page == PAGE_HASHES {
+                        pages_ops.push(std::mem::take(&mut ops));
+                        in_page = 0;
+                    }
+                }
+            }
+            if !ops.is_empty() {
+                pages_ops.push(ops);
+            }
+        }
+        Paging::ByKeyRange => {
+            let entries = (PODS * BLOCKS_PER_POD) as u64;
+            let width = (1u64 << INDEX_KEY_BITS) * 15 / 16 / entries * PAGE_HASHES as u64;
+            let ranges = (1u64 << INDEX_KEY_BITS).div_ceil(width) as usize;
+            // Per range, per pod, the hashes whose key falls in the range.
+            let mut by_range: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); PODS]; ranges];
+            for p in 0..PODS {
+                for h in pod_hashes(p) {
+                    if let Some(run) = by_range[(index_key(h) / width) as usize].get_mut(p) {
+                        run.push(h);
+                    }
+                }
+            }
+            for range in by_range {
+                let ops = (0u32..)
+                    .zip(range)
+                    .filter(|(_, hashes)| !hashes.is_empty())
+                    .map(|(pod, hashes)| BlockOp::Stored {
+                        pod,
+                        tier: Tier::Gpu,
+                        hashes,
+                    })
+                    .collect();
+                pages_ops.push(ops);
             }
         }
     }
-    if !ops.is_empty() {
-        flush(&mut pages, &mut ops);
-    }
-    pages
+    (0u32..)
+        .zip(pages_ops)
+        .map(|(number, ops)| {
+            feed::encode_message(&FeedMessage {
+                epoch: 1,
+                cursor: 1,
+                kind: FeedKind::Page { number, next: None },
+                pods: (number == 0).then(|| pods.clone()),
+                ops,
+                ..FeedMessage::default()
+            })
+        })
+        .collect()
 }
 
 #[derive(Default)]
@@ -177,51 +215,53 @@ fn load(pages: &[Vec<u8>], group: usize, write_through: bool) -> (Phases, u64, u
 }
 
 fn main() {
-    let start = Instant::now();
-    let pages = pages();
-    let bytes: usize = pages.iter().map(Vec::len).sum();
-    println!(
-        "snapshot: {PODS} pods x {BLOCKS_PER_POD} blocks, {} pages, {:.1} MB on the wire ({:.1} s to build)",
-        pages.len(),
-        bytes as f64 / 1e6,
-        start.elapsed().as_secs_f64()
-    );
     let rules = MatchRules {
         trust_precise: true,
         cpu_credit: 0.5,
         disk_credit: 0.25,
     };
-    println!("| index | pages per apply | decode s | apply s | publish s | total s | bucket reads | key writes | early write-backs | blocks |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (write_through, group) in [(false, 1), (true, 1), (true, 2), (true, 4)] {
-        let (phases, reads, writes, index) = load(&pages, group, write_through);
-        let stats = index.stats();
-        // It measured a complete load: every pod's first and last block matches.
-        let mut out: Vec<PodMatch> = Vec::new();
-        for p in [0, PODS / 2, PODS - 1] {
-            let last = mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64);
-            index.match_lengths(&[last], 1, &rules, &mut out);
-            assert_eq!(out.len(), 1, "pod {p}: {out:?}");
+    println!("| paging | index | pages per apply | decode s | apply s | publish s | total s | bucket reads | key writes | early write-backs | blocks |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for paging in [Paging::ByPod, Paging::ByKeyRange] {
+        let start = Instant::now();
+        let pages = pages(paging);
+        let bytes: usize = pages.iter().map(Vec::len).sum();
+        eprintln!(
+            "snapshot {paging:?}: {PODS} pods x {BLOCKS_PER_POD} blocks, {} pages, {:.1} MB on the wire ({:.1} s to build)",
+            pages.len(),
+            bytes as f64 / 1e6,
+            start.elapsed().as_secs_f64()
+        );
+        for (write_through, group) in [(false, 1), (true, 1), (true, 2)] {
+            let (phases, reads, writes, index) = load(&pages, group, write_through);
+            let stats = index.stats();
+            // It measured a complete load: every pod's first and last block matches.
+            let mut out: Vec<PodMatch> = Vec::new();
+            for p in [0, PODS / 2, PODS - 1] {
+                let last = mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64);
+                index.match_lengths(&[last], 1, &rules, &mut out);
+                assert_eq!(out.len(), 1, "pod {p}: {out:?}");
+            }
+            assert_eq!(
+                stats.evicted + stats.dropped + stats.unloadable,
+                0,
+                "{stats:?}"
+            );
+            let total = phases.decode + phases.apply + phases.publish;
+            println!(
+                "| {paging:?} | {} | {group} | {:.2} | {:.2} | {:.2} | {:.2} | {reads} | {writes} | {} | {} |",
+                if write_through {
+                    "write-through"
+                } else {
+                    "resident"
+                },
+                phases.decode.as_secs_f64(),
+                phases.apply.as_secs_f64(),
+                phases.publish.as_secs_f64(),
+                total.as_secs_f64(),
+                stats.written_back_early,
+                stats.blocks,
+            );
         }
-        assert_eq!(
-            stats.evicted + stats.dropped + stats.unloadable,
-            0,
-            "{stats:?}"
-        );
-        let total = phases.decode + phases.apply + phases.publish;
-        println!(
-            "| {} | {group} | {:.2} | {:.2} | {:.2} | {:.2} | {reads} | {writes} | {} | {} |",
-            if write_through {
-                "write-through"
-            } else {
-                "resident"
-            },
-            phases.decode.as_secs_f64(),
-            phases.apply.as_secs_f64(),
-            phases.publish.as_secs_f64(),
-            total.as_secs_f64(),
-            stats.written_back_early,
-            stats.blocks,
-        );
     }
 }

@@ -22,7 +22,7 @@
 //! pods_version  u64                    digest of the pod list's addresses, models, capacities, speeds
 //! load_version  u64                    digest of the pods' load
 //! PAGE:  page u32 (0: the first page, which replaces all state)
-//! PAGE and MORE: next page token: pod u64, has_after u8 (0 or 1), [after u64]
+//! PAGE and MORE: next page token: start u64, has_after u8 (0 or 1), [after u64]
 //! PODS:  varint n_pods, n_pods × pod:
 //!            address str, varint n_models, n_models × str,
 //!            capacity_blocks varint, speed u32 (f32 bits: 0 not stated, else finite in (0, 1000]),
@@ -46,7 +46,11 @@
 //!
 //! A delta or idle poll carries neither list when the consumer's versions are
 //! current (a 41-byte idle poll); a page carries at most the indexer's
-//! `--feed-max-hashes` keys. [`crate::feed_client::FeedClient`] keeps the lists
+//! `--feed-max-hashes` keys (more only when one key's holders outnumber
+//! them). A snapshot's pages are ascending, disjoint ranges of the index key,
+//! each with every (pod, key, tier) of its range, so a page lands on one run
+//! of the consumer's buckets; the token ([`PageToken`]) is opaque to the
+//! consumer and names the next range's first key. [`crate::feed_client::FeedClient`] keeps the lists
 //! and the paging state and turns each message into a [`FeedUpdate`], the form
 //! routing consumes. [`encode`]/[`decode`] carry a complete [`FeedUpdate`] (pod
 //! list included) in the same format, between the VMs of one proxy.
@@ -232,11 +236,14 @@ impl BlockOp {
 }
 
 /// Where the next page of a snapshot starts: opaque to the consumer, which
-/// sends it back (the indexer's pod key, and the last hash sent of that pod
-/// when the page ended inside it).
+/// sends it back as it came (`page_pod` and `page_after` in the query). The
+/// indexer of this release puts the first index key of the next page's key
+/// range in `start` and no `after`; earlier ones paged by pod (`start` the
+/// pod key, `after` the last hash sent of a pod cut across pages). The layout
+/// is unchanged, so either indexer serves either consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PageToken {
-    pub pod: u64,
+    pub start: u64,
     pub after: Option<u64>,
 }
 
@@ -635,7 +642,7 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
     if let FeedKind::Page { number, next } = head.kind {
         codec::put_u32(&mut out, number);
         if let Some(token) = next {
-            codec::put_u64(&mut out, token.pod);
+            codec::put_u64(&mut out, token.start);
             match token.after {
                 Some(after) => {
                     out.push(1);
@@ -795,13 +802,13 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let kind = if flags & FLAG_PAGE != 0 {
         let number = r.u32("page")?;
         let next = if more {
-            let pod = r.u64("page token")?;
+            let start = r.u64("page token")?;
             let after = match r.u8("page token")? {
                 0 => None,
                 1 => Some(r.u64("page token")?),
                 _ => return Err(FeedError::BadBool { what: "page token" }),
             };
-            Some(PageToken { pod, after })
+            Some(PageToken { start, after })
         } else {
             None
         };
@@ -992,7 +999,7 @@ mod tests {
                 kind: FeedKind::Page {
                     number: 0,
                     next: Some(PageToken {
-                        pod: 3,
+                        start: 3,
                         after: Some(u64::MAX),
                     }),
                 },
@@ -1004,7 +1011,7 @@ mod tests {
                 kind: FeedKind::Page {
                     number: 7,
                     next: Some(PageToken {
-                        pod: 4,
+                        start: 4,
                         after: None,
                     }),
                 },
@@ -1187,7 +1194,7 @@ mod tests {
             kind: FeedKind::Page {
                 number: 1,
                 next: Some(PageToken {
-                    pod: 5,
+                    start: 5,
                     after: Some(6),
                 }),
             },

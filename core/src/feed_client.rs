@@ -44,14 +44,17 @@ pub struct FeedRequest {
 
 impl FeedRequest {
     /// The query string: `epoch=&cursor=&pods=&load=`, then for a page
-    /// `&page=&page_pod=` and `&page_after=` when the token has one.
+    /// `&page=&page_pod=` and `&page_after=` when the token has one
+    /// (`page_pod` carries [`PageToken::start`]: the name is that of the
+    /// per-pod paging of earlier releases, kept so that either release's
+    /// filter and indexer understand each other).
     pub fn query(&self) -> String {
         let mut q = format!(
             "epoch={}&cursor={}&pods={}&load={}",
             self.epoch, self.cursor, self.pods_version, self.load_version
         );
         if let Some((number, token)) = self.page {
-            q.push_str(&format!("&page={number}&page_pod={}", token.pod));
+            q.push_str(&format!("&page={number}&page_pod={}", token.start));
             if let Some(after) = token.after {
                 q.push_str(&format!("&page_after={after}"));
             }
@@ -86,10 +89,10 @@ impl FeedRequest {
             }
         }
         r.page = match (page, page_pod) {
-            (Some(number), Some(pod)) => Some((
+            (Some(number), Some(start)) => Some((
                 number,
                 PageToken {
-                    pod,
+                    start,
                     after: page_after,
                 },
             )),
@@ -393,7 +396,7 @@ mod tests {
             load_version: load_version(&all),
             kind: FeedKind::Page {
                 number,
-                next: next.map(|pod| PageToken { pod, after: None }),
+                next: next.map(|start| PageToken { start, after: None }),
             },
             pods: list.map(<[PodInfo]>::to_vec),
             load: None,
@@ -454,7 +457,7 @@ mod tests {
             Some((
                 1,
                 PageToken {
-                    pod: 11,
+                    start: 11,
                     after: None
                 }
             ))
@@ -622,7 +625,7 @@ mod tests {
                 page: Some((
                     5,
                     PageToken {
-                        pod: 6,
+                        start: 6,
                         after: Some(7),
                     },
                 )),

@@ -820,37 +820,17 @@ impl Cluster {
 
     /// Applies an indexer feed update: the pod set and load it states, then
     /// its block operations. Precise entries are trusted for `trust_for_s`.
+    /// A snapshot page is applied as it comes: pages are ranges of the index
+    /// key, so each lands on its own run of buckets and applying several in
+    /// one pass would save no bucket round trip (core/benches/snapshot_load.rs).
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
-        self.apply_feeds(std::slice::from_ref(update), now_s, trust_for_s);
-    }
-
-    /// Applies consecutive feed updates as [`Cluster::apply_feed`] applies
-    /// each in turn, but their block operations in one pass over the
-    /// index's buckets (a write-through index reads and stores back each
-    /// bucket once for all of them, not once per snapshot page). Updates
-    /// naming other pods than the first are applied one by one: their pod
-    /// indices cannot share one mapping.
-    pub fn apply_feeds(&mut self, updates: &[FeedUpdate], now_s: u32, trust_for_s: u32) {
-        let Some(first) = updates.first() else {
-            return;
-        };
-        if updates.len() > 1 && !updates.iter().all(|u| same_pods(u, first)) {
-            for update in updates {
-                self.apply_feeds(std::slice::from_ref(update), now_s, trust_for_s);
-            }
-            return;
+        if !update.pods.is_empty() || self.discovered {
+            self.adopt_pods(update);
         }
-        for update in updates {
-            if !update.pods.is_empty() || self.discovered {
-                self.adopt_pods(update);
-            }
-            self.record_reported_load(update);
-        }
+        self.record_reported_load(update);
         if let Some(mut index) = self.index.take() {
             let mut ops: Vec<IndexOp> = Vec::new();
-            for update in updates {
-                self.index_ops(update, &mut ops);
-            }
+            self.index_ops(update, &mut ops);
             index.apply_ops(&ops, now_s);
             self.index = Some(index);
         }
@@ -924,16 +904,6 @@ impl Cluster {
         let i = *self.by_address.get(address)?;
         self.pods.get_mut(i)
     }
-}
-
-/// True when `a` and `b` name the same pods in the same order (their op
-/// pod indices mean the same pods).
-fn same_pods(a: &FeedUpdate, b: &FeedUpdate) -> bool {
-    a.pods.len() == b.pods.len()
-        && a.pods
-            .iter()
-            .zip(&b.pods)
-            .all(|(x, y)| x.address == y.address)
 }
 
 #[cfg(test)]
@@ -1323,66 +1293,84 @@ mod tests {
         );
     }
 
-    /// Snapshot pages and deltas applied together leave the index as
-    /// applying them one by one does: a later page's removals, a new
-    /// snapshot's clearing and a changed pod list all keep their order.
+    /// A snapshot in pages by index-key range (what the indexer sends: every
+    /// pod's keys of one range per page, ranges ascending) leaves the index
+    /// as the same snapshot in one page does.
     #[test]
-    fn feed_updates_applied_together_match_one_by_one() {
-        let (c, _) = four_pods();
-        let hashes = token_prompt(&c, "m", 320).hashes;
-        let pods = vec![
-            fed_pod("x:1", 100),
-            fed_pod("y:1", 100),
-            fed_pod("z:1", 100),
-        ];
-        let stored = |pod: u32, range: std::ops::Range<usize>| BlockOp::Stored {
-            pod,
-            tier: Tier::Gpu,
-            hashes: hashes[range].to_vec(),
-        };
-        let page = |snapshot: bool, ops: Vec<BlockOp>| FeedUpdate {
+    fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
+        let pods: Vec<PodInfo> = (0..5).map(|p| fed_pod(&format!("p:{p}"), 400)).collect();
+        // Per pod and tier, keys spread over the key space; pods 0–2 share some.
+        let key = |i: u64| crate::hash::index_key(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let runs: Vec<(u32, Tier, Vec<u64>)> = (0u32..5)
+            .flat_map(|pod| {
+                let from = if pod < 3 { 0 } else { 1000 * u64::from(pod) };
+                [
+                    (Tier::Gpu, 0..60),
+                    (Tier::Cpu, 60..80),
+                    (Tier::Learned, 80..90),
+                ]
+                .into_iter()
+                .map(move |(tier, range)| {
+                    let mut keys: Vec<u64> = range.map(|i| key(from + i)).collect();
+                    keys.sort_unstable();
+                    (pod, tier, keys)
+                })
+            })
+            .collect();
+        let update = |snapshot: bool, ops: Vec<BlockOp>| FeedUpdate {
             epoch: 1,
             cursor: 1,
             snapshot,
             pods: pods.clone(),
             ops,
         };
-        let updates = [
-            page(true, vec![stored(0, 0..12), stored(1, 0..20)]),
-            page(
-                false,
-                vec![
-                    stored(2, 4..16),
-                    BlockOp::Removed {
-                        pod: 0,
-                        hashes: hashes[6..12].to_vec(),
-                    },
-                ],
-            ),
-            page(false, vec![stored(0, 8..10), BlockOp::Cleared { pod: 1 }]),
-            page(true, vec![stored(1, 0..5), stored(2, 0..3)]),
-            page(false, vec![stored(0, 0..7)]),
-            FeedUpdate {
-                pods: pods[1..].to_vec(),
-                ..page(false, vec![stored(0, 10..14)])
-            },
-        ];
+        let stored = |(pod, tier, keys): &(u32, Tier, Vec<u64>), range: &std::ops::Range<u64>| {
+            let hashes: Vec<u64> = keys.iter().copied().filter(|k| range.contains(k)).collect();
+            (!hashes.is_empty()).then_some(BlockOp::Stored {
+                pod: *pod,
+                tier: *tier,
+                hashes,
+            })
+        };
+        let key_end = 1u64 << crate::hash::INDEX_KEY_BITS;
+        let whole = update(
+            true,
+            runs.iter()
+                .filter_map(|run| stored(run, &(0..key_end)))
+                .collect(),
+        );
+        let ranges = 7;
+        let width = key_end / ranges;
+        let pages: Vec<FeedUpdate> = (0..ranges)
+            .map(|i| {
+                let range = i * width..if i + 1 == ranges {
+                    key_end
+                } else {
+                    (i + 1) * width
+                };
+                update(
+                    i == 0,
+                    runs.iter().filter_map(|run| stored(run, &range)).collect(),
+                )
+            })
+            .collect();
+        assert!(
+            pages.iter().all(|p| !p.ops.is_empty()),
+            "every range holds keys"
+        );
         let entries = |cluster: &Cluster| {
             let mut entries = cluster.index().unwrap().entries_oldest_first();
             entries.sort_unstable_by_key(|&(pod, key, _)| (pod, key));
             entries
         };
-        for cut in 1..updates.len() {
-            let mut one_by_one = Cluster::default();
-            for update in &updates[..cut] {
-                one_by_one.apply_feed(update, 100, 5);
-            }
-            let mut together = Cluster::default();
-            together.apply_feeds(&updates[..cut], 100, 5);
-            assert!(!entries(&one_by_one).is_empty());
-            assert_eq!(entries(&together), entries(&one_by_one), "{cut} updates");
-            assert_eq!(together.len(), one_by_one.len());
+        let mut unpaged = Cluster::default();
+        unpaged.apply_feed(&whole, 100, 5);
+        let mut paged = Cluster::default();
+        for page in &pages {
+            paged.apply_feed(page, 100, 5);
         }
+        assert_eq!(entries(&unpaged).len(), 5 * 90);
+        assert_eq!(entries(&paged), entries(&unpaged));
     }
 
     #[test]

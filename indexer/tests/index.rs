@@ -786,6 +786,130 @@ fn snapshots_come_in_bounded_pages_and_deltas_replay_over_them() {
     assert_eq!(c.entries, fresh(&ix).entries);
 }
 
+/// Pages are ascending, disjoint ranges of the index key: paged at 7 hashes,
+/// a snapshot of four pods sharing blocks (and a learned entry, a CPU copy)
+/// rebuilds exactly the state of the same index sent in one page.
+#[test]
+fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
+    let pods = [
+        "10.0.0.1:8000",
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+        "10.0.0.4:8000",
+    ];
+    let filled = |feed_max_hashes: usize| {
+        let mut ix = Index::new(
+            IndexConfig {
+                feed_max_hashes,
+                ..IndexConfig::default()
+            },
+            Metrics::new(),
+            9,
+        );
+        for (i, p) in pods.iter().enumerate() {
+            ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
+            // Pods 0–2 share the chain's first 10, 20 and 30 blocks; pod 3 holds its own.
+            let (first, n) = if i < 3 { (1, 10 * (i + 1)) } else { (500, 25) };
+            store_blocks(&mut ix, p, 0, first as u64, n);
+        }
+        let t = tokens(16, 3);
+        ix.handle(
+            &msg(
+                pods[3],
+                1,
+                &batch(vec![stored(&[90, 91, 92], None, t, Some(Medium::Cpu))], 0),
+            ),
+            0,
+        );
+        ix.apply_learned(
+            &LearnedBatch {
+                entries: vec![(pods[3].into(), vec![0xfeed_0000_0001])],
+            },
+            0,
+        );
+        ix
+    };
+    let whole = fresh(&filled(1 << 20));
+    let entries = whole.entries.len();
+    assert_eq!(entries, 10 + 20 + 30 + 25 + 3 + 1);
+    let ix = filled(7);
+    let mut c = Consumer::default();
+    let request = c.client.on_tick(1).unwrap();
+    let mut got = c.exchange(&ix, request);
+    let mut pages = 1;
+    let mut below = 0u64; // every key of a page is above every key of the pages before
+    loop {
+        let keys: Vec<u64> = got
+            .update
+            .ops
+            .iter()
+            .flat_map(|o| o.hashes().to_vec())
+            .collect();
+        assert!(keys.len() <= 7, "page {pages} carries {} keys", keys.len());
+        if let Some(&least) = keys.iter().min() {
+            assert!(least >= below, "page {pages} goes back to key {least}");
+            below = keys.iter().max().map_or(below, |&k| k + 1);
+        }
+        if got.snapshot_complete {
+            break;
+        }
+        let request = c.client.follow_up(1).expect("the next page at once");
+        got = c.exchange(&ix, request);
+        pages += 1;
+    }
+    assert!(
+        pages >= entries / 7,
+        "{entries} entries at 7 per page: {pages} pages"
+    );
+    assert_eq!(c.entries, whole.entries);
+}
+
+/// A key is never split across pages: three pods holding the same four
+/// blocks, paged at 2 hashes, come one key (three entries) a page.
+#[test]
+fn a_key_held_by_more_pods_than_a_page_holds_comes_whole_in_one_page() {
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    let mut ix = Index::new(
+        IndexConfig {
+            feed_max_hashes: 2,
+            ..IndexConfig::default()
+        },
+        Metrics::new(),
+        3,
+    );
+    for p in pods {
+        ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
+        store_blocks(&mut ix, p, 0, 1, 4);
+    }
+    let mut c = Consumer::default();
+    let request = c.client.on_tick(1).unwrap();
+    let mut got = c.exchange(&ix, request);
+    let mut keys_sent = Vec::new();
+    loop {
+        let mut keys: Vec<u64> = got
+            .update
+            .ops
+            .iter()
+            .flat_map(|o| o.hashes().to_vec())
+            .collect();
+        keys.dedup();
+        // Ranges with no key are possible; a page with keys holds exactly one.
+        assert!(keys.len() <= 1, "{keys:?}");
+        if let Some(&key) = keys.first() {
+            assert_eq!(got.update.ops.len(), 3, "the key's three holders");
+            keys_sent.push(key);
+        }
+        if got.snapshot_complete {
+            break;
+        }
+        let request = c.client.follow_up(1).expect("the next page at once");
+        got = c.exchange(&ix, request);
+    }
+    assert_eq!(keys_sent.len(), 4);
+    assert!(keys_sent.windows(2).all(|w| w[0] < w[1]), "{keys_sent:?}");
+    assert_eq!(c.entries.len(), 12);
+}
+
 #[test]
 fn a_pod_list_change_while_paging_restarts_the_snapshot() {
     let mut ix = index_with(IndexConfig {

@@ -344,7 +344,8 @@ def test_event_flood_is_bounded_and_measured(ctx):
 
 def test_a_snapshot_is_served_in_pages(ctx):
     """--feed-max-hashes bounds every answer: a snapshot of 5 blocks at 2 per answer comes
-    in 3 pages, counted in /metrics, and the consumer ends with all 5."""
+    in 3 to 5 pages (key ranges sized to about 15/16 of a page, cut where one overflows),
+    counted in /metrics, and the consumer ends with all 5."""
     with h.Indexer("--pod", f"{POD}@{MODEL}", "--scrape-interval-ms", "0", "--feed-max-hashes", "2") as ix:
         pub = h.Publisher(ctx, ix.zmq_endpoint)
         h.wait_subscribed(ix, pub)
@@ -353,7 +354,8 @@ def test_a_snapshot_is_served_in_pages(ctx):
         pages_before = ix.metric("kvroute_indexer_feed_requests_total", kind="snapshot_page")
         feed = ix.feed()
         assert len(feed.of(POD)) == 5
-        assert ix.metric("kvroute_indexer_feed_requests_total", kind="snapshot_page") == pages_before + 2
+        follow_ups = ix.metric("kvroute_indexer_feed_requests_total", kind="snapshot_page") - pages_before
+        assert 2 <= follow_ups <= 4, follow_ups
         assert all(len(k) <= 2 for _, _, _, k in h.decode_feed(ix.get("/v1/feed"))["ops"])
         pub.close()
 

@@ -97,7 +97,7 @@ def test_verify_flags_a_decision_that_did_not_match_and_a_short_fill():
 
 def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
     """The bench's byte-counting feed consumer against the real indexer: 5 blocks at 2 per
-    answer are 3 pages; a delta of one stored and one removed block is 2 keys in 2 runs."""
+    answer are 3 to 5 pages (key ranges); a delta of one stored and one removed block is 2 keys in 2 runs."""
     import indexer_harness as h
 
     pod = "10.0.0.1:8000"
@@ -108,7 +108,8 @@ def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
         h.wait_for(lambda: ix.metric("kvroute_indexer_blocks") == 5, what="5 blocks")
         poller = scale.FeedPoller(ix)
         snap = poller.snapshot()
-        assert snap["snapshot_pages"] == 3 and snap["snapshot_largest_page_bytes"] < snap["snapshot_bytes"]
+        assert 3 <= snap["snapshot_pages"] <= 5, snap
+        assert snap["snapshot_largest_page_bytes"] < snap["snapshot_bytes"]
         idle = poller.get()
         assert (idle["bytes"], idle["keys"], idle["page"]) == (41, 0, None)
         pub.send(h.topic(pod), 1, h.batch(h.stored([6], 5, range(80, 96)), h.removed([1])))

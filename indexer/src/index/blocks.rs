@@ -4,6 +4,8 @@
 //! record, and the pods' sources refer to it by a 4-byte id. A change of a
 //! hash's best tier on a pod becomes a feed op.
 
+use std::ops::Range;
+
 use hashbrown::{hash_table, HashMap, HashTable};
 use kvroute_core::feed::Tier;
 
@@ -163,16 +165,6 @@ impl PodSets {
             None => self.slots.get(set as usize).map_or(&[][..], |s| &s.0),
         };
         single.into_iter().chain(interned.iter().copied())
-    }
-
-    /// `pod`'s hold in a set (interned sets are sorted by pod).
-    fn holder(&self, set: SetId, pod: PodKey) -> Option<Holder> {
-        if let Some((single_pod, tier)) = single_parts(set) {
-            return (single_pod == pod).then(|| single_holder(pod, tier));
-        }
-        let holders = &self.slots.get(set as usize)?.0;
-        let at = holders.binary_search_by_key(&pod, |h| h.pod).ok()?;
-        holders.get(at).copied()
     }
 
     /// The id of `scratch`'s set, with one more reference.
@@ -482,13 +474,20 @@ impl Blocks {
             .filter_map(|h| Some((h.pod, h.counts.best()?)))
     }
 
-    /// The best tier of block `id` on `pod`; `None` when the pod holds it not.
-    pub(super) fn tier_on(&self, id: BlockId, pod: PodKey) -> Option<Tier> {
-        let set = self.slab.get(id)?.set;
-        if set == FREE {
-            return None;
-        }
-        self.sets.holder(set, pod)?.counts.best()
+    /// Every block whose index key lies in `keys`, with its holder set: one
+    /// pass over the slab, in slab order (a snapshot page's range).
+    pub(super) fn in_key_range(&self, keys: Range<u64>) -> impl Iterator<Item = (u64, SetId)> + '_ {
+        self.slab
+            .chunks
+            .iter()
+            .flat_map(|chunk| chunk.iter())
+            .take(self.slab.allocated)
+            .filter_map(move |&Record { kv, set }| {
+                // One compare for the range first: most records fall outside it.
+                let key = kv.index_key();
+                let inside = key.wrapping_sub(keys.start) < keys.end.wrapping_sub(keys.start);
+                (inside && set != FREE && set != EMPTY_SET).then_some((key, set))
+            })
     }
 
     /// Bytes held: the slab, its hash index and the interned sets.

@@ -2,32 +2,32 @@
 //! or the load only when the consumer's version of it is stale (wire format:
 //! `kvroute_core::feed`; the consumer: `kvroute_core::feed_client`).
 //!
-//! Pages: the pods in key order, each pod's entries whole while they fit the
-//! page's `feed_max_hashes`; a pod that does not fit is cut in ascending hash
-//! order, and the page token (pod key, last hash sent) resumes it. A pod's
-//! entries are gathered from the records its sources and learned entries
-//! refer to, not by a pass over the whole block map (which made paging a
-//! 1,000-pod snapshot cost pages × map). Pages are
-//! read from the live state, each at its own moment: the consumer then
-//! replays the deltas from the cursor of the first page, which brings every
-//! (pod, hash) to its latest state whatever page it came in.
-
-use std::collections::HashMap;
+//! Pages: ascending ranges of the 40-bit index key, each carrying every
+//! (pod, key, best tier) whose key falls in it, as runs per pod and tier; the
+//! page token holds the first key of the next range. A consumer's index puts
+//! a key's bucket by the key's top bits, so a range lands on a contiguous run
+//! of its buckets: each bucket is touched by one page (pages by pod touched
+//! nearly every bucket on every page). A page costs one pass over the block
+//! slab and a sort of the range's blocks. Pages are read from the live state,
+//! each at its own moment: the consumer then replays the deltas from the
+//! cursor of the first page, which brings every (pod, key) to its latest
+//! state whatever page it came in.
 
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::FeedRequest;
 
-use super::blocks::BlockId;
+use kvroute_core::hash::INDEX_KEY_BITS;
+
+use super::blocks::SetId;
 use super::feed_log::Op;
+use super::hashing::Map;
 use super::keys::{BlockHash, PodKey};
-use super::pods::Pod;
-use super::sources::SourceEntry;
 use super::Index;
 
 impl Index {
-    fn pod_infos(&self) -> (Vec<PodInfo>, HashMap<PodKey, u32>) {
+    fn pod_infos(&self) -> (Vec<PodInfo>, Map<PodKey, u32>) {
         let mut infos = Vec::with_capacity(self.pods.len());
-        let mut idx = HashMap::with_capacity(self.pods.len());
+        let mut idx = Map::with_capacity_and_hasher(self.pods.len(), Default::default());
         for (i, (k, p)) in self.pods.iter().enumerate() {
             idx.insert(*k, i as u32);
             infos.push(PodInfo {
@@ -102,7 +102,7 @@ impl Index {
 
     /// Ops after `cursor`, at most `feed_max_hashes` hashes (but at least one
     /// op), and the cursor after them.
-    fn deltas(&self, cursor: u64, idx: &HashMap<PodKey, u32>) -> (Vec<BlockOp>, u64) {
+    fn deltas(&self, cursor: u64, idx: &Map<PodKey, u32>) -> (Vec<BlockOp>, u64) {
         let mut ops = Vec::new();
         let mut hashes = 0usize;
         let mut at = cursor;
@@ -132,117 +132,81 @@ impl Index {
         (ops, at)
     }
 
-    /// One page of the snapshot from `from` (the start when None): at most
-    /// `feed_max_hashes` entries, and the token of the next page.
+    /// One page of the snapshot from `from` (the start when None): every
+    /// (pod, key, best tier) whose index key lies in the page's key range, and
+    /// the token of the next range. The range's width is sized from the
+    /// entries held so that it carries about 15/16 of `feed_max_hashes`
+    /// (keys are hashes, so entries spread evenly over them); a range that
+    /// holds more is cut after the last key that fits, and the next page
+    /// starts at the first key left. A key is never split: a page carries at
+    /// least one key, even when its holders outnumber `feed_max_hashes`.
     fn snapshot_page(
         &self,
         from: Option<PageToken>,
-        idx: &HashMap<PodKey, u32>,
+        idx: &Map<PodKey, u32>,
     ) -> (Vec<BlockOp>, Option<PageToken>) {
         let room = self.cfg.feed_max_hashes.max(1);
-        let after_of = |key: PodKey| {
-            from.filter(|t| t.pod == key.get())
-                .and_then(|t| t.after)
-                .map(BlockHash::new)
+        let start = from.map_or(0, |t| t.start).min(KEY_END);
+        let entries: usize = self.pods.values().map(|p| p.held.total()).sum();
+        let width = match entries {
+            0 => KEY_END,
+            n => {
+                let aim = u128::from(KEY_END) * (room as u128) * 15 / 16 / (n as u128);
+                u64::try_from(aim).unwrap_or(KEY_END).max(1)
+            }
         };
-        // The pods this page may cover: in key order until their entry counts
-        // (an upper bound for a pod resumed part-way) fill the page.
-        let mut order = Vec::new();
-        let mut counted = 0usize;
-        // The first pod left for the next page.
-        let mut beyond = None;
-        let first = PodKey::new(from.map_or(0, |t| t.pod));
-        for (&key, p) in self.pods.range(first..) {
-            let held = p.held.total();
-            if held == 0 || !idx.contains_key(&key) {
-                continue;
+        let end = start.saturating_add(width).min(KEY_END);
+        let found: Vec<(u64, SetId)> = self.blocks.in_key_range(start..end).collect();
+        // Per pod (index into the pod list) and tier, the range's keys.
+        let mut runs: Vec<[Vec<u64>; 4]> = vec![Default::default(); idx.len()];
+        let holders = |set: SetId| {
+            self.blocks
+                .set_holders(set)
+                .filter_map(|(pod, tier)| Some((*idx.get(&pod)?, tier)))
+        };
+        let mut sent = 0usize;
+        for &(key, set) in &found {
+            for (pod, tier) in holders(set) {
+                if let Some(run) = runs.get_mut(pod as usize) {
+                    run[tier.code() as usize].push(key);
+                    sent += 1;
+                }
             }
-            if counted >= room {
-                beyond = Some(key);
-                break;
-            }
-            counted += held;
-            order.push(key);
         }
-        let mut left = room;
+        let mut next = (end < KEY_END).then_some(end);
+        if sent > room {
+            // Rare (the range aims below the room): cut after the last key that fits.
+            let mut by_key = found;
+            by_key.sort_unstable_by_key(|&(key, _)| key);
+            let mut kept = 0usize;
+            let cut = by_key.iter().find_map(|&(key, set)| {
+                let n = holders(set).count();
+                kept += n;
+                (kept > n && kept > room).then_some(key)
+            });
+            if let Some(cut) = cut {
+                for run in runs.iter_mut().flatten() {
+                    run.retain(|&key| key < cut);
+                }
+                next = Some(cut);
+            }
+        }
         let mut ops = Vec::new();
-        for key in order {
-            let (Some(&pod), Some(p)) = (idx.get(&key), self.pods.get(&key)) else {
-                continue;
-            };
-            let mut entries = self.pod_entries(key, p, after_of(key));
-            if entries.is_empty() {
-                continue;
-            }
-            if left == 0 {
-                return (
-                    ops,
-                    Some(PageToken {
-                        pod: key.get(),
-                        after: after_of(key).map(BlockHash::get),
-                    }),
-                );
-            }
-            let mut next = None;
-            if entries.len() > left {
-                // Cut in hash order, so that the rest is "every hash above the last sent".
-                entries.sort_unstable_by_key(|e| e.0);
-                entries.truncate(left);
-                next = entries.last().map(|e| PageToken {
-                    pod: key.get(),
-                    after: Some(e.0.get()),
-                });
-            }
-            left -= entries.len();
-            let mut by_tier: [Vec<u64>; 4] = Default::default();
-            for (h, t) in entries {
-                by_tier[t.code() as usize].push(h.get());
-            }
-            for (code, hashes) in (0u8..).zip(by_tier) {
+        for (pod, by_tier) in (0u32..).zip(runs) {
+            for (code, mut hashes) in (0u8..).zip(by_tier) {
                 if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
+                    hashes.sort_unstable();
                     ops.push(BlockOp::Stored { pod, tier, hashes });
                 }
             }
-            if next.is_some() {
-                return (ops, next);
-            }
         }
-        let next = beyond.map(|pod| PageToken {
-            pod: pod.get(),
-            after: None,
-        });
+        let next = next.map(|start| PageToken { start, after: None });
         (ops, next)
     }
-
-    /// A pod's (kvroute hash, best tier) entries in the block map with a
-    /// hash above `after`: found from the records its sources and learned
-    /// entries refer to, so a page costs its pods' entries, not the map.
-    fn pod_entries(
-        &self,
-        key: PodKey,
-        pod: &Pod,
-        after: Option<BlockHash>,
-    ) -> Vec<(BlockHash, Tier)> {
-        let mut ids: Vec<BlockId> = Vec::with_capacity(pod.held.total());
-        for group in pod.sources.values().flat_map(|s| s.groups.values()) {
-            ids.extend(group.blocks.iter().map(SourceEntry::block));
-            ids.extend(group.heads.values().flatten());
-        }
-        ids.extend(pod.learned.keys().filter_map(|&kv| self.blocks.find(kv)));
-        // A record can be referred to by several ranks, groups or a learned entry.
-        ids.sort_unstable();
-        ids.dedup();
-        ids.into_iter()
-            .filter_map(|id| {
-                let kv = self.blocks.kv(id);
-                if after.is_some_and(|a| kv <= a) {
-                    return None;
-                }
-                Some((kv, self.blocks.tier_on(id, key)?))
-            })
-            .collect()
-    }
 }
+
+/// One past the largest index key: the key space pages cut into ranges.
+const KEY_END: u64 = 1 << INDEX_KEY_BITS;
 
 /// The feed carries kvroute hashes as u64.
 fn wire_hashes(hashes: &[BlockHash]) -> Vec<u64> {
