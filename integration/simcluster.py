@@ -337,6 +337,12 @@ class PodFleet:
     def restart(self, i: int, down_seconds: float = 0.0) -> dict:
         """Kill pod i's process (SIGKILL: a crash, nothing flushed or announced), wait `down_seconds` (wall), start it
         again on its address with the same options. Returns wall (time.time) and monotonic times of both ends."""
+        killed = self.kill(i)
+        time.sleep(down_seconds)
+        return self.start_again(i, killed)
+
+    def kill(self, i: int) -> dict:
+        """Kill pod i's process (SIGKILL); returns the wall and monotonic times of the kill."""
         m = self.members[i]
         self._cpu_gone += m.cpu_seconds() if m.proc and m.proc.poll() is None else 0.0
         killed = {"wall": time.time(), "mono": time.monotonic()}
@@ -348,7 +354,11 @@ class PodFleet:
         if endpoint and endpoint.startswith("ipc://"):
             # The killed process leaves its socket file behind, and vllm-sim does not bind over one.
             Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
-        time.sleep(down_seconds)
+        return killed
+
+    def start_again(self, i: int, killed: dict) -> dict:
+        """Start killed pod i again on its address, empty; records and returns the restart."""
+        m = self.members[i]
         m.start()
         up = {"wall": time.time(), "mono": time.monotonic()}
         record = {"pod": m.addresses[0], "index": i, "killed": killed, "up": up, "pid": m.pid}

@@ -15,7 +15,7 @@ import yaml
 
 from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system, wait_for
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
-from simcluster import SimCluster
+from simcluster import PodFleet
 
 SERVED = "x-gateway-destination-endpoint-served"
 MiB = 1 << 20
@@ -24,14 +24,8 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def pods():
     """Four pods, one process each, so that one can be killed and restarted alone."""
-    started = []
-    try:
-        for _ in range(4):
-            started.append(SimCluster(pods=1, time_scale=0.2).start())
-        yield started
-    finally:
-        for sim in started:
-            sim.stop()
+    with PodFleet(pods=4, time_scale=0.2) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def envoy(pods):
     require_wasm()
     # The shipped configuration as it is (buffer limits, retries, outlier detection), only the
     # ports and pods are this test's.
-    with EnvoyProcess(render_gateway([p.addresses[0] for p in pods])) as proxy:
+    with EnvoyProcess(render_gateway(pods.addresses)) as proxy:
         proxy.wait_for_peers()
         yield proxy
 
@@ -131,8 +125,7 @@ def test_a_refused_request_teaches_the_index_nothing(envoy):
 
 def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy, pods):
     groups = [unique_system(120) for _ in range(8)]
-    victim = pods[0]
-    address = victim.addresses[0]
+    address = pods.addresses[0]
     log = []  # (seconds since start, status, chosen, served)
     started = time.monotonic()
 
@@ -163,8 +156,7 @@ def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy
         groups.append(unique_system(120))
         n = run_for(1.0, first=n)
     assert any(served == address for *_, served in log), "the victim served nothing before the kill"
-    victim.proc.kill()
-    victim.proc.wait()
+    killed = pods.kill(0)
     killed_at = time.monotonic() - started
     n = run_for(6.0, first=n)
     after_kill = [e for e in log if e[0] > killed_at]
@@ -185,8 +177,7 @@ def test_a_killed_pod_costs_no_request_and_routing_returns_when_it_is_back(envoy
           f"victim chosen {len(chosen_late)} of {len(late)} times after the first second")
     # Back on the same address with an empty cache: new prompts go there again once Envoy stops
     # ejecting it (outlier detection: 5 s, longer after repeated ejections) and its cooldown ends.
-    restarted = SimCluster(pods=1, time_scale=0.2, port=victim.port).start()
-    pods[0] = restarted
+    pods.start_again(0, killed)
     back_at = time.monotonic() - started
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
@@ -249,7 +240,7 @@ def test_a_feed_answer_over_envoys_limit_fails_open_without_a_panic(pods, monkey
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HugeFeed)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        config = render_gateway([p.addresses[0] for p in pods], template=GATEWAY_PRECISE,
+        config = render_gateway(pods.addresses, template=GATEWAY_PRECISE,
                                 indexer=f"127.0.0.1:{server.server_address[1]}")
         with EnvoyProcess(config) as proxy:
             proxy.wait_for_peers()
@@ -276,8 +267,8 @@ def test_one_tenant_teaches_a_pod_only_its_budget(pods):
     plugin = {"tenant_header": "x-tenant", "max_blocks": 4096,
               "index": {"max_learn_share": 1.0, "max_client_share": 0.05},
               # one pod, 800 blocks: a budget of 40 blocks per tenant
-              "endpoints": [{"address": pods[1].addresses[0], "capacity_blocks": 800}]}
-    with EnvoyProcess(render_gateway([pods[1].addresses[0]], plugin)) as proxy:
+              "endpoints": [{"address": pods.addresses[1], "capacity_blocks": 800}]}
+    with EnvoyProcess(render_gateway([pods.addresses[1]], plugin)) as proxy:
         proxy.wait_for_peers()
 
         def twice(tenant: str, system: str) -> tuple[int, int]:
@@ -302,7 +293,7 @@ def test_without_a_singleton_the_filter_routes_on_load_only(pods):
     """The index lives in the singleton: a gateway configured without it still serves every
     request, decided on load only, counted, explained in the decision header and logged once."""
     require_wasm()
-    config = yaml.safe_load(render_gateway([p.addresses[0] for p in pods]))
+    config = yaml.safe_load(render_gateway(pods.addresses))
     del config["bootstrap_extensions"]
     with EnvoyProcess(yaml.safe_dump(config, sort_keys=False)) as proxy:
         proxy.wait_for_peers()

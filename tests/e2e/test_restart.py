@@ -11,7 +11,7 @@ import requests
 
 from e2elib import MODEL, chat, decision, require_wasm, unique_system, wait_for
 from envoyctl import EnvoyProcess, render_gateway
-from simcluster import SimCluster
+from simcluster import PodFleet
 
 SERVED = "x-gateway-destination-endpoint-served"
 
@@ -19,20 +19,14 @@ SERVED = "x-gateway-destination-endpoint-served"
 @pytest.fixture(scope="module")
 def pods():
     """Two pods, one process each, so that one can be killed and restarted alone."""
-    started = []
-    try:
-        for _ in range(2):
-            started.append(SimCluster(pods=1, time_scale=0.2).start())
-        yield started
-    finally:
-        for sim in started:
-            sim.stop()
+    with PodFleet(pods=2, time_scale=0.2) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")
 def envoy(pods):
     require_wasm()
-    with EnvoyProcess(render_gateway([p.addresses[0] for p in pods])) as proxy:
+    with EnvoyProcess(render_gateway(pods.addresses)) as proxy:
         proxy.wait_for_peers()
         yield proxy
 
@@ -45,8 +39,7 @@ def open_stream(envoy, session: requests.Session) -> requests.Response:
 
 
 def test_answers_cut_by_a_dying_pod_fail_it_and_stop_counting_as_its_load(envoy, pods):
-    victim = pods[0]
-    address = victim.addresses[0]
+    address = pods.addresses[0]
     sessions, streams = [], []
     # Streams on both pods until at least two are on the victim (new prompts go to the least loaded).
     for _ in range(12):
@@ -65,8 +58,7 @@ def test_answers_cut_by_a_dying_pod_fail_it_and_stop_counting_as_its_load(envoy,
     readers = [threading.Thread(target=lambda s=s: completed.append(_drain(s)), daemon=True) for s in on_victim]
     for t in readers:
         t.start()
-    victim.proc.kill()
-    victim.proc.wait()
+    killed = pods.kill(0)
     for t in readers:
         t.join(timeout=30)
     assert completed == [False] * len(on_victim), "a stream on the victim was not cut by the kill"
@@ -77,8 +69,7 @@ def test_answers_cut_by_a_dying_pod_fail_it_and_stop_counting_as_its_load(envoy,
         s.close()
     for session in sessions:
         session.close()
-    restarted = SimCluster(pods=1, time_scale=0.2, port=victim.port).start()
-    pods[0] = restarted
+    pods.start_again(0, killed)
     # Once Envoy stops ejecting the restarted pod and kvroute's cooldown ends, a new prompt goes to
     # it (both pods idle, so either is the least loaded) and the decision states its load: nothing
     # in flight. A request that died with the old process and still counted would keep it away.
