@@ -2,10 +2,11 @@
 
 import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
 import requests
-from envoyctl import WASM
+from envoyctl import WASM, EnvoyProcess, render_gateway
 
 MODEL = "Qwen/Qwen3-32B"
 DECISION = "x-kvroute-decision"
@@ -15,6 +16,15 @@ POD = "x-vllm-sim-pod"
 def require_wasm() -> None:
     if not WASM.is_file():
         pytest.fail(f"{WASM} is missing: run `make build` (make test does)")
+
+
+@contextmanager
+def gateway(addresses: list[str], plugin: dict | None = None):
+    """A local Envoy running the shipped gateway config over these pods, its worker VMs registered."""
+    require_wasm()
+    with EnvoyProcess(render_gateway(addresses, plugin)) as proxy:
+        proxy.wait_for_peers()
+        yield proxy
 
 
 def unique_system(words: int = 60) -> str:

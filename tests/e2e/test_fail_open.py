@@ -13,7 +13,7 @@ import pytest
 import requests
 import yaml
 
-from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system, wait_for
+from e2elib import MODEL, POD, chat, decision, gateway, require_wasm, unique_system, wait_for
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway
 from simcluster import PodFleet
 
@@ -30,11 +30,9 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    require_wasm()
     # The shipped configuration as it is (buffer limits, retries, outlier detection), only the
     # ports and pods are this test's.
-    with EnvoyProcess(render_gateway(pods.addresses)) as proxy:
-        proxy.wait_for_peers()
+    with gateway(pods.addresses) as proxy:
         yield proxy
 
 
@@ -263,13 +261,11 @@ def test_one_tenant_teaches_a_pod_only_its_budget(pods):
     """With tenant isolation the tenant names the client: a tenant's prompts teach each pod at most
     index.max_client_share of its table per ttl_seconds, whatever their size; other tenants keep
     their own budget."""
-    require_wasm()
     plugin = {"tenant_header": "x-tenant", "max_blocks": 4096,
               "index": {"max_learn_share": 1.0, "max_client_share": 0.05},
               # one pod, 800 blocks: a budget of 40 blocks per tenant
               "endpoints": [{"address": pods.addresses[1], "capacity_blocks": 800}]}
-    with EnvoyProcess(render_gateway([pods.addresses[1]], plugin)) as proxy:
-        proxy.wait_for_peers()
+    with gateway([pods.addresses[1]], plugin) as proxy:
 
         def twice(tenant: str, system: str) -> tuple[int, int]:
             first = chat(proxy, system, "q", headers={"x-tenant": tenant})

@@ -9,8 +9,7 @@ import time
 import pytest
 import requests
 
-from e2elib import MODEL, chat, decision, require_wasm, unique_system, wait_for
-from envoyctl import EnvoyProcess, render_gateway
+from e2elib import MODEL, chat, decision, gateway, unique_system, wait_for
 from simcluster import PodFleet
 
 SERVED = "x-gateway-destination-endpoint-served"
@@ -25,9 +24,7 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    require_wasm()
-    with EnvoyProcess(render_gateway(pods.addresses)) as proxy:
-        proxy.wait_for_peers()
+    with gateway(pods.addresses) as proxy:
         yield proxy
 
 

@@ -6,8 +6,7 @@ import time
 
 import requests
 
-from e2elib import MODEL, POD, chat, decision, require_wasm, unique_system
-from envoyctl import EnvoyProcess, render_gateway
+from e2elib import MODEL, POD, chat, decision, gateway, unique_system
 
 
 def test_shared_prefix_sticks_to_one_pod_across_workers(gateway):
@@ -33,9 +32,7 @@ def test_one_worker_sticks_before_the_flush(sims):
     """On one connection (one worker), a prefix routed a moment ago sticks before the singleton's
     flush publishes it (index.flush_ms at its 1 s maximum here): the worker keeps its recent
     decisions for two flush periods."""
-    require_wasm()
-    with EnvoyProcess(render_gateway(sims.addresses, {"index": {"flush_ms": 1000}})) as envoy:
-        envoy.wait_for_peers()
+    with gateway(sims.addresses, {"index": {"flush_ms": 1000}}) as envoy:
         system = unique_system()
         with requests.Session() as one_connection:
             def ask(question):

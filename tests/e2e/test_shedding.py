@@ -7,8 +7,7 @@ import time
 import pytest
 import requests
 
-from e2elib import DECISION, MODEL, POD, chat, require_wasm, unique_system
-from envoyctl import EnvoyProcess, render_gateway
+from e2elib import DECISION, MODEL, POD, chat, gateway, unique_system
 from simcluster import SimCluster
 
 PRIORITY = "x-kvroute-priority"
@@ -24,15 +23,13 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    require_wasm()
     # Approximate mode: a pod is saturated with one request in flight (the in-flight test alone);
     # requests without the header are sheddable.
     plugin = {"priority": {"header": PRIORITY, "default_class": "batch",
                            "classes": {"batch": "sheddable", "interactive": "critical"},
                            "saturation": {"max_inflight_requests": 1, "max_waiting": 0, "max_kv_usage": 0},
                            "retry_after_seconds": 7}}
-    with EnvoyProcess(render_gateway(pods.addresses, plugin)) as proxy:
-        proxy.wait_for_peers()
+    with gateway(pods.addresses, plugin) as proxy:
         yield proxy
 
 
