@@ -3,7 +3,7 @@
 //! learning.
 
 use crate::admission::all_saturated;
-use crate::budget::ClientBudgets;
+use crate::budget::{ClientBudgets, ClientKey};
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
 use crate::hash::{
@@ -736,7 +736,7 @@ impl Cluster {
     pub fn client_allowance(
         &mut self,
         address: &str,
-        client: u64,
+        client: ClientKey,
         want: usize,
         now_s: u32,
     ) -> usize {
@@ -751,7 +751,7 @@ impl Cluster {
 
     /// A peer VM charged `client` `blocks` of its budget on `address`: the
     /// same charge here, so the budget holds for the whole proxy.
-    pub fn charge_client(&mut self, address: &str, client: u64, blocks: usize, now_s: u32) {
+    pub fn charge_client(&mut self, address: &str, client: ClientKey, blocks: usize, now_s: u32) {
         let window = self.policy.client_window_seconds;
         if let Some(pod) = self.pod_mut(address) {
             pod.client_budgets
@@ -915,6 +915,7 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::client_key;
     use crate::feed::PodInfo;
     use crate::hash::{token_block_hashes, IndexKey};
     use crate::request::parse_request;
@@ -1084,11 +1085,12 @@ mod tests {
         let mut cluster = Cluster::default();
         cluster.set_configured(&c, 0);
         // 1000 × the default client share 0.5, per ttl_seconds (600).
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 10), 300);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 20), 200);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 30), 0);
-        assert_eq!(cluster.client_allowance("a:1", 8, 300, 30), 300);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 610), 300);
+        let (a, b) = (client_key("a"), client_key("b"));
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 10), 300);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 20), 200);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 30), 0);
+        assert_eq!(cluster.client_allowance("a:1", b, 300, 30), 300);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 610), 300);
     }
 
     #[test]

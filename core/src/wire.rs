@@ -18,6 +18,7 @@
 //! str     := u16 len, UTF-8
 //! ```
 
+use crate::budget::ClientKey;
 use crate::codec::{self, CodecError, Reader};
 use crate::hash::BlockHash;
 use std::fmt;
@@ -50,7 +51,7 @@ pub enum PeerMessage {
     /// charge it too, so the budget holds for the whole proxy.
     Charged {
         pod: String,
-        client: u64,
+        client: ClientKey,
         blocks: u32,
     },
     /// An indexer feed update, forwarded verbatim by the singleton.
@@ -126,7 +127,7 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
             } => {
                 out.push(CHARGED);
                 put_str(&mut out, pod)?;
-                codec::put_u64(&mut out, *client);
+                codec::put_u64(&mut out, client.get());
                 codec::put_u32(&mut out, *blocks);
             }
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
@@ -177,7 +178,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
             FAILED => PeerMessage::Failed { pod: pod(&mut r)? },
             CHARGED => PeerMessage::Charged {
                 pod: pod(&mut r)?,
-                client: r.u64("client")?,
+                client: ClientKey::new(r.u64("client")?),
                 blocks: r.u32("blocks")?,
             },
             PREFILL_DONE => PeerMessage::PrefillDone {
@@ -271,7 +272,7 @@ mod tests {
             },
             PeerMessage::Charged {
                 pod: "10.0.0.2:8000".into(),
-                client: u64::MAX,
+                client: ClientKey::new(u64::MAX),
                 blocks: 40,
             },
             PeerMessage::PrefillDone {
