@@ -15,6 +15,7 @@ use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
 use kvroute_core::config::{Config, IndexerSettings};
 use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
+use kvroute_core::hash::BlockHash;
 use kvroute_core::router::Cluster;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
@@ -257,7 +258,7 @@ impl Singleton {
         }
     }
 
-    fn keep_for_report(&mut self, pod: String, hashes: Vec<u64>) {
+    fn keep_for_report(&mut self, pod: String, hashes: Vec<BlockHash>) {
         let sharing = self.indexer.as_ref().is_some_and(|i| i.share_learned);
         if !sharing || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED {
             return;

@@ -8,6 +8,7 @@ use crate::metrics::{FailOpen, FilterMetrics};
 use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
 use kvroute_core::feed;
+use kvroute_core::hash::BlockHash;
 use kvroute_core::index::published::{PublishedView, Unpublished};
 use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outcome::Outcome;
@@ -33,7 +34,7 @@ pub struct RoutedRequest {
     /// The pod chosen first.
     pub pod: String,
     /// Its prompt's block hashes, learned provisionally on `pod`.
-    pub hashes: Vec<u64>,
+    pub hashes: Vec<BlockHash>,
     /// Leading blocks `pod` already held: a refusal takes back only the rest.
     pub matched_blocks: usize,
     /// Confirmed blocks are reported to the indexer (byte chunks only).
@@ -60,7 +61,7 @@ pub struct Worker {
     /// leading blocks the index showed taught to it in the current epoch,
     /// and the prompt's first hash (see [`Worker::routed`]).
     taught_this_epoch: Vec<(usize, usize)>,
-    taught_for: Option<u64>,
+    taught_for: Option<BlockHash>,
 }
 
 impl Worker {
@@ -201,7 +202,7 @@ impl Worker {
     /// already taught to `pod` in this epoch, or this VM sent in it:
     /// teaching them again would change nothing but cost the singleton
     /// their buckets' reads.
-    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[u64]) {
+    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[BlockHash]) {
         let (now_s, now_ms) = host::now();
         self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
         self.tell_peers(PeerMessage::Routed {
@@ -230,7 +231,7 @@ impl Worker {
 
     /// Sends what `pod` holds (cut to its share) to the singleton, but for
     /// its first `already_taught` blocks.
-    fn teach(&mut self, pod: &str, hashes: &[u64], already_taught: usize, now_ms: u64) {
+    fn teach(&mut self, pod: &str, hashes: &[BlockHash], already_taught: usize, now_ms: u64) {
         let learned = self.cluster.learnable(pod, hashes);
         if learned.is_empty() {
             return;
@@ -281,7 +282,7 @@ impl Worker {
     /// Hands confirmed blocks to the singleton, which reports them to the
     /// indexer as learned entries (when this proxy shares what it learns);
     /// the singleton learned them when they were routed.
-    pub fn report_learned(&self, pod: &str, hashes: Vec<u64>) {
+    pub fn report_learned(&self, pod: &str, hashes: Vec<BlockHash>) {
         if self
             .config
             .indexer

@@ -14,6 +14,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::config::Config;
+use kvroute_core::hash::BlockHash;
 use kvroute_core::request::parse_request;
 use kvroute_core::router::{hash_prompt, Cluster, LEAST_LOADED_CANDIDATES};
 use std::time::Instant;
@@ -91,10 +92,12 @@ fn populated(config: &Config, pods: usize, hot: &[Vec<u8>]) -> Cluster {
     let chain_len = 10;
     let chains_per_second = (pods * per_pod / chain_len).div_ceil(CHURN_SECONDS as usize);
     let mut rng = 42u64;
-    let mut chain = vec![0u64; chain_len];
+    let mut chain = vec![BlockHash::default(); chain_len];
     for second in 0..CHURN_SECONDS {
         for _ in 0..chains_per_second {
-            chain.iter_mut().for_each(|h| *h = splitmix(&mut rng));
+            chain
+                .iter_mut()
+                .for_each(|h| *h = BlockHash::new(splitmix(&mut rng)));
             let pod = address((rng >> 8) as usize % pods);
             cluster.record_routed(&pod, 0, &chain, second);
         }
@@ -136,10 +139,11 @@ fn percentiles(config: &Config, cluster: &Cluster, body: &[u8]) -> (f64, f64) {
 fn learn_cost(cluster: &mut Cluster, pods: usize) -> (f64, f64) {
     const PROMPTS: usize = 2000;
     let mut rng = 7u64;
-    let prompts: Vec<(String, Vec<u64>)> = (0..PROMPTS)
+    let prompts: Vec<(String, Vec<BlockHash>)> = (0..PROMPTS)
         .map(|_| {
             let pod = address((splitmix(&mut rng) >> 8) as usize % pods);
-            (pod, (0..512).map(|_| splitmix(&mut rng)).collect())
+            let hashes = (0..512).map(|_| BlockHash::new(splitmix(&mut rng)));
+            (pod, hashes.collect())
         })
         .collect();
     let time = |cluster: &mut Cluster| {

@@ -12,6 +12,7 @@
 #![allow(clippy::expect_used)]
 
 use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
+use kvroute_core::hash::BlockHash;
 use kvroute_core::index::{BlockIndex, MatchRules, PodId, PodMatch, Tier};
 use std::time::Instant;
 
@@ -29,9 +30,11 @@ fn mix(mut x: u64) -> u64 {
 }
 
 /// Chain `c` of pod `p` (or of nobody, for `p` ≥ PODS).
-fn chain(p: usize, c: usize) -> Vec<u64> {
+fn chain(p: usize, c: usize) -> Vec<BlockHash> {
     let seed = mix(((p as u64) << 32) | c as u64);
-    (0..CHAIN as u64).map(|i| mix(seed ^ i)).collect()
+    (0..CHAIN as u64)
+        .map(|i| BlockHash::new(mix(seed ^ i)))
+        .collect()
 }
 
 fn main() {

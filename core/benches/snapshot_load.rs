@@ -19,7 +19,7 @@
 
 use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
-use kvroute_core::hash::{index_key, INDEX_KEY_BITS};
+use kvroute_core::hash::{BlockHash, IndexKey, INDEX_KEY_BITS};
 use kvroute_core::index::published::{KeyReader, KeyStore};
 use kvroute_core::index::{BlockIndex, IndexOp, MatchRules, PodId, PodMatch};
 use std::cell::{Cell, RefCell};
@@ -89,15 +89,16 @@ fn pages(paging: Paging) -> Vec<Vec<u8>> {
             ..PodInfo::default()
         })
         .collect();
-    let pod_hashes =
-        |p: usize| (0..BLOCKS_PER_POD).map(move |i| mix(((p as u64) << 32) | i as u64));
+    let pod_hashes = |p: usize| {
+        (0..BLOCKS_PER_POD).map(move |i| BlockHash::new(mix(((p as u64) << 32) | i as u64)))
+    };
     let mut pages_ops: Vec<Vec<BlockOp>> = Vec::new();
     match paging {
         Paging::ByPod => {
             let mut ops: Vec<BlockOp> = Vec::new();
             let mut in_page = 0;
             for p in 0..PODS {
-                let mut hashes: Vec<u64> = pod_hashes(p).collect();
+                let mut hashes: Vec<IndexKey> = pod_hashes(p).map(|h| h.index_key()).collect();
                 while !hashes.is_empty() {
                     let take = hashes.len().min(PAGE_HASHES - in_page);
                     let rest = hashes.split_off(take);
@@ -123,11 +124,11 @@ fn pages(paging: Paging) -> Vec<Vec<u8>> {
             let width = (1u64 << INDEX_KEY_BITS) * 15 / 16 / entries * PAGE_HASHES as u64;
             let ranges = (1u64 << INDEX_KEY_BITS).div_ceil(width) as usize;
             // Per range, per pod, the hashes whose key falls in the range.
-            let mut by_range: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); PODS]; ranges];
+            let mut by_range: Vec<Vec<Vec<IndexKey>>> = vec![vec![Vec::new(); PODS]; ranges];
             for p in 0..PODS {
-                for h in pod_hashes(p) {
-                    if let Some(run) = by_range[(index_key(h) / width) as usize].get_mut(p) {
-                        run.push(h);
+                for key in pod_hashes(p).map(|h| h.index_key()) {
+                    if let Some(run) = by_range[(key.get() / width) as usize].get_mut(p) {
+                        run.push(key);
                     }
                 }
             }
@@ -238,7 +239,7 @@ fn main() {
             // It measured a complete load: every pod's first and last block matches.
             let mut out: Vec<PodMatch> = Vec::new();
             for p in [0, PODS / 2, PODS - 1] {
-                let last = mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64);
+                let last = BlockHash::new(mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64));
                 index.match_lengths(&[last], 1, &rules, &mut out);
                 assert_eq!(out.len(), 1, "pod {p}: {out:?}");
             }

@@ -5,9 +5,26 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
+/// The budget key of a client: a digest of its identity, never a block hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct ClientKey(u64);
+
+impl ClientKey {
+    /// The key a peer message carried.
+    pub const fn new(key: u64) -> ClientKey {
+        ClientKey(key)
+    }
+
+    /// The bare u64, for a peer message.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
 /// The budget key of a client identity (e.g. its tenant's `cache_salt`).
-pub fn client_key(identity: &str) -> u64 {
-    xxh3_64(identity.as_bytes())
+pub fn client_key(identity: &str) -> ClientKey {
+    ClientKey(xxh3_64(identity.as_bytes()))
 }
 
 /// Clients tracked per pod; beyond this the one whose window started
@@ -16,7 +33,7 @@ const MAX_CLIENTS: usize = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Budget {
-    client: u64,
+    client: ClientKey,
     window_start_s: u32,
     taught: u64,
 }
@@ -32,7 +49,7 @@ impl ClientBudgets {
     /// per window of `window_s` seconds; what it may teach is charged.
     pub fn charge(
         &mut self,
-        client: u64,
+        client: ClientKey,
         want: usize,
         limit: u64,
         now_s: u32,
@@ -74,23 +91,27 @@ mod tests {
     #[test]
     fn a_client_teaches_at_most_its_limit_per_window() {
         let mut b = ClientBudgets::default();
-        assert_eq!(b.charge(1, 600, 1000, 0, 600), 600);
-        assert_eq!(b.charge(1, 600, 1000, 10, 600), 400);
-        assert_eq!(b.charge(1, 600, 1000, 20, 600), 0);
+        let (one, two) = (client_key("one"), client_key("two"));
+        assert_eq!(b.charge(one, 600, 1000, 0, 600), 600);
+        assert_eq!(b.charge(one, 600, 1000, 10, 600), 400);
+        assert_eq!(b.charge(one, 600, 1000, 20, 600), 0);
         // Other clients have budgets of their own.
-        assert_eq!(b.charge(2, 600, 1000, 20, 600), 600);
+        assert_eq!(b.charge(two, 600, 1000, 20, 600), 600);
         // A new window, a new budget.
-        assert_eq!(b.charge(1, 600, 1000, 600, 600), 600);
+        assert_eq!(b.charge(one, 600, 1000, 600, 600), 600);
     }
 
     #[test]
     fn the_number_of_clients_tracked_is_bounded() {
         let mut b = ClientBudgets::default();
         for client in 0..1000u64 {
-            assert_eq!(b.charge(client, 10, 10, client as u32, 10_000), 10);
+            assert_eq!(
+                b.charge(ClientKey(client), 10, 10, client as u32, 10_000),
+                10
+            );
         }
         assert_eq!(b.budgets.len(), MAX_CLIENTS);
         // The most recent clients are still charged.
-        assert_eq!(b.charge(999, 10, 10, 1000, 10_000), 0);
+        assert_eq!(b.charge(ClientKey(999), 10, 10, 1000, 10_000), 0);
     }
 }

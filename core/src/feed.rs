@@ -7,7 +7,7 @@
 //!
 //! Wire format of a [`FeedMessage`], one answer of `GET /v1/feed` (integers
 //! little-endian; `varint` = minimal unsigned LEB128; `str` = varint byte
-//! length + UTF-8; `key` = an index key, [`crate::hash::index_key`], of 40 bits):
+//! length + UTF-8; `key` = an index key, [`crate::hash::IndexKey`], of 40 bits):
 //!
 //! ```text
 //! magic    "KVRF"                      4 bytes
@@ -70,7 +70,7 @@
 //! replaces all state; the following pages add to it.
 
 use crate::codec::{self, CodecError, Reader, KEY_BYTES};
-use crate::hash::index_key;
+use crate::hash::{BlockHash, IndexKey};
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -200,18 +200,18 @@ impl Tier {
     }
 }
 
-/// A change to the block index. Hashes are index keys once decoded (the wire
-/// carries [`crate::hash::INDEX_KEY_BITS`] bits of each).
+/// A change to the block index, by the index keys of kvroute block hashes
+/// (what the wire carries: [`crate::hash::INDEX_KEY_BITS`] bits of each).
 #[derive(Debug, Clone, PartialEq)]
 pub enum BlockOp {
-    /// The pod holds these kvroute block hashes in `tier` (replaces any earlier tier).
+    /// The pod holds these blocks in `tier` (replaces any earlier tier).
     Stored {
         pod: u32,
         tier: Tier,
-        hashes: Vec<u64>,
+        hashes: Vec<IndexKey>,
     },
-    /// The pod no longer holds these hashes (any tier).
-    Removed { pod: u32, hashes: Vec<u64> },
+    /// The pod no longer holds these blocks (any tier).
+    Removed { pod: u32, hashes: Vec<IndexKey> },
     /// The pod holds nothing.
     Cleared { pod: u32 },
 }
@@ -226,8 +226,8 @@ impl BlockOp {
         }
     }
 
-    /// Hashes the op carries.
-    pub fn hashes(&self) -> &[u64] {
+    /// Index keys the op carries.
+    pub fn hashes(&self) -> &[IndexKey] {
         match self {
             BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } => hashes,
             BlockOp::Cleared { .. } => &[],
@@ -286,7 +286,7 @@ pub struct FeedMessage {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LearnedBatch {
     /// (pod address, kvroute block hashes routed to it).
-    pub entries: Vec<(String, Vec<u64>)>,
+    pub entries: Vec<(String, Vec<BlockHash>)>,
 }
 
 /// Why a feed or learned message could not be decoded.
@@ -684,7 +684,7 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
         codec::put_varint(&mut out, u64::from(op.pod()) << OP_BITS | u64::from(code));
         if let BlockOp::Stored { hashes, .. } | BlockOp::Removed { hashes, .. } = op {
             codec::put_varint(&mut out, hashes.len() as u64);
-            let mut keys: Vec<u64> = hashes.iter().map(|&h| index_key(h)).collect();
+            let mut keys: Vec<u64> = hashes.iter().map(|key| key.get()).collect();
             keys.sort_unstable();
             put_packed(&mut out, &keys);
         }
@@ -713,7 +713,7 @@ pub fn encode_learned(batch: &LearnedBatch) -> Vec<u8> {
         let h = len32(hashes.len());
         codec::put_u32(&mut out, h);
         for hash in hashes.iter().take(h as usize) {
-            codec::put_u64(&mut out, *hash);
+            codec::put_u64(&mut out, hash.get());
         }
     }
     out
@@ -746,7 +746,7 @@ fn string(r: &mut Reader<'_>, what: &'static str) -> Result<String, FeedError> {
     Ok(r.str(n, what)?)
 }
 
-fn keys(r: &mut Reader<'_>) -> Result<Vec<u64>, FeedError> {
+fn keys(r: &mut Reader<'_>) -> Result<Vec<IndexKey>, FeedError> {
     let n = r.varint("keys")?;
     if packed_len(n) > r.remaining() as u64 {
         return Err(CodecError::CountTooLarge {
@@ -756,7 +756,11 @@ fn keys(r: &mut Reader<'_>) -> Result<Vec<u64>, FeedError> {
         }
         .into());
     }
-    packed(r, n as usize)
+    // Packed keys are below 2^INDEX_KEY_BITS: each is its own index key.
+    Ok(packed(r, n as usize)?
+        .into_iter()
+        .map(IndexKey::new)
+        .collect())
 }
 
 fn speed(r: &mut Reader<'_>) -> Result<f32, FeedError> {
@@ -921,7 +925,8 @@ pub fn decode_learned(bytes: &[u8]) -> Result<LearnedBatch, FeedError> {
         let len = r.checked_count(u64::from(len), 1, "address")?;
         let address = r.str(len, "address")?;
         let n = r.u32("hashes")?;
-        entries.push((address, r.u64s(n as usize, "hashes")?));
+        let hashes = r.u64s(n as usize, "hashes")?;
+        entries.push((address, hashes.into_iter().map(BlockHash::new).collect()));
     }
     finish(&r)?;
     Ok(LearnedBatch { entries })
@@ -930,7 +935,7 @@ pub fn decode_learned(bytes: &[u8]) -> Result<LearnedBatch, FeedError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::INDEX_KEY_BITS;
+    use crate::hash::{hashes, keys, INDEX_KEY_BITS};
 
     const KEY_MAX: u64 = (1 << INDEX_KEY_BITS) - 1;
 
@@ -962,7 +967,7 @@ mod tests {
                 BlockOp::Stored {
                     pod: 0,
                     tier: Tier::Gpu,
-                    hashes: vec![1, 3, KEY_MAX],
+                    hashes: keys(&[1, 3, KEY_MAX]),
                 },
                 BlockOp::Stored {
                     pod: 1,
@@ -971,18 +976,18 @@ mod tests {
                 },
                 BlockOp::Removed {
                     pod: 0,
-                    hashes: vec![KEY_MAX],
+                    hashes: keys(&[KEY_MAX]),
                 },
                 BlockOp::Cleared { pod: 1 },
                 BlockOp::Stored {
                     pod: 1,
                     tier: Tier::Cpu,
-                    hashes: vec![7],
+                    hashes: keys(&[7]),
                 },
                 BlockOp::Stored {
                     pod: 1,
                     tier: Tier::Disk,
-                    hashes: vec![8],
+                    hashes: keys(&[8]),
                 },
             ],
         }
@@ -1018,7 +1023,7 @@ mod tests {
                 ops: vec![BlockOp::Stored {
                     pod: 300,
                     tier: Tier::Gpu,
-                    hashes: vec![5; 200],
+                    hashes: vec![IndexKey::new(5); 200],
                 }],
                 ..FeedMessage::default()
             },
@@ -1047,7 +1052,7 @@ mod tests {
                 ops: vec![BlockOp::Stored {
                     pod: 70_000,
                     tier: Tier::Learned,
-                    hashes: spread_keys(1000, 11),
+                    hashes: keys(&spread_keys(1000, 11)),
                 }],
                 ..FeedMessage::default()
             },
@@ -1129,17 +1134,19 @@ mod tests {
         assert_eq!(decode(&encode(&u)), Ok(u.clone()));
         let empty = FeedUpdate::default();
         assert_eq!(decode(&encode(&empty)), Ok(empty));
-        // Full hashes travel as their 40-bit index keys.
+        // A block hash travels as its 40-bit index key.
+        let key = BlockHash::new(0xB2B7_9674_517D_8D36).index_key();
+        assert_eq!(key.get(), 0x74_517D_8D36);
         let full = FeedUpdate {
             pods: pods(),
             ops: vec![BlockOp::Removed {
                 pod: 0,
-                hashes: vec![0xB2B7_9674_517D_8D36],
+                hashes: vec![key],
             }],
             ..FeedUpdate::default()
         };
         let back = decode(&encode(&full)).unwrap();
-        assert_eq!(back.ops[0].hashes(), [index_key(0xB2B7_9674_517D_8D36)]);
+        assert_eq!(back.ops[0].hashes(), [key]);
         // Only a message with the pod list is a complete update.
         let idle = encode_message(&FeedMessage::default());
         assert_eq!(decode(&idle), Err(FeedError::NoPodList));
@@ -1159,7 +1166,7 @@ mod tests {
             ops: vec![BlockOp::Stored {
                 pod: 999,
                 tier: Tier::Gpu,
-                hashes: spread_keys(n, 5),
+                hashes: keys(&spread_keys(n, 5)),
             }],
             ..FeedMessage::default()
         };
@@ -1212,11 +1219,11 @@ mod tests {
                 BlockOp::Stored {
                     pod: 0,
                     tier: Tier::Cpu,
-                    hashes: vec![0x01_0203_0405],
+                    hashes: keys(&[0x01_0203_0405]),
                 },
                 BlockOp::Removed {
                     pod: 0,
-                    hashes: vec![0x0a],
+                    hashes: keys(&[0x0a]),
                 },
                 BlockOp::Cleared { pod: 0 },
             ],
@@ -1262,7 +1269,7 @@ mod tests {
         let packed_run = FeedMessage {
             ops: vec![BlockOp::Removed {
                 pod: 1,
-                hashes: (0..8).map(|i| i << 37 | 1).collect(),
+                hashes: (0..8).map(|i| IndexKey::new(i << 37 | 1)).collect(),
             }],
             ..FeedMessage::default()
         };
@@ -1279,7 +1286,7 @@ mod tests {
             )
         );
         let learned = LearnedBatch {
-            entries: vec![("a:1".into(), vec![9])],
+            entries: vec![("a:1".into(), vec![BlockHash::new(9)])],
         };
         let hex: String = encode_learned(&learned)
             .iter()
@@ -1304,7 +1311,7 @@ mod tests {
     fn learned_roundtrip() {
         let b = LearnedBatch {
             entries: vec![
-                ("10.0.0.1:8000".into(), vec![1, 2, u64::MAX]),
+                ("10.0.0.1:8000".into(), hashes(&[1, 2, u64::MAX])),
                 ("10.0.0.2:8000".into(), vec![]),
             ],
         };
@@ -1322,7 +1329,7 @@ mod tests {
             }
         }
         let learned = encode_learned(&LearnedBatch {
-            entries: vec![("x:1".into(), vec![1, 2])],
+            entries: vec![("x:1".into(), hashes(&[1, 2]))],
         });
         for n in 0..learned.len() {
             assert!(decode_learned(&learned[..n]).is_err());

@@ -366,6 +366,7 @@ impl FeedClient {
 mod tests {
     use super::*;
     use crate::feed::{encode_message, load_version, pods_version, BlockOp, PodLoad, Tier};
+    use crate::hash::keys;
 
     const POLL: u32 = 100;
 
@@ -383,7 +384,7 @@ mod tests {
         BlockOp::Stored {
             pod,
             tier: Tier::Gpu,
-            hashes: hashes.to_vec(),
+            hashes: keys(hashes),
         }
     }
 
@@ -414,7 +415,7 @@ mod tests {
             kind: FeedKind::Delta { more },
             ops: vec![BlockOp::Removed {
                 pod: 1,
-                hashes: vec![2],
+                hashes: keys(&[2]),
             }],
             ..FeedMessage::default()
         }

@@ -35,8 +35,71 @@
 //! `cache_salt` into block 0's keys (`[salt]`), in the token and the byte
 //! domain alike; the indexer folds the keys each BlockStored event reports.
 //! The same prompt under two salts therefore shares no block hash.
+//!
+//! ## Hash kinds
+//!
+//! A chained hash is a [`BlockHash`]; the part of it the routing index
+//! compares is an [`IndexKey`]. Both are transparent newtypes over u64, so
+//! the compiler refuses mixing them (or either with a vLLM hash, a pod or a
+//! client key) at no cost in size; they become bare u64 only where a codec
+//! writes or reads them.
 
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// kvroute's chained hash of one block (or of the chain's root): what
+/// [`hash_prompt`](crate::router::hash_prompt) and the indexer compute, and
+/// what lookups, learned routes and the worker → singleton messages carry.
+/// Serialised as the bare u64 (the lookup's JSON is unchanged).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+#[repr(transparent)]
+pub struct BlockHash(u64);
+
+impl BlockHash {
+    /// The hash a codec read (or a test picked).
+    pub const fn new(hash: u64) -> BlockHash {
+        BlockHash(hash)
+    }
+
+    /// The bare u64, for a codec to write.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The bits of this hash the routing index compares.
+    pub const fn index_key(self) -> IndexKey {
+        IndexKey::new(self.0)
+    }
+}
+
+/// The [`INDEX_KEY_BITS`] low bits of a [`BlockHash`]: what the routing index
+/// compares and what the indexer feed carries. Two blocks with equal keys
+/// are one block to the index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct IndexKey(u64);
+
+impl IndexKey {
+    /// The key of `bits` (those above [`INDEX_KEY_BITS`] are dropped): a
+    /// key the feed carries, or a block hash's.
+    pub const fn new(bits: u64) -> IndexKey {
+        IndexKey(bits & ((1u64 << INDEX_KEY_BITS) - 1))
+    }
+
+    /// The bare u64 (below 2^[`INDEX_KEY_BITS`]), for a codec to write.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl From<BlockHash> for IndexKey {
+    fn from(hash: BlockHash) -> IndexKey {
+        hash.index_key()
+    }
+}
 
 /// What a chain of hashes was computed over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,11 +188,6 @@ pub fn extra_keys_digest(keys: &[ExtraKey]) -> Option<u64> {
 /// probability ≈ 1.2 × 10⁻⁵ per probe (n / 2⁴⁰).
 pub const INDEX_KEY_BITS: u32 = 40;
 
-/// The part of `hash` the routing index compares.
-pub fn index_key(hash: u64) -> u64 {
-    hash & ((1u64 << INDEX_KEY_BITS) - 1)
-}
-
 /// The extra-key digest of block 0 of a request with this `cache_salt`
 /// (vLLM puts the salt, alone when no LoRA or multimodal input, into block 0's keys).
 pub fn salt_digest(salt: &str) -> Option<u64> {
@@ -138,7 +196,7 @@ pub fn salt_digest(salt: &str) -> Option<u64> {
 
 /// The seed of block 0: scopes every chain by domain, model and LoRA adapter,
 /// so different models never share entries.
-pub fn root_hash(domain: Domain, model: &str, lora: Option<&str>) -> u64 {
+pub fn root_hash(domain: Domain, model: &str, lora: Option<&str>) -> BlockHash {
     let lora = lora.unwrap_or("");
     let tag = domain.tag();
     let mut buf = Vec::with_capacity(tag.len() + model.len() + 1 + lora.len());
@@ -146,30 +204,30 @@ pub fn root_hash(domain: Domain, model: &str, lora: Option<&str>) -> u64 {
     buf.extend_from_slice(model.as_bytes());
     buf.push(0);
     buf.extend_from_slice(lora.as_bytes());
-    xxh3_64_with_seed(&buf, 0)
+    BlockHash(xxh3_64_with_seed(&buf, 0))
 }
 
 /// Hashes of the full `block_size`-token blocks of `tokens`, at most
 /// `max_blocks` of them, chained from `root`. A trailing partial block is not
 /// hashed (vLLM caches full blocks only).
 pub fn token_block_hashes(
-    root: u64,
+    root: BlockHash,
     tokens: &[u32],
     block_size: usize,
     max_blocks: usize,
-) -> Vec<u64> {
+) -> Vec<BlockHash> {
     keyed_token_block_hashes(root, tokens, block_size, max_blocks, &[])
 }
 
 /// [`token_block_hashes`] where block `i` also covers `extra[i]`, the
 /// [`extra_keys_digest`] of its extra keys (`None` or past the end: none).
 pub fn keyed_token_block_hashes(
-    root: u64,
+    root: BlockHash,
     tokens: &[u32],
     block_size: usize,
     max_blocks: usize,
     extra: &[Option<u64>],
-) -> Vec<u64> {
+) -> Vec<BlockHash> {
     if block_size == 0 {
         return Vec::new();
     }
@@ -185,7 +243,7 @@ pub fn keyed_token_block_hashes(
         if let Some(Some(digest)) = extra.get(i) {
             bytes.extend_from_slice(&digest.to_le_bytes());
         }
-        parent = xxh3_64_with_seed(&bytes, parent);
+        parent = BlockHash(xxh3_64_with_seed(&bytes, parent.0));
         out.push(parent);
     }
     out
@@ -195,23 +253,23 @@ pub fn keyed_token_block_hashes(
 /// `max_blocks` of them, chained from `root`. A trailing partial chunk is not
 /// hashed, mirroring token blocks.
 pub fn byte_chunk_hashes(
-    root: u64,
+    root: BlockHash,
     text: &[u8],
     chunk_bytes: usize,
     max_blocks: usize,
-) -> Vec<u64> {
+) -> Vec<BlockHash> {
     keyed_byte_chunk_hashes(root, text, chunk_bytes, max_blocks, &[])
 }
 
 /// [`byte_chunk_hashes`] where chunk `i` also covers `extra[i]`, as
 /// [`keyed_token_block_hashes`] does for token blocks.
 pub fn keyed_byte_chunk_hashes(
-    root: u64,
+    root: BlockHash,
     text: &[u8],
     chunk_bytes: usize,
     max_blocks: usize,
     extra: &[Option<u64>],
-) -> Vec<u64> {
+) -> Vec<BlockHash> {
     if chunk_bytes == 0 {
         return Vec::new();
     }
@@ -226,13 +284,25 @@ pub fn keyed_byte_chunk_hashes(
                     keyed.clear();
                     keyed.extend_from_slice(chunk);
                     keyed.extend_from_slice(&digest.to_le_bytes());
-                    xxh3_64_with_seed(&keyed, parent)
+                    BlockHash(xxh3_64_with_seed(&keyed, parent.0))
                 }
-                _ => xxh3_64_with_seed(chunk, parent),
+                _ => BlockHash(xxh3_64_with_seed(chunk, parent.0)),
             };
             parent
         })
         .collect()
+}
+
+/// Block hashes of these bits, for tests that pick them by hand.
+#[cfg(test)]
+pub(crate) fn hashes(bits: &[u64]) -> Vec<BlockHash> {
+    bits.iter().map(|&b| BlockHash(b)).collect()
+}
+
+/// Index keys of these bits, for tests that pick them by hand.
+#[cfg(test)]
+pub(crate) fn keys(bits: &[u64]) -> Vec<IndexKey> {
+    bits.iter().map(|&b| IndexKey::new(b)).collect()
 }
 
 #[cfg(test)]
@@ -368,24 +438,45 @@ mod tests {
         assert_eq!(salt_digest("tenant-a"), Some(SALT_TENANT_A));
     }
 
+    #[test]
+    fn hash_kinds_cost_no_space_and_keys_keep_the_low_bits() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<BlockHash>(), size_of::<u64>());
+        assert_eq!(size_of::<IndexKey>(), size_of::<u64>());
+        let hash = TOKENS_0_63_QWEN[0];
+        assert_eq!(hash.index_key().get(), 0x74_517d_8d36);
+        assert_eq!(IndexKey::from(hash), hash.index_key());
+        // A key the feed carries is its own key; bits above the 40 are dropped.
+        assert_eq!(IndexKey::new(0x74_517d_8d36), hash.index_key());
+        assert_eq!(IndexKey::new(u64::MAX).get(), (1 << INDEX_KEY_BITS) - 1);
+        // The lookup's JSON carries the bare u64.
+        let json = serde_json::to_string(&[hash, BlockHash::new(u64::MAX)]).unwrap();
+        assert_eq!(json, format!("[{},{}]", hash.get(), u64::MAX));
+        let back: Vec<BlockHash> = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, [hash, BlockHash::new(u64::MAX)]);
+    }
+
     // Computed independently with Python's `xxhash` package (xxh3_64_intdigest).
-    const ROOT_TOKENS_QWEN: u64 = 0xa7ae_0792_94bd_c51e;
-    const ROOT_BYTES_QWEN: u64 = 0xc52e_b47c_c914_2ae3;
-    const ROOT_TOKENS_QWEN_LORA: u64 = 0x0b58_7113_ceb7_4067;
-    const TOKENS_0_63_QWEN: [u64; 4] = [
-        0xb2b7_9674_517d_8d36,
-        0xa8e1_d591_abb2_2b2d,
-        0xebe2_5cdf_bc41_8710,
-        0x6b2b_308c_32de_0f48,
+    const ROOT_TOKENS_QWEN: BlockHash = BlockHash(0xa7ae_0792_94bd_c51e);
+    const ROOT_BYTES_QWEN: BlockHash = BlockHash(0xc52e_b47c_c914_2ae3);
+    const ROOT_TOKENS_QWEN_LORA: BlockHash = BlockHash(0x0b58_7113_ceb7_4067);
+    const TOKENS_0_63_QWEN: [BlockHash; 4] = [
+        BlockHash(0xb2b7_9674_517d_8d36),
+        BlockHash(0xa8e1_d591_abb2_2b2d),
+        BlockHash(0xebe2_5cdf_bc41_8710),
+        BlockHash(0x6b2b_308c_32de_0f48),
     ];
-    const BYTES_HELLO_QWEN: [u64; 2] = [0x7f71_4d3e_656b_653f, 0x1596_f951_9923_d2e5];
+    const BYTES_HELLO_QWEN: [BlockHash; 2] = [
+        BlockHash(0x7f71_4d3e_656b_653f),
+        BlockHash(0x1596_f951_9923_d2e5),
+    ];
     // xxh3_64(b"s" + (8).to_bytes(8, "little") + b"tenant-a"), then the first
     // block of tokens 0..15 (LE u32) followed by that digest (LE u64).
     const SALT_TENANT_A: u64 = 0x9e04_c984_4521_12aa;
-    const KEYED_SALT_A: [u64; 4] = [
-        0x7697_38a1_a2a3_170f,
-        0x16b6_cf6b_c387_4ff8,
-        0x2f87_7728_c121_51c8,
-        0x5ea8_8b84_8750_f30d,
+    const KEYED_SALT_A: [BlockHash; 4] = [
+        BlockHash(0x7697_38a1_a2a3_170f),
+        BlockHash(0x16b6_cf6b_c387_4ff8),
+        BlockHash(0x2f87_7728_c121_51c8),
+        BlockHash(0x5ea8_8b84_8750_f30d),
     ];
 }

@@ -2,7 +2,7 @@
 //! number of pods that cache it, bounded by a byte budget.
 //!
 //! Layout (docs/fleet-scale-design.md, "B inside A"):
-//! - A block is keyed by its 40-bit [`index_key`]. The key's high bits pick
+//! - A block is keyed by its 40-bit [`IndexKey`]. The key's high bits pick
 //!   one of a fixed number of buckets; inside a bucket, slots are open
 //!   addressed by the key's low bits. A slot is 8 bytes (key and a 24-bit
 //!   pod-set reference) plus a 1-byte age (the epoch of its last write).
@@ -59,7 +59,7 @@
 //! per epoch, so a full bucket may evict a prompt's middle block before its
 //! tail (the lookup then counts the prefix up to the probes it made).
 
-use crate::hash::index_key;
+use crate::hash::IndexKey;
 use hashbrown::HashTable;
 use published::KeyStore;
 use std::borrow::Cow;
@@ -536,9 +536,9 @@ fn bucket_of(key: u64, buckets: usize) -> usize {
     ((((key >> 8) & 0xffff_ffff) * buckets as u64) >> 32) as usize
 }
 
-/// The slot key of a block hash: its index key, with the empty marker moved aside.
-fn key_of(hash: u64) -> u64 {
-    match index_key(hash) {
+/// The slot key of an index key: the key, with the empty marker moved aside.
+fn key_of(key: IndexKey) -> u64 {
+    match key.get() {
         0 => 1,
         key => key,
     }
@@ -548,9 +548,9 @@ fn key_of(hash: u64) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum IndexOp<'a> {
     /// See [`BlockIndex::touch_chain`].
-    Stored(PodId, Tier, &'a [u64]),
+    Stored(PodId, Tier, &'a [IndexKey]),
     /// See [`BlockIndex::remove`].
-    Removed(PodId, &'a [u64]),
+    Removed(PodId, &'a [IndexKey]),
     /// See [`BlockIndex::clear`].
     Cleared(PodId),
 }
@@ -895,9 +895,16 @@ impl BlockIndex {
         }
     }
 
-    /// Records `hashes` as held by `pod` in `tier`. A learned entry never
-    /// downgrades a precise one (it refreshes the slot's age).
-    pub fn touch_chain(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
+    /// Records `hashes` (block hashes or index keys) as held by `pod` in
+    /// `tier`. A learned entry never downgrades a precise one (it refreshes
+    /// the slot's age).
+    pub fn touch_chain<K: Copy + Into<IndexKey>>(
+        &mut self,
+        pod: PodId,
+        hashes: &[K],
+        tier: Tier,
+        now_s: u32,
+    ) {
         let epoch = self.epoch(now_s);
         self.latest_epoch = epoch;
         let Some(member) = self.member_of(pod, tier, epoch) else {
@@ -907,7 +914,7 @@ impl BlockIndex {
         // new one is computed once per run.
         let mut last = None;
         for &hash in hashes {
-            self.touch_block(hash, member, epoch, &mut last);
+            self.touch_block(hash.into(), member, epoch, &mut last);
         }
         self.forget_transition(&mut last);
     }
@@ -930,8 +937,8 @@ impl BlockIndex {
     /// a block whose old set is the cached one takes the new set without
     /// merging or interning. The caller lets it go with
     /// [`BlockIndex::forget_transition`].
-    fn touch_block(&mut self, hash: u64, member: Member, epoch: u16, last: &mut Transition) {
-        let key = key_of(hash);
+    fn touch_block(&mut self, key: IndexKey, member: Member, epoch: u16, last: &mut Transition) {
+        let key = key_of(key);
         let b = self.bucket_of(key);
         self.load(b);
         let found = self.buckets[b].find(key);
@@ -1113,21 +1120,26 @@ impl BlockIndex {
     }
 
     /// Forgets blocks of `pod` (vLLM evicted them), any tier.
-    pub fn remove(&mut self, pod: PodId, hashes: &[u64]) {
+    pub fn remove<K: Copy + Into<IndexKey>>(&mut self, pod: PodId, hashes: &[K]) {
         self.remove_where(pod, hashes, |_| true);
     }
 
     /// Forgets the learned entries of `pod` among `hashes` (a request the pod
     /// refused taught them); its precise entries stay.
-    pub fn remove_learned(&mut self, pod: PodId, hashes: &[u64]) {
+    pub fn remove_learned<K: Copy + Into<IndexKey>>(&mut self, pod: PodId, hashes: &[K]) {
         self.remove_where(pod, hashes, |tier| !is_precise(tier));
     }
 
-    fn remove_where(&mut self, pod: PodId, hashes: &[u64], applies: impl Fn(Tier) -> bool) {
+    fn remove_where<K: Copy + Into<IndexKey>>(
+        &mut self,
+        pod: PodId,
+        hashes: &[K],
+        applies: impl Fn(Tier) -> bool,
+    ) {
         // Removals carry no clock: members expired by the newest write go too.
         let epoch = self.latest_epoch;
         for &hash in hashes {
-            let key = key_of(hash);
+            let key = key_of(hash.into());
             let b = self.bucket_of(key);
             self.load(b);
             let Ok(i) = self.buckets[b].find(key) else {
@@ -1239,9 +1251,9 @@ impl BlockIndex {
     }
 
     /// Every pod's longest cached prefix of `hashes` (see [`match_lengths`]).
-    pub fn match_lengths(
+    pub fn match_lengths<K: Copy + Into<IndexKey>>(
         &self,
-        hashes: &[u64],
+        hashes: &[K],
         now_s: u32,
         rules: &MatchRules,
         out: &mut Vec<PodMatch>,
@@ -1251,10 +1263,10 @@ impl BlockIndex {
 
     /// Every entry that still counts, as (pod, index key, tier), oldest
     /// first: what a snapshot carries.
-    pub fn entries_oldest_first(&self) -> Vec<(PodId, u64, Tier)> {
+    pub fn entries_oldest_first(&self) -> Vec<(PodId, IndexKey, Tier)> {
         let epoch = self.latest_epoch;
         let now_age = epoch as u8;
-        let mut entries: Vec<(u8, PodId, u64, Tier)> = Vec::new();
+        let mut entries: Vec<(u8, PodId, IndexKey, Tier)> = Vec::new();
         for b in 0..self.buckets.len() {
             let bucket = self.bucket(b);
             for (&slot, &age) in bucket.slots.iter().zip(&bucket.ages) {
@@ -1266,7 +1278,7 @@ impl BlockIndex {
                         entries.push((
                             now_age.wrapping_sub(age),
                             m.pod(),
-                            slot_key(slot),
+                            IndexKey::new(slot_key(slot)),
                             m.tier(),
                         ));
                     }
@@ -1346,9 +1358,9 @@ impl IndexSource for BlockIndex {
 
 /// Every pod's longest cached prefix of `hashes` (pods with none left out,
 /// in pod order) into `out`, and what the lookup cost, read from `source`.
-pub fn match_lengths<S: IndexSource + ?Sized>(
+pub fn match_lengths<S: IndexSource + ?Sized, K: Copy + Into<IndexKey>>(
     source: &S,
-    hashes: &[u64],
+    hashes: &[K],
     now_s: u32,
     rules: &MatchRules,
     out: &mut Vec<PodMatch>,
@@ -1361,7 +1373,7 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
     }
     let mut probe = |i: usize| {
         cost.probes += 1;
-        source.set_of(key_of(hashes[i]))
+        source.set_of(key_of(hashes[i].into()))
     };
     let first = probe(0);
     if first.is_none() {
@@ -1454,6 +1466,7 @@ pub fn match_lengths<S: IndexSource + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::BlockHash;
     use std::cell::RefCell;
     use std::collections::HashMap;
 
@@ -1469,16 +1482,16 @@ mod tests {
         mix(*state)
     }
 
-    fn chain(seed: u64, n: usize) -> Vec<u64> {
+    fn chain(seed: u64, n: usize) -> Vec<BlockHash> {
         let mut state = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        (0..n).map(|_| next(&mut state)).collect()
+        (0..n).map(|_| BlockHash::new(next(&mut state))).collect()
     }
 
     impl BlockIndex {
         /// The (pod, tier) pairs that count for `hash` at `now_s`.
-        fn current_members(&self, hash: u64, now_s: u32) -> Vec<(PodId, Tier)> {
+        fn current_members(&self, hash: BlockHash, now_s: u32) -> Vec<(PodId, Tier)> {
             let epoch = self.epoch(now_s);
-            self.set_of(key_of(hash))
+            self.set_of(key_of(hash.index_key()))
                 .map(|id| self.sets.get(id))
                 .unwrap_or(&[])
                 .iter()
@@ -1539,11 +1552,17 @@ mod tests {
             tier != Tier::Learned || now_s / epoch - taught_s / epoch <= self.ttl.div_ceil(epoch)
         }
 
-        fn touch(&mut self, pod: PodId, hashes: &[u64], tier: Tier, now_s: u32) {
+        fn touch<K: Copy + Into<IndexKey>>(
+            &mut self,
+            pod: PodId,
+            hashes: &[K],
+            tier: Tier,
+            now_s: u32,
+        ) {
             for &h in hashes {
                 let entry = self
                     .entries
-                    .entry((pod, key_of(h)))
+                    .entry((pod, key_of(h.into())))
                     .or_insert((tier, now_s));
                 let keep_precise =
                     entry.0 != Tier::Learned && tier == Tier::Learned && self.ttl > 0;
@@ -1553,11 +1572,13 @@ mod tests {
             }
         }
 
-        fn members(&self, hash: u64, now_s: u32) -> Vec<(PodId, Tier)> {
+        fn members(&self, hash: BlockHash, now_s: u32) -> Vec<(PodId, Tier)> {
             let mut out: Vec<(PodId, Tier)> = self
                 .entries
                 .iter()
-                .filter(|(&(_, k), &(t, at))| k == key_of(hash) && self.live(t, at, now_s))
+                .filter(|(&(_, k), &(t, at))| {
+                    k == key_of(hash.index_key()) && self.live(t, at, now_s)
+                })
                 .map(|(&(p, _), &(t, _))| (p, t))
                 .collect();
             out.sort_unstable();
@@ -1565,7 +1586,7 @@ mod tests {
         }
 
         /// Each pod's longest usable prefix of `hashes`, walked block by block.
-        fn matches(&self, hashes: &[u64], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
+        fn matches(&self, hashes: &[BlockHash], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
             let mut pods: Vec<PodId> = self.entries.keys().map(|&(p, _)| p).collect();
             pods.sort_unstable();
             pods.dedup();
@@ -1574,7 +1595,7 @@ mod tests {
             for pod in pods {
                 let (mut blocks, mut credit, mut taught_this_epoch) = (0, 0.0, 0);
                 for &h in hashes {
-                    let Some(&(tier, at)) = self.entries.get(&(pod, key_of(h))) else {
+                    let Some(&(tier, at)) = self.entries.get(&(pod, key_of(h.index_key()))) else {
                         break;
                     };
                     if !self.live(tier, at, now_s)
@@ -1632,7 +1653,7 @@ mod tests {
                 let index = &mut under.index;
                 now += (next(&mut rng) % 3) as u32;
                 let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
-                let picked: Vec<u64> = universe
+                let picked: Vec<BlockHash> = universe
                     .iter()
                     .copied()
                     .filter(|_| next(&mut rng) % 4 == 0)
@@ -1646,16 +1667,19 @@ mod tests {
                     5 | 6 => {
                         index.remove(pod, &picked);
                         picked.iter().for_each(|&h| {
-                            model.entries.remove(&(pod, key_of(h)));
+                            model.entries.remove(&(pod, key_of(h.index_key())));
                         });
                     }
                     7 => {
                         index.remove_learned(pod, &picked);
                         for &h in &picked {
-                            if model.entries.get(&(pod, key_of(h))).map(|e| e.0)
+                            if model
+                                .entries
+                                .get(&(pod, key_of(h.index_key())))
+                                .map(|e| e.0)
                                 == Some(Tier::Learned)
                             {
-                                model.entries.remove(&(pod, key_of(h)));
+                                model.entries.remove(&(pod, key_of(h.index_key())));
                             }
                         }
                     }
@@ -1709,7 +1733,7 @@ mod tests {
             let pods: Vec<(PodId, Tier)> = (0..8)
                 .filter_map(|i| Some((index.add_pod()?, tier_of(i))))
                 .collect();
-            let chains: Vec<Vec<u64>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
+            let chains: Vec<Vec<BlockHash>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
             let mut rng = seed;
             let mut now = 0;
             let mut out = Vec::new();
@@ -1730,7 +1754,7 @@ mod tests {
                     5 => {
                         index.remove(pod, &c[cut..]);
                         c[cut..].iter().for_each(|&h| {
-                            model.entries.remove(&(pod, key_of(h)));
+                            model.entries.remove(&(pod, key_of(h.index_key())));
                         });
                     }
                     6 => {
@@ -1832,7 +1856,7 @@ mod tests {
             publication.deferred
         }
 
-        fn lookup(&self, hashes: &[u64], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
+        fn lookup(&self, hashes: &[BlockHash], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
             let mut view = published::PublishedView::default();
             view.refresh(self, 1_000, 5_000).unwrap();
             let source = view.source(self).unwrap();
@@ -1851,7 +1875,7 @@ mod tests {
         for (seed, store) in (0..4u64).flat_map(|seed| STORES.map(|store| (seed, store))) {
             let Under { mut index, shared } = Under::new(store, 1 << 20, 30);
             let pods: Vec<PodId> = (0..8).filter_map(|_| index.add_pod()).collect();
-            let chains: Vec<Vec<u64>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
+            let chains: Vec<Vec<BlockHash>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
             let mut rng = seed;
             let mut now = 0;
             for step in 0..200 {
@@ -2050,12 +2074,13 @@ mod tests {
             let pods: Vec<PodId> = (0..4).filter_map(|_| under.index.add_pod()).collect();
             let universe = chain(seed, 300);
             let mut rng = seed;
-            let mut kept: Vec<(u64, PodId, Vec<u64>)> = Vec::new();
+            // What a feed delivers: index keys.
+            let mut kept: Vec<(u64, PodId, Vec<IndexKey>)> = Vec::new();
             for _ in 0..12 {
                 let pod = pods[(next(&mut rng) % pods.len() as u64) as usize];
-                let picked: Vec<u64> = universe
+                let picked: Vec<IndexKey> = universe
                     .iter()
-                    .copied()
+                    .map(|h| h.index_key())
                     .filter(|_| next(&mut rng) % 3 == 0)
                     .collect();
                 kept.push((next(&mut rng) % 8, pod, picked));
@@ -2071,8 +2096,8 @@ mod tests {
             for op in &ops {
                 match *op {
                     IndexOp::Stored(pod, tier, hashes) => model.touch(pod, hashes, tier, 5),
-                    IndexOp::Removed(pod, hashes) => hashes.iter().for_each(|&h| {
-                        model.entries.remove(&(pod, key_of(h)));
+                    IndexOp::Removed(pod, keys) => keys.iter().for_each(|&key| {
+                        model.entries.remove(&(pod, key_of(key)));
                     }),
                     IndexOp::Cleared(pod) => model.entries.retain(|&(p, _), _| p != pod),
                 }
@@ -2080,7 +2105,7 @@ mod tests {
             under.index.apply_ops(&ops, 5);
             let touched = universe
                 .iter()
-                .map(|&h| under.index.bucket_of(key_of(h)))
+                .map(|&h| under.index.bucket_of(key_of(h.index_key())))
                 .collect::<std::collections::HashSet<_>>()
                 .len();
             let stats = under.index.stats();
@@ -2227,12 +2252,15 @@ mod tests {
         shared.flush(&mut index, usize::MAX);
         // Other buckets' writes push `c`'s out of the working set: they are
         // read back from the store on their next write.
-        let mut c_buckets: Vec<usize> = c.iter().map(|&h| index.bucket_of(key_of(h))).collect();
+        let mut c_buckets: Vec<usize> = c
+            .iter()
+            .map(|&h| index.bucket_of(key_of(h.index_key())))
+            .collect();
         c_buckets.sort_unstable();
         c_buckets.dedup();
-        let others: Vec<u64> = chain(5, 64)
+        let others: Vec<BlockHash> = chain(5, 64)
             .into_iter()
-            .filter(|&h| !c_buckets.contains(&index.bucket_of(key_of(h))))
+            .filter(|&h| !c_buckets.contains(&index.bucket_of(key_of(h.index_key()))))
             .collect();
         index.touch_chain(pod, &others, Tier::Gpu, 1);
         shared.flush(&mut index, usize::MAX);
@@ -2314,7 +2342,7 @@ mod tests {
         let pod = index.add_pod().unwrap();
         let full = chain(3, 40);
         // What a feed carrying index keys delivers for the same chain.
-        let keys: Vec<u64> = full.iter().map(|&h| index_key(h)).collect();
+        let keys: Vec<IndexKey> = full.iter().map(|h| h.index_key()).collect();
         index.touch_chain(pod, &keys, Tier::Gpu, 1);
         let index = index.reconfigured(4 << 20, 60, 2);
         let mut out = Vec::new();

@@ -8,6 +8,7 @@
 
 use crate::config::Config;
 use crate::feed::Tier;
+use crate::hash::BlockHash;
 use crate::index::LookupCost;
 use crate::router::{decide_among, Candidates, Decision, HashedPrompt, NoRoute};
 use crate::score::PodSignals;
@@ -28,7 +29,7 @@ pub struct LookupRequest<'a> {
     #[serde(borrow)]
     pub model: Cow<'a, str>,
     /// The prompt's kvroute block hashes, block 0 first.
-    pub hashes: Cow<'a, [u64]>,
+    pub hashes: Cow<'a, [BlockHash]>,
 }
 
 /// The leading blocks of a chain one pod holds, by the tiers they may be in.
@@ -314,14 +315,14 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::Domain;
+    use crate::hash::{hashes, Domain};
     use std::collections::HashMap;
 
     fn prompt(blocks: u64) -> HashedPrompt {
         HashedPrompt {
             serving_model: "m".into(),
             domain: Domain::Tokens,
-            hashes: (1..=blocks).collect(),
+            hashes: (1..=blocks).map(BlockHash::new).collect(),
         }
     }
 
@@ -354,15 +355,15 @@ mod tests {
         let body = encode_request(&p);
         let decoded: LookupRequest = serde_json::from_slice(&body).unwrap();
         assert_eq!(decoded.model, "m");
-        assert_eq!(decoded.hashes.as_ref(), &[1, 2, 3]);
+        assert_eq!(decoded.hashes.as_ref(), hashes(&[1, 2, 3]));
         // Hashes above 2^53 keep every bit (JSON integers, not floats).
         let big = HashedPrompt {
-            hashes: vec![u64::MAX, 1 << 63],
+            hashes: hashes(&[u64::MAX, 1 << 63]),
             ..p
         };
         let body = encode_request(&big);
         let decoded: LookupRequest = serde_json::from_slice(&body).unwrap();
-        assert_eq!(decoded.hashes.as_ref(), &[u64::MAX, 1 << 63]);
+        assert_eq!(decoded.hashes.as_ref(), hashes(&[u64::MAX, 1 << 63]));
     }
 
     /// The prefix of `hashes` a pod holds, block by block, as the indexer walks it.

@@ -7,6 +7,7 @@
 //! Bounded by entries and by hashes held; an entry lives two flush periods
 //! (by then its flush has landed).
 
+use crate::hash::BlockHash;
 use std::collections::VecDeque;
 
 /// Recent decisions kept at most.
@@ -18,7 +19,7 @@ pub const RECENT_HASHES: usize = 1 << 16;
 struct Recent {
     at_ms: u64,
     pod: String,
-    hashes: Vec<u64>,
+    hashes: Vec<BlockHash>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -42,7 +43,7 @@ impl RecentRoutes {
     }
 
     /// `pod` was taught `hashes` at `now_ms`.
-    pub fn record(&mut self, pod: &str, hashes: &[u64], now_ms: u64) {
+    pub fn record(&mut self, pod: &str, hashes: &[BlockHash], now_ms: u64) {
         if hashes.is_empty() {
             return;
         }
@@ -72,7 +73,7 @@ impl RecentRoutes {
 
     /// Each pod's longest prefix of `hashes` among the recent decisions, as
     /// (pod, blocks), after dropping expired entries.
-    pub fn matches(&mut self, hashes: &[u64], now_ms: u64) -> Vec<(&str, usize)> {
+    pub fn matches(&mut self, hashes: &[BlockHash], now_ms: u64) -> Vec<(&str, usize)> {
         while self
             .entries
             .front()
@@ -101,7 +102,13 @@ impl RecentRoutes {
 
     /// The longest prefix of `hashes` this VM taught `pod` at or after
     /// `since_ms` (among entries not expired at `now_ms`).
-    pub fn taught_since(&self, pod: &str, hashes: &[u64], since_ms: u64, now_ms: u64) -> usize {
+    pub fn taught_since(
+        &self,
+        pod: &str,
+        hashes: &[BlockHash],
+        since_ms: u64,
+        now_ms: u64,
+    ) -> usize {
         self.entries
             .iter()
             .filter(|e| {
@@ -124,52 +131,58 @@ impl RecentRoutes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::hashes;
 
     #[test]
     fn the_longest_recent_prefix_per_pod_until_it_expires() {
         let mut recent = RecentRoutes::new(200);
-        recent.record("a", &[1, 2, 3, 4], 0);
-        recent.record("a", &[1, 2], 50);
-        recent.record("b", &[1, 2, 9], 100);
-        recent.record("c", &[7, 8], 100);
-        let mut got = recent.matches(&[1, 2, 3, 5], 150);
+        recent.record("a", &hashes(&[1, 2, 3, 4]), 0);
+        recent.record("a", &hashes(&[1, 2]), 50);
+        recent.record("b", &hashes(&[1, 2, 9]), 100);
+        recent.record("c", &hashes(&[7, 8]), 100);
+        let mut got = recent.matches(&hashes(&[1, 2, 3, 5]), 150);
         got.sort_unstable();
         assert_eq!(got, vec![("a", 3), ("b", 2)]);
         // The first entry expired (kept 200 ms): only the shorter one is left for a.
-        let mut got = recent.matches(&[1, 2, 3, 5], 240);
+        let mut got = recent.matches(&hashes(&[1, 2, 3, 5]), 240);
         got.sort_unstable();
         assert_eq!(got, vec![("a", 2), ("b", 2)]);
         recent.forget("b");
-        assert_eq!(recent.matches(&[1, 2, 3, 5], 240), vec![("a", 2)]);
-        assert!(recent.matches(&[], 260).is_empty());
+        assert_eq!(recent.matches(&hashes(&[1, 2, 3, 5]), 240), vec![("a", 2)]);
+        assert!(recent.matches(&hashes(&[]), 260).is_empty());
     }
 
     #[test]
     fn what_was_taught_a_pod_since_a_moment() {
         let mut recent = RecentRoutes::new(200);
-        recent.record("a", &[1, 2, 3, 4], 100);
-        recent.record("a", &[1, 2], 150);
-        recent.record("b", &[1, 2, 3, 4, 5], 150);
-        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 160), 3);
-        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 120, 160), 2);
-        assert_eq!(recent.taught_since("c", &[1, 2, 3, 9], 0, 160), 0);
+        recent.record("a", &hashes(&[1, 2, 3, 4]), 100);
+        recent.record("a", &hashes(&[1, 2]), 150);
+        recent.record("b", &hashes(&[1, 2, 3, 4, 5]), 150);
+        assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 0, 160), 3);
+        assert_eq!(
+            recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 120, 160),
+            2
+        );
+        assert_eq!(recent.taught_since("c", &hashes(&[1, 2, 3, 9]), 0, 160), 0);
         // Expired entries (kept 200 ms) no longer count.
-        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 320), 2);
-        assert_eq!(recent.taught_since("a", &[1, 2, 3, 9], 0, 400), 0);
+        assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 0, 320), 2);
+        assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 0, 400), 0);
     }
 
     #[test]
     fn entries_and_hashes_stay_bounded() {
         let mut recent = RecentRoutes::new(u64::MAX);
         for i in 0..(RECENT_ENTRIES as u64 + 10) {
-            recent.record("a", &[i, 1], 0);
+            recent.record("a", &hashes(&[i, 1]), 0);
         }
         assert_eq!(recent.entries.len(), RECENT_ENTRIES);
         assert!(
-            recent.matches(&[0, 1], 0).is_empty(),
+            recent.matches(&hashes(&[0, 1]), 0).is_empty(),
             "the oldest went first"
         );
-        let big: Vec<u64> = (0..RECENT_HASHES as u64 / 2 + 1).collect();
+        let big: Vec<BlockHash> = (0..RECENT_HASHES as u64 / 2 + 1)
+            .map(BlockHash::new)
+            .collect();
         recent.record("a", &big, 0);
         recent.record("b", &big, 0);
         assert!(recent.hashes <= RECENT_HASHES);

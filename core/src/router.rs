@@ -3,11 +3,11 @@
 //! learning.
 
 use crate::admission::all_saturated;
-use crate::budget::ClientBudgets;
+use crate::budget::{ClientBudgets, ClientKey};
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
 use crate::hash::{
-    keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, Domain,
+    keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, BlockHash, Domain,
 };
 use crate::index::published::Publication;
 use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch};
@@ -89,7 +89,7 @@ impl Pod {
     }
 
     /// The leading blocks one request may teach this pod's table.
-    fn learnable<'h>(&self, hashes: &'h [u64], policy: &ClusterPolicy) -> &'h [u64] {
+    fn learnable<'h>(&self, hashes: &'h [BlockHash], policy: &ClusterPolicy) -> &'h [BlockHash] {
         let share = f64::from(self.spec.capacity_blocks) * policy.max_learn_share;
         let limit = (share.ceil() as usize).max(1);
         &hashes[..hashes.len().min(limit)]
@@ -144,7 +144,7 @@ pub struct HashedPrompt {
     /// The model pods must serve (the base model for a LoRA adapter).
     pub serving_model: String,
     pub domain: Domain,
-    pub hashes: Vec<u64>,
+    pub hashes: Vec<BlockHash>,
 }
 
 /// Hashes a parsed request per the configuration (block size, chunk size,
@@ -686,7 +686,13 @@ impl Cluster {
     /// A request went to `address`: count its load and learn its blocks
     /// (provisionally: a failed answer takes them back, see
     /// [`Cluster::forget_learned`]).
-    pub fn record_routed(&mut self, address: &str, prompt_blocks: u32, hashes: &[u64], now_s: u32) {
+    pub fn record_routed(
+        &mut self,
+        address: &str,
+        prompt_blocks: u32,
+        hashes: &[BlockHash],
+        now_s: u32,
+    ) {
         let policy = self.policy;
         let Some(i) = self.by_address.get(address).copied() else {
             return;
@@ -705,7 +711,7 @@ impl Cluster {
 
     /// The leading blocks of `hashes` one request may teach `address`
     /// (`index.max_learn_share` of its capacity).
-    pub fn learnable<'h>(&self, address: &str, hashes: &'h [u64]) -> &'h [u64] {
+    pub fn learnable<'h>(&self, address: &str, hashes: &'h [BlockHash]) -> &'h [BlockHash] {
         match self.pod(address) {
             Some(pod) => pod.learnable(hashes, &self.policy),
             None => &[],
@@ -715,7 +721,7 @@ impl Cluster {
     /// The writer learns `hashes` on `address` as a worker sent them (the
     /// worker already cut them to the pod's share); an unknown pod is added
     /// unless discovery owns the pod set.
-    pub fn learn_as_told(&mut self, address: &str, hashes: &[u64], now_s: u32) {
+    pub fn learn_as_told(&mut self, address: &str, hashes: &[BlockHash], now_s: u32) {
         let Some(id) = self.ensure_pod(address).map(|p| p.id) else {
             return;
         };
@@ -730,7 +736,7 @@ impl Cluster {
     pub fn client_allowance(
         &mut self,
         address: &str,
-        client: u64,
+        client: ClientKey,
         want: usize,
         now_s: u32,
     ) -> usize {
@@ -745,7 +751,7 @@ impl Cluster {
 
     /// A peer VM charged `client` `blocks` of its budget on `address`: the
     /// same charge here, so the budget holds for the whole proxy.
-    pub fn charge_client(&mut self, address: &str, client: u64, blocks: usize, now_s: u32) {
+    pub fn charge_client(&mut self, address: &str, client: ClientKey, blocks: usize, now_s: u32) {
         let window = self.policy.client_window_seconds;
         if let Some(pod) = self.pod_mut(address) {
             pod.client_budgets
@@ -755,7 +761,7 @@ impl Cluster {
 
     /// A request routed to `address` was refused: the blocks it taught
     /// the index are not cached there after all.
-    pub fn forget_learned(&mut self, address: &str, hashes: &[u64]) {
+    pub fn forget_learned(&mut self, address: &str, hashes: &[BlockHash]) {
         let id = self.pod(address).map(|p| p.id);
         if let (Some(id), Some(index)) = (id, &mut self.index) {
             index.remove_learned(id, hashes);
@@ -909,8 +915,9 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::client_key;
     use crate::feed::PodInfo;
-    use crate::hash::token_block_hashes;
+    use crate::hash::{token_block_hashes, IndexKey};
     use crate::request::parse_request;
 
     fn config(endpoints: &str) -> Config {
@@ -1078,11 +1085,12 @@ mod tests {
         let mut cluster = Cluster::default();
         cluster.set_configured(&c, 0);
         // 1000 × the default client share 0.5, per ttl_seconds (600).
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 10), 300);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 20), 200);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 30), 0);
-        assert_eq!(cluster.client_allowance("a:1", 8, 300, 30), 300);
-        assert_eq!(cluster.client_allowance("a:1", 7, 300, 610), 300);
+        let (a, b) = (client_key("a"), client_key("b"));
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 10), 300);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 20), 200);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 30), 0);
+        assert_eq!(cluster.client_allowance("a:1", b, 300, 30), 300);
+        assert_eq!(cluster.client_allowance("a:1", a, 300, 610), 300);
     }
 
     #[test]
@@ -1260,7 +1268,7 @@ mod tests {
             ops: vec![BlockOp::Stored {
                 pod: 1,
                 tier: Tier::Gpu,
-                hashes: hashed.hashes[..8].to_vec(),
+                hashes: hashed.hashes[..8].iter().map(|h| h.index_key()).collect(),
             }],
         };
         cluster.apply_feed(&update, 100, 5);
@@ -1282,7 +1290,7 @@ mod tests {
             snapshot: false,
             ops: vec![BlockOp::Removed {
                 pod: 1,
-                hashes: hashed.hashes[4..8].to_vec(),
+                hashes: hashed.hashes[4..8].iter().map(|h| h.index_key()).collect(),
             }],
             ..update.clone()
         };
@@ -1300,8 +1308,8 @@ mod tests {
     fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
         let pods: Vec<PodInfo> = (0..5).map(|p| fed_pod(&format!("p:{p}"), 400)).collect();
         // Per pod and tier, keys spread over the key space; pods 0–2 share some.
-        let key = |i: u64| crate::hash::index_key(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let runs: Vec<(u32, Tier, Vec<u64>)> = (0u32..5)
+        let key = |i: u64| IndexKey::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let runs: Vec<(u32, Tier, Vec<IndexKey>)> = (0u32..5)
             .flat_map(|pod| {
                 let from = if pod < 3 { 0 } else { 1000 * u64::from(pod) };
                 [
@@ -1311,7 +1319,7 @@ mod tests {
                 ]
                 .into_iter()
                 .map(move |(tier, range)| {
-                    let mut keys: Vec<u64> = range.map(|i| key(from + i)).collect();
+                    let mut keys: Vec<IndexKey> = range.map(|i| key(from + i)).collect();
                     keys.sort_unstable();
                     (pod, tier, keys)
                 })
@@ -1324,8 +1332,13 @@ mod tests {
             pods: pods.clone(),
             ops,
         };
-        let stored = |(pod, tier, keys): &(u32, Tier, Vec<u64>), range: &std::ops::Range<u64>| {
-            let hashes: Vec<u64> = keys.iter().copied().filter(|k| range.contains(k)).collect();
+        let stored = |(pod, tier, keys): &(u32, Tier, Vec<IndexKey>),
+                      range: &std::ops::Range<u64>| {
+            let hashes: Vec<IndexKey> = keys
+                .iter()
+                .copied()
+                .filter(|k| range.contains(&k.get()))
+                .collect();
             (!hashes.is_empty()).then_some(BlockOp::Stored {
                 pod: *pod,
                 tier: *tier,
@@ -1384,14 +1397,14 @@ mod tests {
             ops: vec![BlockOp::Stored {
                 pod: 0,
                 tier: Tier::Gpu,
-                hashes: (1..=50).collect(),
+                hashes: (1..=50).map(IndexKey::new).collect(),
             }],
         };
         cluster.apply_feed(&update, 10, 5);
         let prompt = HashedPrompt {
             serving_model: "m".into(),
             domain: Domain::Tokens,
-            hashes: (1..=50).collect(),
+            hashes: (1..=50).map(BlockHash::new).collect(),
         };
         let d = cluster.decide(&c, &prompt, 10, 0).unwrap();
         assert_eq!(d.signals.capacity_blocks, c.default_capacity_blocks);

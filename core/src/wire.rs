@@ -18,7 +18,9 @@
 //! str     := u16 len, UTF-8
 //! ```
 
+use crate::budget::ClientKey;
 use crate::codec::{self, CodecError, Reader};
+use crate::hash::BlockHash;
 use std::fmt;
 
 /// One event a VM tells its peers.
@@ -28,7 +30,7 @@ pub enum PeerMessage {
     Routed {
         pod: String,
         prompt_blocks: u32,
-        hashes: Vec<u64>,
+        hashes: Vec<BlockHash>,
     },
     /// A request routed to `pod` got its first response bytes: its prefill
     /// blocks no longer load the pod.
@@ -40,16 +42,16 @@ pub enum PeerMessage {
     Released { pod: String, prompt_blocks: u32 },
     /// `pod` answered a request successfully: its blocks are confirmed
     /// cached there (learned by peers; reported to the indexer).
-    Learned { pod: String, hashes: Vec<u64> },
+    Learned { pod: String, hashes: Vec<BlockHash> },
     /// `pod` refused a request: the blocks it was taught are taken back.
-    Unlearned { pod: String, hashes: Vec<u64> },
+    Unlearned { pod: String, hashes: Vec<BlockHash> },
     /// `pod` failed a request (5xx, reset, or served elsewhere).
     Failed { pod: String },
     /// `client` taught `pod` `blocks` of its budget (`tenant_header`): peers
     /// charge it too, so the budget holds for the whole proxy.
     Charged {
         pod: String,
-        client: u64,
+        client: ClientKey,
         blocks: u32,
     },
     /// An indexer feed update, forwarded verbatim by the singleton.
@@ -125,7 +127,7 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
             } => {
                 out.push(CHARGED);
                 put_str(&mut out, pod)?;
-                codec::put_u64(&mut out, *client);
+                codec::put_u64(&mut out, client.get());
                 codec::put_u32(&mut out, *blocks);
             }
             PeerMessage::PrefillDone { pod, prompt_blocks } => {
@@ -176,7 +178,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
             FAILED => PeerMessage::Failed { pod: pod(&mut r)? },
             CHARGED => PeerMessage::Charged {
                 pod: pod(&mut r)?,
-                client: r.u64("client")?,
+                client: ClientKey::new(r.u64("client")?),
                 blocks: r.u32("blocks")?,
             },
             PREFILL_DONE => PeerMessage::PrefillDone {
@@ -209,11 +211,11 @@ fn len_u32(n: usize) -> Result<u32, WireError> {
     u32::try_from(n).map_err(|_| WireError::TooLong)
 }
 
-fn put_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> Result<(), WireError> {
+fn put_hashes(out: &mut Vec<u8>, hashes: &[BlockHash]) -> Result<(), WireError> {
     codec::put_u32(out, len_u32(hashes.len())?);
     out.reserve(hashes.len() * 8);
     for hash in hashes {
-        codec::put_u64(out, *hash);
+        codec::put_u64(out, hash.get());
     }
     Ok(())
 }
@@ -236,9 +238,10 @@ impl From<CodecError> for WireError {
     }
 }
 
-fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>, WireError> {
+fn hashes(r: &mut Reader<'_>) -> Result<Vec<BlockHash>, WireError> {
     let n = r.u32("hashes")?;
-    Ok(r.u64s(n as usize, "hashes")?)
+    let hashes = r.u64s(n as usize, "hashes")?;
+    Ok(hashes.into_iter().map(BlockHash::new).collect())
 }
 
 fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
@@ -249,13 +252,14 @@ fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::hashes;
 
     fn sample() -> Vec<PeerMessage> {
         vec![
             PeerMessage::Routed {
                 pod: "10.0.0.1:8000".into(),
                 prompt_blocks: 3,
-                hashes: vec![1, u64::MAX, 0],
+                hashes: hashes(&[1, u64::MAX, 0]),
             },
             PeerMessage::Finished {
                 pod: "10.0.0.2:8000".into(),
@@ -268,7 +272,7 @@ mod tests {
             },
             PeerMessage::Charged {
                 pod: "10.0.0.2:8000".into(),
-                client: u64::MAX,
+                client: ClientKey::new(u64::MAX),
                 blocks: 40,
             },
             PeerMessage::PrefillDone {
@@ -282,11 +286,11 @@ mod tests {
             },
             PeerMessage::Learned {
                 pod: "10.0.0.4:8000".into(),
-                hashes: vec![5, 6],
+                hashes: hashes(&[5, 6]),
             },
             PeerMessage::Unlearned {
                 pod: "10.0.0.5:8000".into(),
-                hashes: vec![7],
+                hashes: hashes(&[7]),
             },
             PeerMessage::Failed {
                 pod: "10.0.0.6:8000".into(),

@@ -6,6 +6,7 @@
 //! writes and lookups must not panic or loop either.
 #![no_main]
 
+use kvroute_core::hash::BlockHash;
 use kvroute_core::index::published::{
     find_in_bucket, find_in_chunk, Head, KeyReader, KeyStore, PodTable, PublishedView, HEAD_KEY,
     PODS_KEY,
@@ -61,7 +62,7 @@ impl KeyStore for Overwritten {
 
 /// A write-through index that publishes (so it reads its buckets back),
 /// then writes and looks up over buckets that hold `data`.
-fn write_through_over(data: &[u8], hashes: &[u64], rules: &MatchRules) {
+fn write_through_over(data: &[u8], hashes: &[BlockHash], rules: &MatchRules) {
     let budget = BlockIndex::min_budget_bytes() * 4;
     let mut index =
         BlockIndex::new(budget, 60).write_through(Rc::new(Overwritten(data.to_vec())), 2);
@@ -93,7 +94,9 @@ fuzz_target!(|data: &[u8]| {
         cpu_credit: 0.5,
         disk_credit: 0.25,
     };
-    let hashes: Vec<u64> = (0..64).map(|i| key.wrapping_mul(i + 1)).collect();
+    let hashes: Vec<BlockHash> = (0..64)
+        .map(|i| BlockHash::new(key.wrapping_mul(i + 1)))
+        .collect();
     let reader = Garbage::cut(data);
     let mut view = PublishedView::default();
     if view.refresh(&reader, u64::MAX, u64::MAX).is_ok() {

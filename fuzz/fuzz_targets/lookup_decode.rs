@@ -4,7 +4,7 @@
 #![no_main]
 
 use kvroute_core::config::Config;
-use kvroute_core::hash::Domain;
+use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::lookup::{decide, decode_answer, InFlight};
 use kvroute_core::router::HashedPrompt;
 use kvroute_indexer::lookup::parse_request;
@@ -15,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
     let prompt = HashedPrompt {
         serving_model: "m".into(),
         domain: Domain::Tokens,
-        hashes: (0..64).collect(),
+        hashes: (0..64).map(BlockHash::new).collect(),
     };
     if let Ok(candidates) = decode_answer(data, prompt.hashes.len()) {
         let decision = decide(&Config::default(), &prompt, &candidates, &InFlight::default(), 7)

@@ -8,6 +8,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 
+use kvroute_core::hash::BlockHash;
 use kvroute_core::lookup::{Candidate, HeldPrefix, LookupAnswer, LookupRequest};
 
 use crate::index::{BuildMix, Index, Load, PodKey, PodView};
@@ -85,7 +86,7 @@ pub fn lookup(index: &Index, request: &LookupRequest<'_>) -> LookupAnswer {
 }
 
 /// A request for `model` and `hashes` (tests and benchmarks).
-pub fn request<'a>(model: &'a str, hashes: &'a [u64]) -> LookupRequest<'a> {
+pub fn request<'a>(model: &'a str, hashes: &'a [BlockHash]) -> LookupRequest<'a> {
     LookupRequest {
         model: Cow::Borrowed(model),
         hashes: Cow::Borrowed(hashes),

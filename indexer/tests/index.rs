@@ -8,10 +8,9 @@ use std::collections::HashMap;
 
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, FeedUpdate, LearnedBatch, Tier};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
-use kvroute_core::hash::index_key;
 use kvroute_core::hash::{
     extra_keys_digest, keyed_token_block_hashes, root_hash, salt_digest, token_block_hashes,
-    Domain, ExtraKey,
+    BlockHash, Domain, ExtraKey, IndexKey,
 };
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
 use kvroute_indexer::metrics::Metrics;
@@ -76,7 +75,7 @@ fn index() -> Index {
     index_with(IndexConfig::default())
 }
 
-fn kv_chain(toks: &[u32]) -> Vec<u64> {
+fn kv_chain(toks: &[u32]) -> Vec<BlockHash> {
     let root = root_hash(Domain::Tokens, MODEL, None);
     token_block_hashes(root, toks, 16, usize::MAX)
 }
@@ -89,7 +88,7 @@ struct Consumer {
     now_ms: u64,
     epoch: u64,
     cursor: u64,
-    entries: HashMap<(String, u64), Tier>,
+    entries: HashMap<(String, IndexKey), Tier>,
 }
 
 impl Default for Consumer {
@@ -159,7 +158,7 @@ impl Consumer {
         got.update
     }
 
-    fn of(&self, pod: &str) -> HashMap<u64, Tier> {
+    fn of(&self, pod: &str) -> HashMap<IndexKey, Tier> {
         self.entries
             .iter()
             .filter(|((a, _), _)| a == pod)
@@ -168,9 +167,14 @@ impl Consumer {
     }
 }
 
+/// Block hashes of these bits (hand-picked hashes a proxy posts).
+fn hashes(bits: &[u64]) -> Vec<BlockHash> {
+    bits.iter().map(|&b| BlockHash::new(b)).collect()
+}
+
 /// The feed's keys of these hashes.
-fn keys(hashes: Vec<u64>) -> Vec<u64> {
-    hashes.into_iter().map(index_key).collect()
+fn keys(hashes: Vec<BlockHash>) -> Vec<IndexKey> {
+    hashes.into_iter().map(|h| h.index_key()).collect()
 }
 
 fn is_snapshot(m: &FeedMessage) -> bool {
@@ -218,9 +222,9 @@ fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
     );
     let u = c.poll(&ix);
     assert!(!u.snapshot);
-    let want: HashMap<u64, Tier> = kv_chain(&toks)
+    let want: HashMap<IndexKey, Tier> = kv_chain(&toks)
         .into_iter()
-        .map(|h| (index_key(h), Tier::Gpu))
+        .map(|h| (h.index_key(), Tier::Gpu))
         .collect();
     assert_eq!(c.of(POD), want);
     assert_eq!(fresh(&ix).of(POD), want);
@@ -233,7 +237,7 @@ fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
     );
     c.poll(&ix);
     assert_eq!(c.of(POD).len(), 3);
-    assert!(!c.of(POD).contains_key(&index_key(kv_chain(&toks)[3])));
+    assert!(!c.of(POD).contains_key(&kv_chain(&toks)[3].index_key()));
     assert_eq!(ix.metrics().counter_value("events", "BlockStored"), 2);
     assert_eq!(ix.metrics().counter_value("events", "BlockRemoved"), 1);
 }
@@ -273,7 +277,7 @@ fn lora_name_scopes_the_chain() {
     );
     let got = fresh(&ix).of(POD);
     assert_eq!(got.len(), 2);
-    assert!(!got.contains_key(&index_key(kv_chain(&toks)[0])));
+    assert!(!got.contains_key(&kv_chain(&toks)[0].index_key()));
     // Block size other than configured: not indexed, counted.
     e.block_size = 8;
     e.block_hashes = vec![2, 3];
@@ -333,7 +337,7 @@ fn all_blocks_cleared_drops_the_pod_entries_and_learned() {
     );
     ix.apply_learned(
         &LearnedBatch {
-            entries: vec![(POD.into(), vec![5, 6])],
+            entries: vec![(POD.into(), hashes(&[5, 6]))],
         },
         0,
     );
@@ -453,9 +457,9 @@ fn gaps_are_filled_from_the_replay_socket_in_order() {
         .collect();
     ix.finish_replay(&req, Ok(replayed), 0);
     let got = fresh(&ix).of(POD);
-    let want: HashMap<u64, Tier> = kv_chain(&toks)
+    let want: HashMap<IndexKey, Tier> = kv_chain(&toks)
         .into_iter()
-        .map(|h| (index_key(h), Tier::Gpu))
+        .map(|h| (h.index_key(), Tier::Gpu))
         .collect();
     assert_eq!(got, want);
     assert_eq!(ix.metrics().counter_value("replays", "ok"), 1);
@@ -532,7 +536,7 @@ fn tiers_follow_the_best_medium() {
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD)[&index_key(kv)], Tier::Cpu);
+    assert_eq!(c.of(POD)[&kv.index_key()], Tier::Cpu);
     ix.handle(
         &msg(
             POD,
@@ -542,13 +546,13 @@ fn tiers_follow_the_best_medium() {
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD)[&index_key(kv)], Tier::Gpu);
+    assert_eq!(c.of(POD)[&kv.index_key()], Tier::Gpu);
     ix.handle(
         &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Gpu))], 0)),
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD)[&index_key(kv)], Tier::Cpu);
+    assert_eq!(c.of(POD)[&kv.index_key()], Tier::Cpu);
     ix.apply_learned(
         &LearnedBatch {
             entries: vec![(POD.into(), vec![kv])],
@@ -560,14 +564,14 @@ fn tiers_follow_the_best_medium() {
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD)[&index_key(kv)], Tier::Learned);
+    assert_eq!(c.of(POD)[&kv.index_key()], Tier::Learned);
     let disk = Some(Medium::Other("DISK".into()));
     ix.handle(
         &msg(POD, 4, &batch(vec![stored(&[1], None, t, disk)], 0)),
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD)[&index_key(kv)], Tier::Disk);
+    assert_eq!(c.of(POD)[&kv.index_key()], Tier::Disk);
     assert_eq!(fresh(&ix).of(POD), c.of(POD));
 }
 
@@ -582,7 +586,10 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
     let mut c = fresh(&ix);
     let (ok, bad) = ix.apply_learned(
         &LearnedBatch {
-            entries: vec![(POD.into(), vec![1, 2]), ("10.9.9.9:1".into(), vec![3])],
+            entries: vec![
+                (POD.into(), hashes(&[1, 2])),
+                ("10.9.9.9:1".into(), hashes(&[3])),
+            ],
         },
         0,
     );
@@ -590,18 +597,21 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
     c.poll(&ix);
     assert_eq!(
         c.of(POD),
-        HashMap::from([(1, Tier::Learned), (2, Tier::Learned)])
+        HashMap::from([
+            (IndexKey::new(1), Tier::Learned),
+            (IndexKey::new(2), Tier::Learned)
+        ])
     );
     // Refresh 1 at t=500; the cap (3) evicts the oldest live entry (2) for 3 and 4.
     ix.apply_learned(
         &LearnedBatch {
-            entries: vec![(POD.into(), vec![1, 3, 4])],
+            entries: vec![(POD.into(), hashes(&[1, 3, 4]))],
         },
         500,
     );
     c.poll(&ix);
     assert_eq!(c.of(POD).len(), 3);
-    assert!(!c.of(POD).contains_key(&2));
+    assert!(!c.of(POD).contains_key(&IndexKey::new(2)));
     assert_eq!(ix.metrics().learned_evicted.get(), 1);
     ix.expire(1200);
     c.poll(&ix);
@@ -625,16 +635,16 @@ fn hashes_pods_report_are_token_domain_learned_ones_are_not() {
     assert!(kv.iter().all(|&h| ix.reported_by_a_pod(h)));
     // Routing compares index keys: the key as the feed shows it, or the hash
     // with other high bits, is the same block and cannot pass for a byte chunk.
-    assert!(ix.reported_by_a_pod(index_key(kv[0])));
-    assert!(ix.reported_by_a_pod(kv[1] ^ (0xff << 56)));
+    assert!(ix.reported_by_a_pod(BlockHash::new(kv[0].index_key().get())));
+    assert!(ix.reported_by_a_pod(BlockHash::new(kv[1].get() ^ (0xff << 56))));
     // What proxies post (byte chunks) is not pod-reported, even once learned.
     ix.apply_learned(
         &LearnedBatch {
-            entries: vec![(other.into(), vec![999])],
+            entries: vec![(other.into(), hashes(&[999]))],
         },
         1,
     );
-    assert!(!ix.reported_by_a_pod(999));
+    assert!(!ix.reported_by_a_pod(BlockHash::new(999)));
     // Once the pod drops the blocks, their hashes are no longer reported.
     ix.handle(&msg(POD, 1, &batch(vec![removed(&[11, 12], None)], 0)), 2);
     assert!(!kv.iter().any(|&h| ix.reported_by_a_pod(h)));
@@ -823,7 +833,7 @@ fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
         );
         ix.apply_learned(
             &LearnedBatch {
-                entries: vec![(pods[3].into(), vec![0xfeed_0000_0001])],
+                entries: vec![(pods[3].into(), hashes(&[0xfeed_0000_0001]))],
             },
             0,
         );
@@ -843,7 +853,7 @@ fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
             .update
             .ops
             .iter()
-            .flat_map(|o| o.hashes().to_vec())
+            .flat_map(|o| o.hashes().iter().map(|k| k.get()))
             .collect();
         assert!(keys.len() <= 7, "page {pages} carries {} keys", keys.len());
         if let Some(&least) = keys.iter().min() {
@@ -886,7 +896,7 @@ fn a_key_held_by_more_pods_than_a_page_holds_comes_whole_in_one_page() {
     let mut got = c.exchange(&ix, request);
     let mut keys_sent = Vec::new();
     loop {
-        let mut keys: Vec<u64> = got
+        let mut keys: Vec<IndexKey> = got
             .update
             .ops
             .iter()
@@ -1055,7 +1065,10 @@ fn randomized_deltas_equal_snapshots() {
                 _ => {
                     ix.apply_learned(
                         &LearnedBatch {
-                            entries: vec![(pods[p].into(), (0..3).map(|_| next(40)).collect())],
+                            entries: vec![(
+                                pods[p].into(),
+                                (0..3).map(|_| BlockHash::new(next(40))).collect(),
+                            )],
                         },
                         step,
                     );
@@ -1119,9 +1132,9 @@ fn golden_capture_sequence_applies() {
             if i == 0 {
                 // 4 blocks of tokens 0..63 from the root.
                 let got = fresh(&ix).of(pod);
-                let want: HashMap<u64, Tier> = kv_chain(&tokens(0, 4))
+                let want: HashMap<IndexKey, Tier> = kv_chain(&tokens(0, 4))
                     .into_iter()
-                    .map(|h| (index_key(h), Tier::Gpu))
+                    .map(|h| (h.index_key(), Tier::Gpu))
                     .collect();
                 assert_eq!(got, want, "{kind}");
             }
@@ -1177,9 +1190,9 @@ fn joining_a_running_publisher_replays_its_buffer_from_zero() {
         })
         .collect();
     ix.finish_replay(&req, Ok(replayed), 0);
-    let want: HashMap<u64, Tier> = kv_chain(&toks)
+    let want: HashMap<IndexKey, Tier> = kv_chain(&toks)
         .into_iter()
-        .map(|h| (index_key(h), Tier::Gpu))
+        .map(|h| (h.index_key(), Tier::Gpu))
         .collect();
     assert_eq!(fresh(&ix).of(POD), want);
     assert_eq!(ix.metrics().stored_unknown_parent.get(), 0);
@@ -1205,13 +1218,13 @@ fn configured_identity_takes_its_model_from_the_topic_when_it_names_none() {
 
 // ------------------------------------------------ what real vLLM sends
 
-fn kv_chain_keyed(toks: &[u32], lora: Option<&str>, extra: &[Option<u64>]) -> Vec<u64> {
+fn kv_chain_keyed(toks: &[u32], lora: Option<&str>, extra: &[Option<u64>]) -> Vec<BlockHash> {
     let root = root_hash(Domain::Tokens, MODEL, lora);
     keyed_token_block_hashes(root, toks, 16, usize::MAX, extra)
 }
 
-fn gpu(hashes: &[u64]) -> HashMap<u64, Tier> {
-    hashes.iter().map(|h| (index_key(*h), Tier::Gpu)).collect()
+fn gpu(hashes: &[BlockHash]) -> HashMap<IndexKey, Tier> {
+    hashes.iter().map(|h| (h.index_key(), Tier::Gpu)).collect()
 }
 
 /// vLLM's CPU offloading publishes placeholders (no tokens, block size 0,
@@ -1249,13 +1262,13 @@ fn offload_placeholders_mark_known_blocks_cpu_resident_and_poison_nothing() {
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD).get(&index_key(kv[0])), Some(&Tier::Cpu));
+    assert_eq!(c.of(POD).get(&kv[0].index_key()), Some(&Tier::Cpu));
     ix.handle(
         &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Cpu))], 0)),
         0,
     );
     c.poll(&ix);
-    assert_eq!(c.of(POD).get(&index_key(kv[0])), None);
+    assert_eq!(c.of(POD).get(&kv[0].index_key()), None);
     assert_eq!(ix.metrics().joined_midstream.get(), 0);
     assert_eq!(ix.metrics().seq_gaps.get(), 0);
 }
@@ -1319,11 +1332,11 @@ fn extra_keys_scope_the_rehash() {
             ..BlockStored::default()
         });
         ix.handle(&msg(POD, 0, &batch(vec![e], 0)), 0);
-        let mut got: Vec<u64> = fresh(&ix).of(POD).into_keys().collect();
+        let mut got: Vec<IndexKey> = fresh(&ix).of(POD).into_keys().collect();
         got.sort();
         got
     };
-    let sorted = |v: Vec<u64>| {
+    let sorted = |v: Vec<BlockHash>| {
         let mut v = keys(v);
         v.sort();
         v
@@ -1359,7 +1372,7 @@ fn extra_keys_scope_the_rehash() {
     let b = with_keys(vec![None, image("img-b")], None);
     let plain = sorted(kv_chain(&toks));
     assert!(
-        a.contains(&index_key(kv_chain(&toks)[0])),
+        a.contains(&kv_chain(&toks)[0].index_key()),
         "block 0 has no image"
     );
     assert_ne!(a, b);
@@ -1480,8 +1493,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
         ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
     }
     let toks = tokens(0, 4);
-    // The feed carries index keys (feed version 2).
-    let kvs: Vec<u64> = kv_chain(&toks).into_iter().map(index_key).collect();
+    let kvs = kv_chain(&toks);
     let chain = [11, 12, 13, 14];
     for p in pods {
         let ev = stored(&chain, None, toks.clone(), None);
@@ -1511,7 +1523,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
     assert_eq!(c.of(pods[0]), gpu(&kvs[..2]));
     assert_eq!(c.of(pods[1]), gpu(&kvs));
     let mut third = gpu(&kvs[2..]);
-    third.extend(kvs[..2].iter().map(|&h| (h, Tier::Cpu)));
+    third.extend(kvs[..2].iter().map(|h| (h.index_key(), Tier::Cpu)));
     assert_eq!(c.of(pods[2]), third);
     assert_eq!(ix.distinct_blocks(), 4);
 
@@ -1538,7 +1550,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
     c.poll(&ix);
     assert!(c.of(pods[2]).is_empty());
     let mut first = gpu(&kvs[..2]);
-    first.insert(kvs[3], Tier::Learned);
+    first.insert(kvs[3].index_key(), Tier::Learned);
     assert_eq!(c.of(pods[0]), first);
     assert_eq!(ix.distinct_blocks(), 3);
     assert!(!ix.reported_by_a_pod(kvs[3]));
@@ -1583,7 +1595,7 @@ fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
         ),
         0,
     );
-    let learned_only = 0xfeed_0000_0001;
+    let learned_only = BlockHash::new(0xfeed_0000_0001);
     ix.apply_learned(
         &LearnedBatch {
             entries: vec![(POD.into(), vec![kv[2], learned_only])],
@@ -1592,11 +1604,11 @@ fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
     );
     // Rank 0 drops its GPU copy of block 2: rank 1's CPU copy is the best left.
     ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], gpu)], 0)), 0);
-    let mut want: HashMap<u64, Tier> = HashMap::new();
-    want.insert(index_key(kv[0]), Tier::Gpu);
-    want.insert(index_key(kv[1]), Tier::Cpu);
-    want.insert(index_key(kv[2]), Tier::Gpu);
-    want.insert(index_key(learned_only), Tier::Learned);
+    let mut want: HashMap<IndexKey, Tier> = HashMap::new();
+    want.insert(kv[0].index_key(), Tier::Gpu);
+    want.insert(kv[1].index_key(), Tier::Cpu);
+    want.insert(kv[2].index_key(), Tier::Gpu);
+    want.insert(learned_only.index_key(), Tier::Learned);
     let mut snapshot = Consumer::default();
     let u = snapshot.poll(&ix);
     let sent: usize = u

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvroute_core::feed::LearnedBatch;
-use kvroute_core::hash::{root_hash, token_block_hashes, Domain};
+use kvroute_core::hash::{root_hash, token_block_hashes, BlockHash, Domain};
 use kvroute_core::lookup::{Candidate, HeldPrefix};
 use kvroute_indexer::index::{origin, Incoming, Index, IndexConfig, Load};
 use kvroute_indexer::lookup::{lookup, parse_request, request, LEAST_LOADED, MAX_HOLDERS};
@@ -24,7 +24,7 @@ fn tokens(blocks: usize) -> Vec<u32> {
 }
 
 /// The hashes the filter computes for `tokens` (block 0 first).
-fn chain(toks: &[u32]) -> Vec<u64> {
+fn chain(toks: &[u32]) -> Vec<BlockHash> {
     token_block_hashes(root_hash(Domain::Tokens, MODEL, None), toks, 16, usize::MAX)
 }
 
@@ -241,7 +241,7 @@ fn nothing_held_and_nothing_serving() {
     let answer = lookup(&ix, &request(MODEL, &chain(&tokens(4))));
     assert!(answer.candidates.iter().all(|c| c.held.blocks == 0));
     assert_eq!(answer.candidates.len(), 2);
-    assert!(lookup(&ix, &request("nobody", &[1, 2]))
+    assert!(lookup(&ix, &request("nobody", &chain(&tokens(2))))
         .candidates
         .is_empty());
 }
@@ -267,5 +267,5 @@ fn bad_requests_say_what_is_wrong() {
     // Unknown fields are ignored: proxies and indexers of other versions interoperate.
     assert!(parse_request(br#"{"model":"m","hashes":[],"x":1}"#).is_ok());
     let ok = parse_request(br#"{"model":"m","hashes":[18446744073709551615]}"#).unwrap();
-    assert_eq!(ok.hashes.as_ref(), &[u64::MAX]);
+    assert_eq!(ok.hashes.as_ref(), &[BlockHash::new(u64::MAX)]);
 }

@@ -484,7 +484,7 @@ impl Blocks {
             .take(self.slab.allocated)
             .filter_map(move |&Record { kv, set }| {
                 // One compare for the range first: most records fall outside it.
-                let key = kv.index_key();
+                let key = kv.index_key().get();
                 let inside = key.wrapping_sub(keys.start) < keys.end.wrapping_sub(keys.start);
                 (inside && set != FREE && set != EMPTY_SET).then_some((key, set))
             })

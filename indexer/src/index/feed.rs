@@ -16,7 +16,7 @@
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::FeedRequest;
 
-use kvroute_core::hash::INDEX_KEY_BITS;
+use kvroute_core::hash::{IndexKey, INDEX_KEY_BITS};
 
 use super::blocks::SetId;
 use super::feed_log::Op;
@@ -196,6 +196,7 @@ impl Index {
             for (code, mut hashes) in (0u8..).zip(by_tier) {
                 if let (false, Some(tier)) = (hashes.is_empty(), Tier::from_code(code)) {
                     hashes.sort_unstable();
+                    let hashes = hashes.into_iter().map(IndexKey::new).collect();
                     ops.push(BlockOp::Stored { pod, tier, hashes });
                 }
             }
@@ -208,7 +209,7 @@ impl Index {
 /// One past the largest index key: the key space pages cut into ranges.
 const KEY_END: u64 = 1 << INDEX_KEY_BITS;
 
-/// The feed carries kvroute hashes as u64.
-fn wire_hashes(hashes: &[BlockHash]) -> Vec<u64> {
-    hashes.iter().map(|h| h.get()).collect()
+/// The feed carries the index keys of kvroute hashes.
+fn wire_hashes(hashes: &[BlockHash]) -> Vec<IndexKey> {
+    hashes.iter().map(|h| h.index_key()).collect()
 }

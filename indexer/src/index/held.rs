@@ -39,7 +39,11 @@ impl Index {
     /// bisection (equal sets at both ends of a span: the span is one run, as
     /// pods hold prefixes of a chain), then each run's holders are extended
     /// by its length: the cost is the runs' holders, not pods × blocks.
-    pub fn held_prefixes(&self, model: &str, hashes: &[u64]) -> Vec<(PodView<'_>, HeldPrefix)> {
+    pub fn held_prefixes(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+    ) -> Vec<(PodView<'_>, HeldPrefix)> {
         let mut walking: Map<PodKey, HeldPrefix> = Map::default();
         let mut held: Map<PodKey, HeldPrefix> = Map::default();
         for (i, (set, len)) in self.set_runs(hashes).into_iter().enumerate() {
@@ -82,8 +86,8 @@ impl Index {
     }
 
     /// The chain as runs (pod set, blocks) in order, found by bisection.
-    fn set_runs(&self, hashes: &[u64]) -> Vec<(SetId, u32)> {
-        let set_at = |i: usize| self.blocks.set_of(BlockHash::new(hashes[i]));
+    fn set_runs(&self, hashes: &[BlockHash]) -> Vec<(SetId, u32)> {
+        let set_at = |i: usize| self.blocks.set_of(hashes[i]);
         let mut runs: Vec<(SetId, u32)> = Vec::new();
         let mut push = |set: SetId, len: usize| match runs.last_mut() {
             Some((last, n)) if *last == set => *n = n.saturating_add(len as u32),

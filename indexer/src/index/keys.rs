@@ -1,13 +1,12 @@
 //! The kinds of u64 the index keeps apart: a pod's key, a block hash as vLLM
-//! reports it, and kvroute's own chained block hash. Each is a transparent
-//! newtype, so that the compiler refuses mixing them and a table entry is no
-//! larger than the bare u64 (the derived `Hash` writes the one u64, which is
-//! what [`super::MixHasher`] mixes).
+//! reports it, and kvroute's own chained block hash (kvroute_core's
+//! [`BlockHash`], with its [`IndexKey`](kvroute_core::hash::IndexKey)). Each
+//! is a transparent newtype, so that the compiler refuses mixing them and a
+//! table entry is no larger than the bare u64 (the derived `Hash` writes the
+//! one u64, which is what [`super::MixHasher`] mixes).
 //!
-//! Conversions happen at the edges only: where a decoded event, a core feed
-//! or lookup type (which carry u64 on the wire) enters or leaves the index.
-
-use kvroute_core::hash::index_key;
+//! Conversions happen at the edges only: where a decoded event or a core
+//! feed type (which carries u64 on the wire) enters or leaves the index.
 
 /// The index's key of a pod: assigned when the pod becomes known, stable
 /// while it stays known, never reused within a run. Pod keys order the feed's
@@ -47,24 +46,6 @@ impl VllmHash {
     }
 }
 
-/// kvroute's chained block hash (`kvroute_core::hash`): what the indexer
-/// computes from an event's tokens, and what the feed, lookups and learned
-/// posts carry.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(transparent)]
-pub struct BlockHash(u64);
-
-impl BlockHash {
-    pub(crate) const fn new(hash: u64) -> BlockHash {
-        BlockHash(hash)
-    }
-
-    pub const fn get(self) -> u64 {
-        self.0
-    }
-
-    /// The bits the routing index compares (`kvroute_core::hash::index_key`).
-    pub fn index_key(self) -> u64 {
-        index_key(self.0)
-    }
-}
+/// kvroute's chained block hash: core's type, which the indexer computes
+/// from an event's tokens and the feed, lookups and learned posts carry.
+pub use kvroute_core::hash::BlockHash;

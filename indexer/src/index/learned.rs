@@ -10,9 +10,9 @@ use super::Index;
 impl Index {
     /// True when some pod reports `hash` through KV events (any tier but
     /// learned): such a hash is a token-domain block, never a byte chunk.
-    pub fn reported_by_a_pod(&self, hash: u64) -> bool {
+    pub fn reported_by_a_pod(&self, hash: BlockHash) -> bool {
         self.blocks
-            .holders(BlockHash::new(hash))
+            .holders(hash)
             .any(|(_, best)| best != Tier::Learned)
     }
 
@@ -26,7 +26,7 @@ impl Index {
                 rejected += hashes.len();
                 continue;
             };
-            for h in hashes.iter().map(|&h| BlockHash::new(h)) {
+            for &h in hashes {
                 if self.cfg.learned_max_entries == 0 {
                     rejected += 1;
                     continue;

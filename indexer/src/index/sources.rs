@@ -128,12 +128,12 @@ impl Group {
 fn acquire_parts(
     blocks: &mut Blocks,
     kv: BlockHash,
-    head: Option<&[u64]>,
+    head: Option<&[BlockHash]>,
 ) -> Option<(BlockId, Option<Box<[BlockId]>>)> {
     let head = match head {
         Some(h) => Some(
             h.iter()
-                .map(|&part| blocks.acquire(BlockHash::new(part)))
+                .map(|&part| blocks.acquire(part))
                 .collect::<Option<Box<[BlockId]>>>()?,
         ),
         None => None,
@@ -270,7 +270,7 @@ impl Index {
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
             Some(p) => match group.find(VllmHash::new(p)) {
-                Some(entry) => self.blocks.kv(entry.block()).get(),
+                Some(entry) => self.blocks.kv(entry.block()),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
                     return;
@@ -299,7 +299,6 @@ impl Index {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
             };
-            let kv = BlockHash::new(kv);
             let head = (!head.is_empty()).then_some(head);
             match group
                 .blocks
