@@ -1572,6 +1572,30 @@ mod tests {
             }
         }
 
+        fn remove<K: Copy + Into<IndexKey>>(&mut self, pod: PodId, hashes: &[K]) {
+            for &h in hashes {
+                self.entries.remove(&(pod, key_of(h.into())));
+            }
+        }
+
+        fn remove_learned(&mut self, pod: PodId, hashes: &[BlockHash]) {
+            for &h in hashes {
+                let key = (pod, key_of(h.index_key()));
+                if self.entries.get(&key).map(|e| e.0) == Some(Tier::Learned) {
+                    self.entries.remove(&key);
+                }
+            }
+        }
+
+        fn clear_learned(&mut self, pod: PodId) {
+            self.entries
+                .retain(|&(p, _), &mut (t, _)| p != pod || t != Tier::Learned);
+        }
+
+        fn clear(&mut self, pod: PodId) {
+            self.entries.retain(|&(p, _), _| p != pod);
+        }
+
         fn members(&self, hash: BlockHash, now_s: u32) -> Vec<(PodId, Tier)> {
             let mut out: Vec<(PodId, Tier)> = self
                 .entries
@@ -1666,32 +1690,19 @@ mod tests {
                     }
                     5 | 6 => {
                         index.remove(pod, &picked);
-                        picked.iter().for_each(|&h| {
-                            model.entries.remove(&(pod, key_of(h.index_key())));
-                        });
+                        model.remove(pod, &picked);
                     }
                     7 => {
                         index.remove_learned(pod, &picked);
-                        for &h in &picked {
-                            if model
-                                .entries
-                                .get(&(pod, key_of(h.index_key())))
-                                .map(|e| e.0)
-                                == Some(Tier::Learned)
-                            {
-                                model.entries.remove(&(pod, key_of(h.index_key())));
-                            }
-                        }
+                        model.remove_learned(pod, &picked);
                     }
                     8 => {
                         index.clear_learned(pod);
-                        model
-                            .entries
-                            .retain(|&(p, _), &mut (t, _)| p != pod || t != Tier::Learned);
+                        model.clear_learned(pod);
                     }
                     _ => {
                         index.clear(pod);
-                        model.entries.retain(|&(p, _), _| p != pod);
+                        model.clear(pod);
                     }
                 }
                 if step % 3 == 0 {
@@ -1753,19 +1764,15 @@ mod tests {
                     }
                     5 => {
                         index.remove(pod, &c[cut..]);
-                        c[cut..].iter().for_each(|&h| {
-                            model.entries.remove(&(pod, key_of(h.index_key())));
-                        });
+                        model.remove(pod, &c[cut..]);
                     }
                     6 => {
                         index.clear_learned(pod);
-                        model
-                            .entries
-                            .retain(|&(p, _), &mut (t, _)| p != pod || t != Tier::Learned);
+                        model.clear_learned(pod);
                     }
                     _ => {
                         index.clear(pod);
-                        model.entries.retain(|&(p, _), _| p != pod);
+                        model.clear(pod);
                     }
                 }
                 for rules in [
@@ -2096,10 +2103,8 @@ mod tests {
             for op in &ops {
                 match *op {
                     IndexOp::Stored(pod, tier, hashes) => model.touch(pod, hashes, tier, 5),
-                    IndexOp::Removed(pod, keys) => keys.iter().for_each(|&key| {
-                        model.entries.remove(&(pod, key_of(key)));
-                    }),
-                    IndexOp::Cleared(pod) => model.entries.retain(|&(p, _), _| p != pod),
+                    IndexOp::Removed(pod, keys) => model.remove(pod, keys),
+                    IndexOp::Cleared(pod) => model.clear(pod),
                 }
             }
             under.index.apply_ops(&ops, 5);
