@@ -368,15 +368,21 @@ impl From<CodecError> for FeedError {
 pub fn pods_version(pods: &[PodInfo]) -> u64 {
     let mut bytes = Vec::with_capacity(pods.len() * 40);
     for pod in pods {
-        put_str(&mut bytes, &pod.address);
-        codec::put_varint(&mut bytes, pod.models.len() as u64);
-        for m in &pod.models {
-            put_str(&mut bytes, m);
-        }
-        codec::put_varint(&mut bytes, u64::from(pod.capacity_blocks));
-        codec::put_u32(&mut bytes, pod.speed.to_bits());
+        put_pod_identity(&mut bytes, pod);
     }
     xxh3_64(&bytes).max(1)
+}
+
+/// A pod's address, models, capacity and speed: its list entry without the
+/// load, and what [`pods_version`] digests.
+fn put_pod_identity(out: &mut Vec<u8>, pod: &PodInfo) {
+    put_str(out, &pod.address);
+    codec::put_varint(out, pod.models.len() as u64);
+    for model in &pod.models {
+        put_str(out, model);
+    }
+    codec::put_varint(out, u64::from(pod.capacity_blocks));
+    codec::put_u32(out, pod.speed.to_bits());
 }
 
 /// Digest of the pods' load (in order); never 0.
@@ -656,13 +662,7 @@ fn encode_parts(head: &FeedMessage, lists: Lists<'_>, ops: &[BlockOp]) -> Vec<u8
         Lists::Pods(pods) => {
             codec::put_varint(&mut out, pods.len() as u64);
             for pod in pods {
-                put_str(&mut out, &pod.address);
-                codec::put_varint(&mut out, pod.models.len() as u64);
-                for model in &pod.models {
-                    put_str(&mut out, model);
-                }
-                codec::put_varint(&mut out, u64::from(pod.capacity_blocks));
-                codec::put_u32(&mut out, pod.speed.to_bits());
+                put_pod_identity(&mut out, pod);
                 put_load(&mut out, &pod.load());
             }
         }
