@@ -351,6 +351,8 @@ def main_thread_cpu_seconds(pid: int) -> float:
     return task_cpu_ns(pid, pid) / 1e9
 
 
+IDLE_READING_S = 1.0
+
 # The index writer's work during a CPU reading (the singleton's gauges, recorded at its flushes).
 INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
               "written_back_early": "wasmcustom.kvroute.index.written_back_early",
@@ -365,17 +367,30 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
     if index_work:
         envoy.wait_for_index_flush()
         before = envoy.stats("kvroute.")
+    # The idle Envoy's own CPU (timers, the singleton's polls and flushes), for scale: it is part
+    # of every reading, in proportion to its duration.
+    idle0, t_idle = process_cpu_ns(envoy.pid), time.monotonic()
+    time.sleep(IDLE_READING_S)
+    idle_ns_per_s = (process_cpu_ns(envoy.pid) - idle0) / (time.monotonic() - t_idle)
+    connections0 = envoy.stats(".upstream_cx_total")
     cpu0, main0 = process_cpu_ns(envoy.pid), task_cpu_ns(envoy.pid, envoy.pid)
     t0 = time.monotonic()
     counts = run_load(envoy.listener_port, bodies, requests, connections)
     elapsed = time.monotonic() - t0
     cpu, main = process_cpu_ns(envoy.pid) - cpu0, task_cpu_ns(envoy.pid, envoy.pid) - main0
+    connections1 = envoy.stats(".upstream_cx_total")
     answered = max(1, counts["ok"])
     out = {"requests": requests, **counts, "seconds": round(elapsed, 2),
            "cpu_us_per_request": round(cpu / answered / 1e3, 1),
            "main_thread_cpu_us_per_request": round(main / answered / 1e3, 1),
            # schedstat counts ns; the figures are rounded to 0.1 µs (ticks gave 1e6 / CLK_TCK / requests)
-           "cpu_resolution_us": 0.1}
+           "cpu_resolution_us": 0.1,
+           "idle_cpu_us_per_s": round(idle_ns_per_s / 1e3, 1),
+           "idle_cpu_us_per_request": round(idle_ns_per_s * elapsed / answered / 1e3, 1),
+           # new upstream connections (pods, tokenizer call-outs): each costs Envoy a connect
+           "upstream_connections_opened": {
+               name.removeprefix("cluster.").removesuffix(".upstream_cx_total"): value - connections0.get(name, 0)
+               for name, value in connections1.items() if value - connections0.get(name, 0) > 0}}
     if index_work:
         envoy.wait_for_index_flush()
         after = envoy.stats("kvroute.")
@@ -943,6 +958,26 @@ def render(results: dict) -> str:
                     f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
                     f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
                     f" {' / '.join(taught)} |")
+    cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added | of which the idle Envoy's"
+                " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) |",
+                "|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
+    for n, by_mode in results["fleets"].items():
+        for mode in ("approximate", "precise"):
+            for c in results["concurrency"]:
+                r = by_mode.get(mode, {}).get(f"c{c}")
+                if not r or not r.get("cpu"):
+                    continue
+                plain = r.get("envoy_without_kvroute", {}).get("cpu", {}) if mode == "approximate" else \
+                    by_mode.get("approximate", {}).get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
+                for size, x in r["cpu"].items():
+                    opened = x.get("upstream_connections_opened", {})
+                    base = plain.get(size, {}).get("upstream_connections_opened", {})
+                    cpu_rows.append(
+                        f"| {mode} | {n} | {c} | {size} | {fmt(x.get('cpu_us_per_request'))} |"
+                        f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))} |"
+                        f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
+                        f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
+                        f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |")
     memory = ["| mode | pods | c | when | Envoy RSS MB | tcmalloc allocated MB | held free: pageheap_free +"
               " thread caches MB | returned (pageheap_unmapped) MB | resident outside tcmalloc (V8, VMs' wasm"
               " memory, binary) MB | the singleton's wasm memory MB |",
@@ -966,7 +1001,8 @@ def render(results: dict) -> str:
                     memory.append(f"| {mode} | {n} | {c} | {when} | {r[rss_key]} | {m['allocated']} | {held} |"
                                   f" {m['pageheap_unmapped']} | {outside} |"
                                   f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |")
-    return "\n".join(rows) + "\n\nEnvoy's memory (RSS and admin `GET /memory`, read together):\n\n" + \
+    return "\n".join(rows) + "\n\nEnvoy CPU per request (schedstat, 0.1 µs resolution):\n\n" + \
+        "\n".join(cpu_rows) + "\n\nEnvoy's memory (RSS and admin `GET /memory`, read together):\n\n" + \
         "\n".join(memory) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
         "\n".join(feed) + "\n\nThe index writer (the singleton, Envoy's main thread) during the CPU readings:\n\n" + \
         "\n".join(writer) + "\n"
