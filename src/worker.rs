@@ -279,6 +279,12 @@ impl Worker {
         self.send(message, Audience::Serving, false);
     }
 
+    /// Tells the serving peers about routing events that happen together,
+    /// in one queue message each: every message wakes each peer's VM.
+    pub fn tell_peers_all(&self, messages: &[PeerMessage]) {
+        self.send_all(messages, Audience::Serving, false);
+    }
+
     /// Hands confirmed blocks to the singleton, which reports them to the
     /// indexer as learned entries (when this proxy shares what it learns);
     /// the singleton learned them when they were routed.
@@ -347,7 +353,11 @@ impl Worker {
     }
 
     fn send(&self, message: PeerMessage, audience: Audience, to_singleton: bool) {
-        match wire::encode_batch(&[message]) {
+        self.send_all(&[message], audience, to_singleton);
+    }
+
+    fn send_all(&self, messages: &[PeerMessage], audience: Audience, to_singleton: bool) {
+        match wire::encode_batch(messages) {
             Ok(bytes) => {
                 self.peers.broadcast(&bytes, audience, to_singleton);
             }

@@ -10,6 +10,7 @@
 //! `Cluster::implied_model`). `cache_salt` is kept: it scopes the prompt's
 //! hashes as it scopes vLLM's prefix cache.
 
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
@@ -126,7 +127,7 @@ pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
     let model = raw.model.map(Cow::into_owned).unwrap_or_default();
     let mut multimodal = false;
     let prompt = if let Some(tokens) = raw.prompt_token_ids {
-        Prompt::Tokens(parse_token_ids(tokens.get())?.0)
+        Prompt::Tokens(parse_token_ids(tokens.get().as_bytes())?.0)
     } else if let Some(prompt) = raw.prompt {
         parse_prompt(prompt)?
     } else if let Some(messages) = raw.messages {
@@ -167,11 +168,11 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
             Some(b'[') => {
                 // A batch: route on its first prompt; serde already checked the rest is JSON.
                 let inner = text[1..].trim_start();
-                let (first, _) = parse_token_ids(inner)?;
+                let (first, _) = parse_token_ids(inner.as_bytes())?;
                 Ok(Prompt::Tokens(first))
             }
             Some(b']') => Err(ParseError::NoPrompt),
-            _ => Ok(Prompt::Tokens(parse_token_ids(text)?.0)),
+            _ => Ok(Prompt::Tokens(parse_token_ids(text.as_bytes())?.0)),
         },
         Some(b'n') => Err(ParseError::NoPrompt),
         _ => Err(ParseError::Malformed(
@@ -180,49 +181,94 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
     }
 }
 
-/// A JSON array of token ids (`[1, 2, 3]`) at the start of `text`, and the
+/// A JSON array of token ids (`[1, 2, 3]`) at the start of `bytes`, and the
 /// bytes consumed. Hand-rolled because token arrays are the largest bodies
-/// kvroute sees and serde's generic number path costs ~20 ns per id; anything
-/// but non-negative integers that fit u32 is an error.
-fn parse_token_ids(text: &str) -> Result<(Vec<u32>, usize), ParseError> {
-    let bytes = text.as_bytes();
+/// kvroute sees and serde's generic number path costs ~10 ns per id; anything
+/// but non-negative integers that fit u32, written as JSON writes them (no
+/// leading zero), is an error.
+fn parse_token_ids(bytes: &[u8]) -> Result<(Vec<u32>, usize), ParseError> {
     let bad = |what: &str| ParseError::Malformed(format!("token ids: {what}"));
-    let skip_ws = |mut i: usize| {
-        while i < bytes.len() && matches!(bytes[i], b' ' | b'\n' | b'\r' | b'\t') {
-            i += 1;
-        }
-        i
-    };
-    let mut i = skip_ws(0);
+    let mut i = skip_whitespace(bytes, 0);
     if bytes.get(i) != Some(&b'[') {
         return Err(bad("expected an array"));
     }
-    i = skip_ws(i + 1);
+    i = skip_whitespace(bytes, i + 1);
     let mut ids = Vec::with_capacity(bytes.len() / 6);
     if bytes.get(i) == Some(&b']') {
         return Ok((ids, i + 1));
     }
     loop {
+        if let Some((id, digits)) = short_id(bytes, i) {
+            ids.push(id);
+            i = skip_whitespace(bytes, i + digits);
+            match bytes.get(i) {
+                Some(b',') => i = skip_whitespace(bytes, i + 1),
+                Some(b']') => return Ok((ids, i + 1)),
+                _ => return Err(bad("expected ',' or ']' after an id")),
+            }
+            continue;
+        }
         let start = i;
         let mut value: u64 = 0;
-        while let Some(&b) = bytes.get(i).filter(|b| b.is_ascii_digit()) {
-            value = value * 10 + u64::from(b - b'0');
+        while i < bytes.len() {
+            let digit = bytes[i].wrapping_sub(b'0');
+            if digit > 9 {
+                break;
+            }
+            value = value * 10 + u64::from(digit);
             if value > u64::from(u32::MAX) {
                 return Err(bad("id does not fit in 32 bits"));
             }
             i += 1;
         }
-        if i == start {
-            return Err(bad("expected a non-negative integer"));
+        match i - start {
+            0 => return Err(bad("expected a non-negative integer")),
+            1 => {}
+            _ if bytes[start] == b'0' => return Err(bad("leading zero")),
+            _ => {}
         }
         ids.push(value as u32);
-        i = skip_ws(i);
+        i = skip_whitespace(bytes, i);
         match bytes.get(i) {
-            Some(b',') => i = skip_ws(i + 1),
+            Some(b',') => i = skip_whitespace(bytes, i + 1),
             Some(b']') => return Ok((ids, i + 1)),
             _ => return Err(bad("expected ',' or ']' after an id")),
         }
     }
+}
+
+/// The id written at `bytes[at..]` in one to seven digits (no leading zero)
+/// and its digit count, read eight bytes at a time; `None` when those eight
+/// bytes are not such an id and the next (then the slow path decides).
+/// Branch-free over the digits: token ids' lengths vary at random, and a
+/// loop's exit mispredicts about once an id.
+fn short_id(bytes: &[u8], at: usize) -> Option<(u32, usize)> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let chunk = u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?);
+    let values = chunk.wrapping_sub(ONES * u64::from(b'0'));
+    // A byte's top bit is set in one of these when it is below '0', above
+    // '9' or not ASCII; a borrow or carry only reaches bytes after it.
+    let not_digit = (values | chunk.wrapping_add(ONES * 0x46) | chunk) & (ONES * 0x80);
+    let digits = (not_digit.trailing_zeros() / 8) as usize;
+    if digits == 0 || digits == 8 || (digits > 1 && bytes[at] == b'0') {
+        return None;
+    }
+    // The digits moved to the top bytes (leading zeros below), then summed
+    // pairwise: 8 digits make at most 99,999,999, which fits u32.
+    let mut v = values << (8 * (8 - digits));
+    v = v.wrapping_mul(10).wrapping_add(v >> 8);
+    v = ((v & 0x0000_00ff_0000_00ff).wrapping_mul(100 + (1_000_000 << 32))
+        + ((v >> 16) & 0x0000_00ff_0000_00ff).wrapping_mul(1 + (10_000 << 32)))
+        >> 32;
+    Some((v as u32, digits))
+}
+
+/// The position of the first non-whitespace byte (JSON whitespace) from `i`.
+fn skip_whitespace(bytes: &[u8], mut i: usize) -> usize {
+    while i < bytes.len() && matches!(bytes[i], b' ' | b'\n' | b'\r' | b'\t') {
+        i += 1;
+    }
+    i
 }
 
 fn first_of<T>(batch: Vec<T>) -> Result<T, ParseError> {
@@ -376,13 +422,65 @@ pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Token ids from a `/tokenize` answer (`{"tokens": [...], ...}`).
+/// Token ids from a `/tokenize` answer (`{"tokens": [...], ...}`), as
+/// serde would read it into `Vec<u32>` (the same answers accepted, the same
+/// ids), at a fraction of the cost: the answer is the largest body a
+/// precise-mode request handles, and serde spends ~10 ns on every id. The
+/// object is walked here; keys and the other fields' values are read by
+/// serde, the `tokens` array by the token-id scanner.
 pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
-    #[derive(Deserialize)]
-    struct Tokenized {
-        tokens: Vec<u32>,
+    let bad = |what: &str| ParseError::Malformed(format!("tokenize answer: {what}"));
+    let mut i = skip_whitespace(body, 0);
+    if body.get(i) != Some(&b'{') {
+        return Err(bad("expected an object"));
     }
-    Ok(serde_json::from_slice::<Tokenized>(body)?.tokens)
+    i = skip_whitespace(body, i + 1);
+    let mut tokens = None;
+    if body.get(i) == Some(&b'}') {
+        i += 1;
+    } else {
+        loop {
+            let (key, used) = json_value::<Cow<str>>(&body[i..])?;
+            i = skip_whitespace(body, i + used);
+            if body.get(i) != Some(&b':') {
+                return Err(bad("expected ':' after a key"));
+            }
+            i = skip_whitespace(body, i + 1);
+            if key == "tokens" {
+                if tokens.is_some() {
+                    return Err(bad("duplicate field `tokens`"));
+                }
+                let (ids, used) = parse_token_ids(&body[i..])?;
+                tokens = Some(ids);
+                i += used;
+            } else {
+                i += json_value::<IgnoredAny>(&body[i..])?.1;
+            }
+            i = skip_whitespace(body, i);
+            match body.get(i) {
+                Some(b',') => i = skip_whitespace(body, i + 1),
+                Some(b'}') => {
+                    i += 1;
+                    break;
+                }
+                _ => return Err(bad("expected ',' or '}' after a value")),
+            }
+        }
+    }
+    if skip_whitespace(body, i) != body.len() {
+        return Err(bad("text after the object"));
+    }
+    tokens.ok_or_else(|| bad("missing field `tokens`"))
+}
+
+/// The JSON value at the start of `bytes` (after any whitespace) and the
+/// bytes it took.
+fn json_value<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<(T, usize), ParseError> {
+    let mut values = serde_json::Deserializer::from_slice(bytes).into_iter::<T>();
+    match values.next() {
+        Some(value) => Ok((value?, values.byte_offset())),
+        None => Err(ParseError::Malformed("expected a value".into())),
+    }
 }
 
 #[cfg(test)]
@@ -463,9 +561,9 @@ mod tests {
 
     #[test]
     fn token_id_arrays() {
-        assert_eq!(parse_token_ids("[]").unwrap(), (vec![], 2));
+        assert_eq!(parse_token_ids(b"[]").unwrap(), (vec![], 2));
         assert_eq!(
-            parse_token_ids(" [ 0 ,4294967295\n]x").unwrap(),
+            parse_token_ids(b" [ 0 ,4294967295\n]x").unwrap(),
             (vec![0, u32::MAX], 18)
         );
         for bad in [
@@ -480,9 +578,11 @@ mod tests {
             "[4294967296]",
             "[99999999999999999999999]",
             "[\"1\"]",
+            "[01]",
+            "[1,007]",
             "1",
         ] {
-            assert!(parse_token_ids(bad).is_err(), "{bad}");
+            assert!(parse_token_ids(bad.as_bytes()).is_err(), "{bad}");
         }
     }
 
@@ -638,6 +738,126 @@ mod tests {
             vec![5, 6]
         );
         assert!(parse_tokenize_response(br#"{"error":"x"}"#).is_err());
+    }
+
+    /// serde's reading of a `/tokenize` answer, which the scanner must equal.
+    fn tokenize_answer_by_serde(body: &[u8]) -> Option<Vec<u32>> {
+        #[derive(Deserialize)]
+        struct Tokenized {
+            tokens: Vec<u32>,
+        }
+        serde_json::from_slice::<Tokenized>(body)
+            .ok()
+            .map(|t| t.tokens)
+    }
+
+    #[test]
+    fn tokenize_answers_read_as_serde_reads_them() {
+        let answers: [&[u8]; 26] = [
+            br#"{"count":2,"max_model_len":9,"tokens":[5,6],"token_strs":null}"#,
+            b" {\n \"tokens\" : [ 0 ,\t4294967295 ] ,\r\"x\":{\"tokens\":[1]} } \n",
+            br#"{"tokens":[]}"#,
+            br#"{"token_strs":["a","\"]"],"tokens":[7]}"#,
+            br#"{"t\u006fkens":[3]}"#,
+            br#"{"tokens":[1],"tokens":[2]}"#,
+            br#"{"tokens":[-1]}"#,
+            br#"{"tokens":[1.0]}"#,
+            br#"{"tokens":[1e3]}"#,
+            br#"{"tokens":[1E3]}"#,
+            br#"{"tokens":[4294967296]}"#,
+            br#"{"tokens":[01]}"#,
+            br#"{"tokens":["1"]}"#,
+            br#"{"tokens":null}"#,
+            br#"{"tokens":[1,]}"#,
+            br#"{"tokens":[1] "#,
+            br#"{"tokens":[1]}x"#,
+            br#"{"tokens":[1]},"#,
+            br#"{"tokens":[1],}"#,
+            br#"{,"tokens":[1]}"#,
+            br#"{"count":1}"#,
+            br#"{"count":01,"tokens":[1]}"#,
+            br#"{"x":[1,{"y":[}],"tokens":[1]}"#,
+            br#"{tokens:[1]}"#,
+            br#"[1,2]"#,
+            b"",
+        ];
+        for answer in answers {
+            assert_eq!(
+                parse_tokenize_response(answer).ok(),
+                tokenize_answer_by_serde(answer),
+                "{}",
+                String::from_utf8_lossy(answer)
+            );
+        }
+        assert_eq!(
+            parse_tokenize_response(answers[0]).unwrap(),
+            vec![5, 6],
+            "and it reads something"
+        );
+    }
+
+    #[test]
+    fn ids_of_every_length_read_as_serde_reads_them() {
+        let mut ids: Vec<u64> = vec![0, u64::from(u32::MAX), u64::from(u32::MAX) + 1];
+        let mut power = 1u64;
+        for _ in 0..11 {
+            ids.extend([power.saturating_sub(1), power, power + 7, 3 * power + 1]);
+            power *= 10;
+        }
+        for id in ids {
+            for spacing in ["", " ", "\n\t"] {
+                let answer = format!(r#"{{"tokens":[{id}{spacing},7],"count":2}}"#);
+                assert_eq!(
+                    parse_tokenize_response(answer.as_bytes()).ok(),
+                    tokenize_answer_by_serde(answer.as_bytes()),
+                    "{answer}"
+                );
+            }
+        }
+    }
+
+    /// Flipped, dropped and duplicated bytes of valid answers read as serde
+    /// reads them (the cargo-fuzz target `request_parse` explores further).
+    #[test]
+    fn mutated_tokenize_answers_read_as_serde_reads_them() {
+        let seeds: [&[u8]; 3] = [
+            br#"{"count":3,"max_model_len":40960,"tokens":[151644, 8948,0],"token_strs":null}"#,
+            b"{ \"token_strs\" : [\"a\\u00e9\", \"b\"],\n\"tokens\":[ 12 , 4294967295 ] }",
+            br#"{"tokens":[1,2,3],"extra":{"deep":[1.5e3,-2,true,"x"]}}"#,
+        ];
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut read = 0;
+        for _ in 0..50_000 {
+            let mut body = seeds[(next() % seeds.len() as u64) as usize].to_vec();
+            for _ in 0..1 + next() % 3 {
+                let i = (next() % body.len() as u64) as usize;
+                match next() % 3 {
+                    0 => body[i] = b"0123456789-+.eE,[]{}\" :x\x00\xff"[(next() % 23) as usize],
+                    1 => {
+                        body.remove(i);
+                    }
+                    _ => body.insert(i, body[i]),
+                }
+                if body.is_empty() {
+                    break;
+                }
+            }
+            let ours = parse_tokenize_response(&body).ok();
+            read += usize::from(ours.is_some());
+            assert_eq!(
+                ours,
+                tokenize_answer_by_serde(&body),
+                "{}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        assert!(read > 1000, "only {read} mutants were answers");
     }
 
     /// Deterministic mutation fuzzing (runs in every `cargo test`; the cargo-fuzz

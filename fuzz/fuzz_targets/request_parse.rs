@@ -1,7 +1,8 @@
 //! The filter's request path on arbitrary bodies: parsing, the tokenizer
 //! call-out helpers, hashing and the tenant-salt rewrite never panic; a parsed
 //! prompt always hashes to at most `max_blocks` blocks; a rewritten body is
-//! JSON (a value whenever the input was) and parses with the tenant's salt.
+//! JSON (a value whenever the input was) and parses with the tenant's salt;
+//! a `/tokenize` answer reads as serde reads it into `Vec<u32>`.
 #![no_main]
 
 use kvroute_core::config::Config;
@@ -34,6 +35,11 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(request.cache_salt.as_deref(), Some("kvroute-tenant-0"));
         }
     }
-    let _ = parse_tokenize_response(data);
+    #[derive(serde::Deserialize)]
+    struct Tokenized {
+        tokens: Vec<u32>,
+    }
+    let by_serde = serde_json::from_slice::<Tokenized>(data).ok().map(|t| t.tokens);
+    assert_eq!(parse_tokenize_response(data).ok(), by_serde);
     let _ = Config::from_json(data);
 });
