@@ -6,13 +6,14 @@
 //! One concern per file: `pods` (discovery, load, liveness), `sequence`
 //! (per-publisher ordering and replay), `sources` (a publisher's blocks and
 //! the events applied to them), `source_table` (a group's vLLM-hash table),
-//! `blocks` (the block → pod map), `learned`
+//! `block_table` (the block records by kvroute hash), `blocks` (the block → pod map), `learned`
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
 //! `least_loaded` (the serving pods in load order, for the same), `keys`
 //! (the newtypes of pod keys and block hashes).
 
+mod block_table;
 mod blocks;
 mod feed;
 mod feed_log;

@@ -81,6 +81,11 @@ impl SourceEntry {
         (self.0 & BLOCK_MASK) as BlockId
     }
 
+    /// The same entry on another record (the block table renumbered them).
+    fn with_block(self, block: BlockId) -> SourceEntry {
+        SourceEntry(self.0 & !BLOCK_MASK | u64::from(block) & BLOCK_MASK)
+    }
+
     fn tiers(self) -> u64 {
         self.0 >> TIERS_SHIFT & 7
     }
@@ -278,6 +283,13 @@ impl SourceTable {
         self.slots.iter().copied().filter(|e| !e.is_empty())
     }
 
+    /// Rewrites every entry's record id (the block table renumbered them).
+    pub(super) fn remap_blocks(&mut self, new_id: impl Fn(BlockId) -> BlockId) {
+        for e in self.slots.iter_mut().filter(|e| !e.is_empty()) {
+            *e = e.with_block(new_id(e.block()));
+        }
+    }
+
     /// Takes every entry out, leaving the table empty and unallocated.
     pub(super) fn take_all(&mut self) -> impl Iterator<Item = SourceEntry> {
         self.len = 0;
@@ -428,6 +440,12 @@ mod tests {
                 }
             }
             check(&table, &model);
+            table.remap_blocks(|b| b + 1);
+            for (fp, e) in &model {
+                let got = table.get(Fingerprint(*fp)).unwrap();
+                assert_eq!((got.block(), got.fp()), (e.block() + 1, e.fp()));
+                assert_eq!(got.with_block(e.block()), *e);
+            }
         }
     }
 }

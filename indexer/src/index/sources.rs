@@ -160,7 +160,29 @@ impl Index {
         }
     }
 
+    /// Grows the block table when it is full enough, and rewrites the record
+    /// ids the pods' source entries and head parts hold (growing renumbers
+    /// the records). Called before anything that adds records.
+    pub(super) fn make_block_room(&mut self) {
+        let Some(new_ids) = self.blocks.grow_if_full() else {
+            return;
+        };
+        let new_id = |id: BlockId| new_ids.get(id as usize).copied().unwrap_or(BlockId::MAX);
+        let groups = self
+            .pods
+            .values_mut()
+            .flat_map(|p| p.sources.values_mut())
+            .flat_map(|s| s.groups.values_mut());
+        for group in groups {
+            group.blocks.remap_blocks(new_id);
+            for id in group.heads.values_mut().flat_map(|h| h.iter_mut()) {
+                *id = new_id(*id);
+            }
+        }
+    }
+
     fn stored(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        self.make_block_room();
         let group_idx = e.group_idx.unwrap_or(0);
         let span = self.span(e.block_size);
         let Some(pod) = self.pods.get_mut(&key) else {
