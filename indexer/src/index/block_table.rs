@@ -266,8 +266,18 @@ impl BlockTable {
         }
     }
 
+    /// Every slot's record, free ones too (their `set` is `FREE`): the
+    /// array, then the overflow. The snapshot's pass over all blocks.
+    pub(super) fn all_slots(&self) -> impl Iterator<Item = &Record> + '_ {
+        let overflow = self.overflow.chunks.iter().flat_map(|c| c.iter());
+        self.slots
+            .iter()
+            .chain(overflow.take(self.overflow.allocated))
+    }
+
     /// Every live record with its id: the array, then the overflow.
-    pub(super) fn iter(&self) -> impl Iterator<Item = (BlockId, Record)> + '_ {
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = (BlockId, Record)> + '_ {
         let base = self.slots.len() as BlockId;
         (0..)
             .zip(self.slots.iter().copied())

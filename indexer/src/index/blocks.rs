@@ -369,12 +369,12 @@ impl Blocks {
     /// pass over the block table, in table order (a snapshot page's range).
     pub(super) fn in_key_range(&self, keys: Range<u64>) -> impl Iterator<Item = (u64, SetId)> + '_ {
         self.records
-            .iter()
-            .filter_map(move |(_, Record { kv, set })| {
+            .all_slots()
+            .filter_map(move |&Record { kv, set }| {
                 // One compare for the range first: most records fall outside it.
                 let key = kv.index_key();
                 let inside = key.wrapping_sub(keys.start) < keys.end.wrapping_sub(keys.start);
-                (inside && set != EMPTY_SET).then_some((key, set))
+                (inside && set != FREE && set != EMPTY_SET).then_some((key, set))
             })
     }
 
