@@ -7,14 +7,16 @@
 //! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
 //!    blocks, built from 150 prompt groups), measured with a counting allocator
 //!    and compared with the index's own estimate; with every block on one pod,
-//!    and with each chain held by 2, 4 and 8 pods (same vLLM events),
+//!    and with each chain held by 2, 4 and 8 pods (same vLLM events), with the
+//!    entries lost to vLLM-hash fingerprint collisions (the index's false matches),
 //! 3. feed size: one poll tick of churn as a delta, and the full snapshot.
 //!
 //! `cargo bench -p kvroute-indexer --bench indexer -- --entries 50000000 [--pods 1000] [--share 1]`
 //! fills one index with that many (block, pod) entries, streamed (`--share K`:
 //! each chain stored by K pods), and prints the allocator's live bytes per
 //! entry, the process RSS and its peak, the apply rate (wall clock and
-//! on-CPU), and the time to page through the whole snapshot.
+//! on-CPU), the entries lost to fingerprint collisions, and the time to page
+//! through the whole snapshot.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
