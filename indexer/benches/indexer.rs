@@ -7,14 +7,16 @@
 //! 2. memory per (block, pod) at the 73-capacity working set (8 pods × 19,208
 //!    blocks, built from 150 prompt groups), measured with a counting allocator
 //!    and compared with the index's own estimate; with every block on one pod,
-//!    and with each chain held by 2, 4 and 8 pods (same vLLM events),
+//!    and with each chain held by 2, 4 and 8 pods (same vLLM events), with the
+//!    entries lost to vLLM-hash fingerprint collisions (the index's false matches),
 //! 3. feed size: one poll tick of churn as a delta, and the full snapshot.
 //!
 //! `cargo bench -p kvroute-indexer --bench indexer -- --entries 50000000 [--pods 1000] [--share 1]`
 //! fills one index with that many (block, pod) entries, streamed (`--share K`:
 //! each chain stored by K pods), and prints the allocator's live bytes per
 //! entry, the process RSS and its peak, the apply rate (wall clock and
-//! on-CPU), and the time to page through the whole snapshot.
+//! on-CPU), the entries lost to fingerprint collisions, and the time to page
+//! through the whole snapshot.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -330,17 +332,17 @@ fn scale(entries: usize, pods: usize, share: usize) {
     let mut ix = index_of(pods, IndexConfig::default().feed_log_hashes);
     let applying = fill_shared(&mut ix, pods, per_pod, share, 512);
     let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
-    assert_eq_usize(ix.blocks(), total);
+    let collisions = fingerprint_collisions(&ix, total, pods, per_pod);
     // Blocks are keyed by their 40-bit index key: at millions of distinct
     // blocks a few pairs share one (n^2 / 2^41 expected) and count once.
     let distinct = total / share.min(pods);
     let merged = distinct - ix.distinct_blocks().min(distinct);
     let expected = (distinct as f64).powi(2) / 2f64.powi(41);
-    assert_at_most(merged as f64, 2.0 * expected + 16.0);
+    assert_at_most(merged as f64, 2.0 * expected + 16.0 + collisions as f64);
     // Two such blocks on one pod are one (block, pod) entry too.
     assert_at_most(
         (total - ix.pod_blocks().min(total)) as f64,
-        2.0 * expected + 16.0,
+        2.0 * expected + 16.0 + collisions as f64,
     );
     ix.update_gauges();
     println!(
@@ -395,8 +397,10 @@ fn memory_shared(share: usize) {
     );
     let live = LIVE.load(Ordering::Relaxed).saturating_sub(before);
     let total = PODS * BLOCKS_PER_POD;
-    assert_eq_usize(ix.pod_blocks(), total);
-    assert_eq_usize(ix.distinct_blocks() * share, total);
+    // Each fingerprint collision costs the entry on each of the chain's pods.
+    let lost = fingerprint_collisions(&ix, total, PODS, BLOCKS_PER_POD);
+    assert_eq_usize(ix.pod_blocks(), total - lost);
+    assert_eq_usize(ix.distinct_blocks() * share, total - lost);
     println!(
         "memory, index alone, each chain on {share} pod(s): {:.1} bytes per (block, pod) ({} distinct blocks); estimate {:.1}",
         live as f64 / total as f64,
@@ -585,6 +589,23 @@ fn main() {
     request.cursor = ix.cursor();
     let idle = feed::encode_message(&ix.feed(&request));
     println!("feed delta of an idle tick: {} bytes", idle.len());
+}
+
+/// The (block, pod) entries lost to vLLM-hash fingerprint collisions: a store
+/// whose vLLM hash shares its 32-bit fingerprint with one its group already
+/// holds replaces that entry (the index keeps fingerprints, not hashes). Every
+/// block was stored once per pod, so the entries missing are those. Prints
+/// them against the expected n^2 / 2^33 per pod of n blocks, and fails when
+/// they exceed twice that (plus a margin for small counts).
+fn fingerprint_collisions(ix: &Index, total: usize, pods: usize, per_pod: usize) -> usize {
+    let lost = total - ix.blocks().min(total);
+    let expected = pods as f64 * (per_pod as f64).powi(2) / 2f64.powi(33);
+    println!(
+        "false matches (vLLM-hash fingerprint collisions): {lost} of {total} stores replaced another block's entry ({:.1e} of stores; {expected:.1} expected)",
+        lost as f64 / total as f64
+    );
+    assert_at_most(lost as f64, 2.0 * expected + 8.0);
+    lost
 }
 
 fn assert_at_most(a: f64, bound: f64) {

@@ -1,16 +1,17 @@
 //! The block → pod map, inverted: each kvroute hash is stored once, as a
-//! 12-byte record in a slab, with the interned set of the pods holding it
+//! 12-byte record in the block table (`block_table.rs`), with the interned set of the pods holding it
 //! (per pod, reference counts by tier). A block held by k pods costs one
 //! record, and the pods' sources refer to it by a 4-byte id. A change of a
 //! hash's best tier on a pod becomes a feed op.
 
 use std::ops::Range;
 
-use hashbrown::{hash_table, HashMap, HashTable};
+use hashbrown::HashMap;
 use kvroute_core::feed::Tier;
 
+use super::block_table::{BlockTable, Record};
 use super::feed_log::Sink;
-use super::hashing::{mix, table_bytes};
+use super::hashing::table_bytes;
 use super::keys::{BlockHash, PodKey};
 
 /// Id of a block record (stable while some pod holds the block).
@@ -78,14 +79,13 @@ struct Holder {
 /// not interned: it carries one pod key and the one tier that pod counts once
 /// (most blocks are held so; no lookup for them). Others are interned.
 pub(super) type SetId = u32;
-const EMPTY_SET: SetId = 0;
+pub(super) const EMPTY_SET: SetId = 0;
 const SINGLE: SetId = 1 << 31;
 /// Pod keys a [`SINGLE`] id carries (below 2^29, and never [`FREE`]'s bits).
 const SINGLE_PODS: u64 = (1 << 29) - 1;
 
 /// Marks a free record, whose `kv` then links the next free one.
-const FREE: SetId = SetId::MAX;
-const NO_FREE: BlockId = BlockId::MAX;
+pub(super) const FREE: SetId = SetId::MAX;
 
 fn single(pod: PodKey, tier: Tier) -> Option<SetId> {
     let pod = pod.get();
@@ -106,36 +106,6 @@ fn single_holder(pod: PodKey, tier: Tier) -> Holder {
     counts.0[tier.code() as usize] = 1;
     Holder { pod, counts }
 }
-
-/// A block: its kvroute hash and who holds it (packed: 12 bytes).
-#[derive(Debug, Clone, Copy)]
-#[repr(C, packed(4))]
-struct Record {
-    kv: BlockHash,
-    set: SetId,
-}
-
-// The memory estimate and the README count 12 bytes a record.
-const _: () = assert!(std::mem::size_of::<Record>() == 12);
-
-impl Record {
-    /// A free record: its `kv` field holds the id of the next free one.
-    fn free(next: BlockId) -> Record {
-        Record {
-            kv: BlockHash::new(u64::from(next)),
-            set: FREE,
-        }
-    }
-
-    /// The next free record after this free one.
-    fn next_free(&self) -> BlockId {
-        let link = self.kv;
-        link.get() as BlockId
-    }
-}
-
-/// Records per slab chunk: the slab grows by a chunk, never by doubling.
-const CHUNK: usize = 4096;
 
 /// Interned holder sets, reference counted by the records that use them.
 struct PodSets {
@@ -229,83 +199,17 @@ impl PodSets {
     }
 }
 
-/// Block records in chunks, with a free list threaded through freed ones.
-struct Slab {
-    chunks: Vec<Box<[Record]>>,
-    /// Records handed out so far (free or live).
-    allocated: usize,
-    free_head: BlockId,
-    live: usize,
-}
-
-impl Slab {
-    fn get(&self, id: BlockId) -> Option<&Record> {
-        self.chunks
-            .get(id as usize / CHUNK)?
-            .get(id as usize % CHUNK)
-    }
-
-    fn get_mut(&mut self, id: BlockId) -> Option<&mut Record> {
-        self.chunks
-            .get_mut(id as usize / CHUNK)?
-            .get_mut(id as usize % CHUNK)
-    }
-
-    fn kv(&self, id: BlockId) -> BlockHash {
-        self.get(id).map_or(BlockHash::default(), |r| r.kv)
-    }
-
-    /// A new record of `kv` with no holder; `None` at [`MAX_BLOCKS`].
-    fn alloc(&mut self, kv: BlockHash) -> Option<BlockId> {
-        let id = if self.free_head != NO_FREE {
-            let id = self.free_head;
-            self.free_head = self.get(id).map_or(NO_FREE, Record::next_free);
-            id
-        } else {
-            if self.allocated >= MAX_BLOCKS {
-                return None;
-            }
-            let id = BlockId::try_from(self.allocated).ok()?;
-            if self.allocated == self.chunks.len() * CHUNK {
-                let free = Record::free(NO_FREE);
-                self.chunks.push(vec![free; CHUNK].into_boxed_slice());
-            }
-            self.allocated += 1;
-            id
-        };
-        *self.get_mut(id)? = Record { kv, set: EMPTY_SET };
-        self.live += 1;
-        Some(id)
-    }
-
-    fn free(&mut self, id: BlockId) {
-        let next = self.free_head;
-        if let Some(rec) = self.get_mut(id) {
-            *rec = Record::free(next);
-            self.free_head = id;
-            self.live = self.live.saturating_sub(1);
-        }
-    }
-}
-
 /// Every block some pod holds, with its holders.
 pub(super) struct Blocks {
-    slab: Slab,
-    /// kvroute hash → record.
-    index: HashTable<BlockId>,
+    /// Records by index key; a record's id is stable until the table grows.
+    records: BlockTable,
     sets: PodSets,
 }
 
 impl Default for Blocks {
     fn default() -> Self {
         Blocks {
-            slab: Slab {
-                chunks: Vec::new(),
-                allocated: 0,
-                free_head: NO_FREE,
-                live: 0,
-            },
-            index: HashTable::new(),
+            records: BlockTable::default(),
             sets: PodSets::new(),
         }
     }
@@ -314,12 +218,19 @@ impl Default for Blocks {
 impl Blocks {
     /// Distinct kvroute hashes held by some pod.
     pub(super) fn len(&self) -> usize {
-        self.slab.live
+        self.records.len()
     }
 
     /// The kvroute hash of a record.
     pub(super) fn kv(&self, id: BlockId) -> BlockHash {
-        self.slab.kv(id)
+        self.records.get(id).map_or(BlockHash::default(), |r| r.kv)
+    }
+
+    /// Grows the block table when it is full enough, which renumbers the
+    /// records: returns each old id's new id ([`BlockId::MAX`] for none), for
+    /// the caller to rewrite every id it holds before the next call here.
+    pub(super) fn grow_if_full(&mut self) -> Option<Vec<BlockId>> {
+        self.records.needs_growth().then(|| self.records.grow())
     }
 
     /// The record of `kv`. Blocks are keyed by their index key, as routing
@@ -327,30 +238,13 @@ impl Blocks {
     /// bits are one block here too. The record keeps the first full hash
     /// (the parent of the chain's next block).
     pub(super) fn find(&self, kv: BlockHash) -> Option<BlockId> {
-        let key = kv.index_key();
-        let slab = &self.slab;
-        self.index
-            .find(mix(key), |&id| slab.kv(id).index_key() == key)
-            .copied()
+        self.records.find(kv.index_key())
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {
-        let key = kv.index_key();
-        let slab = &mut self.slab;
-        match self.index.entry(
-            mix(key),
-            |&id| slab.kv(id).index_key() == key,
-            |&id| mix(slab.kv(id).index_key()),
-        ) {
-            hash_table::Entry::Occupied(o) => Some(*o.get()),
-            hash_table::Entry::Vacant(v) => {
-                let id = slab.alloc(kv)?;
-                v.insert(id);
-                Some(id)
-            }
-        }
+        self.find(kv).or_else(|| self.records.insert(kv))
     }
 
     /// Adds (`up`) or drops one count of `tier` of block `id` on `pod`,
@@ -365,7 +259,7 @@ impl Blocks {
         tier: Tier,
         up: bool,
     ) {
-        let Some(&Record { kv, set }) = self.slab.get(id) else {
+        let Some(&Record { kv, set }) = self.records.get(id) else {
             return;
         };
         let fast = match (set, up) {
@@ -381,11 +275,8 @@ impl Blocks {
             None => self.adjust_set(set, pod, tier, up),
         };
         if new_set == EMPTY_SET {
-            if let Ok(e) = self.index.find_entry(mix(kv.index_key()), |&i| i == id) {
-                e.remove();
-            }
-            self.slab.free(id);
-        } else if let Some(rec) = self.slab.get_mut(id) {
+            self.records.remove(id);
+        } else if let Some(rec) = self.records.get_mut(id) {
             rec.set = new_set;
         }
         if before != after {
@@ -463,7 +354,7 @@ impl Blocks {
     /// The interned set of pods holding `kv` (equal ids: equal holders and tiers).
     pub(super) fn set_of(&self, kv: BlockHash) -> SetId {
         self.find(kv)
-            .and_then(|id| self.slab.get(id))
+            .and_then(|id| self.records.get(id))
             .map_or(EMPTY_SET, |r| r.set)
     }
 
@@ -475,13 +366,10 @@ impl Blocks {
     }
 
     /// Every block whose index key lies in `keys`, with its holder set: one
-    /// pass over the slab, in slab order (a snapshot page's range).
+    /// pass over the block table, in table order (a snapshot page's range).
     pub(super) fn in_key_range(&self, keys: Range<u64>) -> impl Iterator<Item = (u64, SetId)> + '_ {
-        self.slab
-            .chunks
-            .iter()
-            .flat_map(|chunk| chunk.iter())
-            .take(self.slab.allocated)
+        self.records
+            .all_slots()
             .filter_map(move |&Record { kv, set }| {
                 // One compare for the range first: most records fall outside it.
                 let key = kv.index_key().get();
@@ -490,13 +378,9 @@ impl Blocks {
             })
     }
 
-    /// Bytes held: the slab, its hash index and the interned sets.
+    /// Bytes held: the block table and the interned sets.
     pub(super) fn memory_bytes(&self) -> usize {
-        let chunks = &self.slab.chunks;
-        chunks.len() * CHUNK * std::mem::size_of::<Record>()
-            + chunks.capacity() * std::mem::size_of::<Box<[Record]>>()
-            + table_bytes(self.index.capacity(), std::mem::size_of::<BlockId>())
-            + self.sets.memory_bytes()
+        self.records.memory_bytes() + self.sets.memory_bytes()
     }
 }
 
@@ -524,7 +408,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_block_leaves_with_its_last_holder_and_its_record_is_reused() {
+    fn a_block_leaves_with_its_last_holder() {
         let mut blocks = Blocks::default();
         let mut sink = Sink::default();
         let (mut first, mut second) = (Held::default(), Held::default());
@@ -553,8 +437,8 @@ mod tests {
         blocks.adjust(&mut sink, &mut first, one, id, Tier::Gpu, false);
         assert_eq!((blocks.len(), first.total(), second.total()), (0, 0, 0));
         assert_eq!(blocks.find(seven), None);
-        assert_eq!(blocks.acquire(nine), Some(id));
-        assert_eq!(blocks.kv(id), nine);
+        let id = blocks.acquire(nine).unwrap();
+        assert_eq!((blocks.kv(id), blocks.len()), (nine, 1));
     }
 
     #[test]

@@ -22,6 +22,7 @@ impl Index {
         let mut sink = Sink::default();
         let expiry = now_ms.saturating_add(self.cfg.learned_ttl_ms);
         for (address, hashes) in &batch.entries {
+            self.make_block_room();
             let Some(&key) = self.by_address.get(address) else {
                 rejected += hashes.len();
                 continue;

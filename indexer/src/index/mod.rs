@@ -5,13 +5,15 @@
 //!
 //! One concern per file: `pods` (discovery, load, liveness), `sequence`
 //! (per-publisher ordering and replay), `sources` (a publisher's blocks and
-//! the events applied to them), `blocks` (the block → pod map), `learned`
+//! the events applied to them), `source_table` (a group's vLLM-hash table),
+//! `block_table` (the block records by kvroute hash), `blocks` (the block → pod map), `learned`
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
 //! `least_loaded` (the serving pods in load order, for the same), `keys`
 //! (the newtypes of pod keys and block hashes).
 
+mod block_table;
 mod blocks;
 mod feed;
 mod feed_log;
@@ -22,6 +24,7 @@ mod learned;
 mod least_loaded;
 mod pods;
 mod sequence;
+mod source_table;
 mod sources;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

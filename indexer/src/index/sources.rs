@@ -2,8 +2,6 @@
 //! hash), placeholders, BlockRemoved and AllBlocksCleared, applied to its
 //! KV-cache groups and, through them, to the pod's block map.
 
-use hashbrown::hash_table::Entry;
-use hashbrown::HashTable;
 use kvroute_core::feed::Tier;
 use kvroute_core::hash::{
     extra_keys_digest, keyed_token_block_hashes, root_hash, Domain, ExtraKey,
@@ -11,10 +9,11 @@ use kvroute_core::hash::{
 
 use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 
-use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held, MAX_BLOCKS};
+use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held};
 use super::feed_log::Sink;
-use super::hashing::{map_bytes, mix, table_bytes, Map};
+use super::hashing::{map_bytes, Map};
 use super::keys::{BlockHash, PodKey, VllmHash};
+use super::source_table::{Fingerprint, SourceEntry, SourceTable};
 use super::Index;
 
 /// KV-cache spec kinds whose blocks hold the prompt's whole prefix, so a hit
@@ -28,75 +27,22 @@ pub(super) fn routed_spec_kind(kind: Option<&str>) -> bool {
     )
 }
 
-/// A vLLM block held by one publisher (pod, rank): 12 bytes, packed.
-#[derive(Debug, Clone, Copy)]
-#[repr(C, packed(4))]
-pub(super) struct SourceEntry {
-    /// vLLM hash (the key).
-    vh: VllmHash,
-    /// The record of the block's kvroute hash (of its last kvroute-sized part
-    /// when it spans several: the parent of the next block) below
-    /// [`TIERS_SHIFT`], a bit per tier it is in (GPU, CPU, disk) above.
-    block_tiers: u32,
-}
-
-const TIERS_SHIFT: u32 = 29;
-const _: () = assert!(MAX_BLOCKS == 1 << TIERS_SHIFT);
-// The memory estimate and the README count 12 bytes an entry.
-const _: () = assert!(std::mem::size_of::<SourceEntry>() == 12);
-
-impl SourceEntry {
-    fn new(vh: VllmHash, block: BlockId, tiers: u8) -> SourceEntry {
-        SourceEntry {
-            vh,
-            block_tiers: block | u32::from(tiers) << TIERS_SHIFT,
-        }
-    }
-
-    fn vh(&self) -> VllmHash {
-        self.vh
-    }
-
-    pub(super) fn block(&self) -> BlockId {
-        self.block_tiers & ((1 << TIERS_SHIFT) - 1)
-    }
-
-    /// True when the block is in the tier of `bit` ([`tier_bit`]).
-    pub(super) fn has(&self, bit: u8) -> bool {
-        self.block_tiers >> TIERS_SHIFT & u32::from(bit) != 0
-    }
-
-    fn add(&mut self, bit: u8) {
-        self.block_tiers |= u32::from(bit) << TIERS_SHIFT;
-    }
-
-    /// Drops a tier; true when the block is in none left.
-    fn remove(&mut self, bit: u8) -> bool {
-        self.block_tiers &= !(u32::from(bit) << TIERS_SHIFT);
-        self.block_tiers >> TIERS_SHIFT == 0
-    }
-}
-
 /// The blocks of one KV-cache group of a publisher. Hybrid models store
 /// each block once per group under the same vLLM hash, and each group evicts
 /// on its own.
 #[derive(Default)]
 pub(super) struct Group {
-    /// vLLM hash → entry.
-    pub(super) blocks: HashTable<SourceEntry>,
-    /// vLLM hash → records of the parts before the entry's `block`, for
-    /// blocks of a multiple of the configured block size (kept apart so the
-    /// common entry stays small).
-    pub(super) heads: Map<VllmHash, Box<[BlockId]>>,
+    /// vLLM hash (its fingerprint) → entry.
+    pub(super) blocks: SourceTable,
+    /// vLLM hash (its fingerprint) → records of the parts before the entry's
+    /// `block`, for blocks of a multiple of the configured block size (kept
+    /// apart so the common entry stays small).
+    pub(super) heads: Map<Fingerprint, Box<[BlockId]>>,
 }
 
 impl Group {
-    fn find(&self, vh: VllmHash) -> Option<&SourceEntry> {
-        self.blocks.find(mix(vh), |e| e.vh() == vh)
-    }
-
     pub(super) fn memory_bytes(&self) -> usize {
-        table_bytes(self.blocks.capacity(), std::mem::size_of::<SourceEntry>())
+        self.blocks.memory_bytes()
             + map_bytes(&self.heads)
             + self
                 .heads
@@ -114,8 +60,8 @@ impl Group {
         pod: PodKey,
     ) -> usize {
         let drained = self.blocks.len();
-        for entry in self.blocks.drain() {
-            let head = self.heads.remove(&{ entry.vh });
+        for entry in self.blocks.take_all() {
+            let head = self.heads.remove(&entry.fp());
             drop_block(blocks, sink, held, pod, entry, head.as_deref());
         }
         drained
@@ -214,7 +160,29 @@ impl Index {
         }
     }
 
+    /// Grows the block table when it is full enough, and rewrites the record
+    /// ids the pods' source entries and head parts hold (growing renumbers
+    /// the records). Called before anything that adds records.
+    pub(super) fn make_block_room(&mut self) {
+        let Some(new_ids) = self.blocks.grow_if_full() else {
+            return;
+        };
+        let new_id = |id: BlockId| new_ids.get(id as usize).copied().unwrap_or(BlockId::MAX);
+        let groups = self
+            .pods
+            .values_mut()
+            .flat_map(|p| p.sources.values_mut())
+            .flat_map(|s| s.groups.values_mut());
+        for group in groups {
+            group.blocks.remap_blocks(new_id);
+            for id in group.heads.values_mut().flat_map(|h| h.iter_mut()) {
+                *id = new_id(*id);
+            }
+        }
+    }
+
     fn stored(&mut self, key: PodKey, rank: i64, e: &BlockStored, sink: &mut Sink) {
+        self.make_block_room();
         let group_idx = e.group_idx.unwrap_or(0);
         let span = self.span(e.block_size);
         let Some(pod) = self.pods.get_mut(&key) else {
@@ -269,7 +237,7 @@ impl Index {
                 }
                 (None, None) => root_hash(Domain::Tokens, model, None),
             },
-            Some(p) => match group.find(VllmHash::new(p)) {
+            Some(p) => match group.blocks.get(Fingerprint::of(VllmHash::new(p))) {
                 Some(entry) => self.blocks.kv(entry.block()),
                 None => {
                     self.metrics.stored_unknown_parent.inc();
@@ -300,36 +268,38 @@ impl Index {
                 continue;
             };
             let head = (!head.is_empty()).then_some(head);
-            match group
-                .blocks
-                .entry(mix(vh), |e| e.vh() == vh, |e| mix(e.vh()))
-            {
-                Entry::Occupied(mut o) => {
-                    let entry = o.get_mut();
+            let fp = Fingerprint::of(vh);
+            match group.blocks.find(fp) {
+                Some(slot) => {
+                    let Some(mut entry) = group.blocks.at(slot) else {
+                        continue;
+                    };
                     if blocks.kv(entry.block()) != kv {
-                        // Same vLLM hash, other content (e.g. other LoRA scope): replace.
-                        // The old block goes first: its records may be freed.
-                        let old = group.heads.remove(&vh);
-                        drop_block(blocks, sink, held, key, *entry, old.as_deref());
+                        // Same vLLM hash (or fingerprint), other content (e.g. other
+                        // LoRA scope): replace. The old block goes first: its records
+                        // may be freed.
+                        let old = group.heads.remove(&fp);
+                        drop_block(blocks, sink, held, key, entry, old.as_deref());
                         let Some((id, head_ids)) = acquire_parts(blocks, kv, head) else {
-                            o.remove();
+                            group.blocks.remove_at(slot);
                             pod.source_blocks = pod.source_blocks.saturating_sub(1);
                             self.metrics.blocks_refused_capacity.inc();
                             break;
                         };
-                        *entry = SourceEntry::new(vh, id, 0);
+                        entry = SourceEntry::new(fp, id, 0);
                         if let Some(head_ids) = head_ids {
-                            group.heads.insert(vh, head_ids);
+                            group.heads.insert(fp, head_ids);
                         }
                     }
                     if !entry.has(bit) {
                         entry.add(bit);
-                        let head_ids = group.heads.get(&vh).map(|h| &h[..]);
+                        let head_ids = group.heads.get(&fp).map(|h| &h[..]);
                         let id = entry.block();
                         adjust_block(blocks, sink, held, key, id, head_ids, tier, true);
                     }
+                    group.blocks.set(slot, entry);
                 }
-                Entry::Vacant(v) => {
+                None => {
                     if pod.source_blocks >= self.cfg.max_blocks_per_pod {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
@@ -338,11 +308,11 @@ impl Index {
                         self.metrics.blocks_refused_capacity.inc();
                         break;
                     };
-                    v.insert(SourceEntry::new(vh, id, bit));
+                    group.blocks.insert(SourceEntry::new(fp, id, bit));
                     pod.source_blocks += 1;
                     adjust_block(blocks, sink, held, key, id, head_ids.as_deref(), tier, true);
                     if let Some(head_ids) = head_ids {
-                        group.heads.insert(vh, head_ids);
+                        group.heads.insert(fp, head_ids);
                     }
                 }
             }
@@ -370,14 +340,23 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let (mut applied, mut unknown) = (0, 0);
-        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
-            let Some(entry) = group.blocks.find_mut(mix(vh), |e| e.vh() == vh) else {
+        for fp in e
+            .block_hashes
+            .iter()
+            .map(|&h| Fingerprint::of(VllmHash::new(h)))
+        {
+            let Some((slot, mut entry)) = group
+                .blocks
+                .find(fp)
+                .and_then(|slot| Some((slot, group.blocks.at(slot)?)))
+            else {
                 unknown += 1;
                 continue;
             };
             if !entry.has(bit) {
                 entry.add(bit);
-                let head = group.heads.get(&vh).map(|h| &h[..]);
+                group.blocks.set(slot, entry);
+                let head = group.heads.get(&fp).map(|h| &h[..]);
                 let id = entry.block();
                 adjust_block(
                     &mut self.blocks,
@@ -417,26 +396,31 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
-        for vh in e.block_hashes.iter().map(|&h| VllmHash::new(h)) {
-            let Ok(mut o) = group.blocks.find_entry(mix(vh), |e| e.vh() == vh) else {
+        for fp in e
+            .block_hashes
+            .iter()
+            .map(|&h| Fingerprint::of(VllmHash::new(h)))
+        {
+            let found = group
+                .blocks
+                .find(fp)
+                .and_then(|slot| Some((slot, group.blocks.at(slot)?)));
+            let Some((slot, mut entry)) = found.filter(|(_, entry)| entry.has(bit)) else {
                 self.metrics.removed_unknown.inc();
                 continue;
             };
-            let entry = o.get_mut();
-            if !entry.has(bit) {
-                self.metrics.removed_unknown.inc();
-                continue;
-            }
             let gone = entry.remove(bit);
             let id = entry.block();
             if gone {
-                o.remove();
+                group.blocks.remove_at(slot);
                 pod.source_blocks = pod.source_blocks.saturating_sub(1);
+            } else {
+                group.blocks.set(slot, entry);
             }
             let head = if gone {
-                group.heads.remove(&vh)
+                group.heads.remove(&fp)
             } else {
-                group.heads.get(&vh).cloned()
+                group.heads.get(&fp).cloned()
             };
             let held = &mut pod.held;
             adjust_block(
