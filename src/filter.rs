@@ -446,16 +446,14 @@ impl RequestFilter {
             } else if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cluster.record_finished(&pod, prompt_blocks);
                 w.cluster.record_released(&pod, routed_blocks);
-                w.tell_peers_all(&[
-                    PeerMessage::Finished {
-                        pod: pod.clone(),
-                        prompt_blocks,
-                    },
-                    PeerMessage::Released {
-                        pod,
-                        prompt_blocks: routed_blocks,
-                    },
-                ]);
+                w.tell_peers(PeerMessage::Finished {
+                    pod: pod.clone(),
+                    prompt_blocks,
+                });
+                w.tell_peers(PeerMessage::Released {
+                    pod,
+                    prompt_blocks: routed_blocks,
+                });
             }
         }
     }

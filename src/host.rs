@@ -41,8 +41,8 @@ pub fn property(path: &[&str]) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
-pub fn set_tick_period(ms: u32) {
-    let _ = hostcalls::set_tick_period(Duration::from_millis(u64::from(ms)));
+pub fn set_tick_period(ms: u64) {
+    let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
 }
 
 pub fn plugin_configuration() -> Option<Bytes> {

@@ -24,9 +24,6 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::Unconfigured) });
 }}
 
-/// Tick of a worker VM: peer discovery, heartbeat, gauges, snapshot duty.
-const WORKER_TICK_MS: u32 = 200;
-
 thread_local! {
     /// The routing state of this VM. A configuration update creates a new root
     /// context in the same VM; it adopts this state, so the index survives.
@@ -107,7 +104,7 @@ impl RootContext for Root {
             (_, Role::Filter) => {
                 let endpoints = config.endpoints.len();
                 *self = Root::Filter(worker_of_this_vm(config, &vm_id));
-                host::set_tick_period(WORKER_TICK_MS);
+                host::set_tick_period(worker::DUTY_TICK_MS);
                 host::log(
                     LogLevel::Info,
                     &format!("kvroute: filter configured (vm_id {vm_id:?}, {endpoints} endpoints)"),

@@ -93,7 +93,7 @@ impl Singleton {
                 "kvroute singleton: no `indexer` configured; the index holds what the workers route",
             );
         }
-        host::set_tick_period(tick_ms(&config));
+        host::set_tick_period(u64::from(tick_ms(&config)));
         let mut cluster = Cluster::default();
         cluster.write_through(Rc::new(host::SharedData), MAX_RESIDENT_BUCKETS);
         cluster.configure_index(&config, now_s);
@@ -125,7 +125,7 @@ impl Singleton {
         if let Some(i) = &self.indexer {
             self.feed.set_poll_ms(i.poll_ms);
         }
-        host::set_tick_period(tick_ms(&config));
+        host::set_tick_period(u64::from(tick_ms(&config)));
         self.flush_ms = config.index.flush_ms;
         self.cluster.configure_index(&config, host::now().0);
         Ok(())

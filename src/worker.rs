@@ -11,6 +11,7 @@ use kvroute_core::feed;
 use kvroute_core::hash::BlockHash;
 use kvroute_core::index::published::{PublishedView, Unpublished};
 use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
+use kvroute_core::outbox::{Outbox, Pushed};
 use kvroute_core::outcome::Outcome;
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
@@ -22,6 +23,11 @@ use std::rc::Rc;
 /// Precise entries stay trusted this long after the last feed update when
 /// no indexer poll period is configured.
 const DEFAULT_TRUST_S: u32 = 5;
+/// Tick of a worker VM between batches: peer discovery, heartbeat, gauges.
+pub const DUTY_TICK_MS: u64 = 200;
+/// Peers see this VM's load at most this late (plus a tick's jitter): its
+/// load messages go out together, one queue message per peer per batch.
+const LOAD_BATCH_MS: u64 = 10;
 /// An index whose head (rewritten at every flush) is older than this is not
 /// read: its writer stopped, and the VM routes on load only.
 const STALE_AFTER_MS: u64 = 5000;
@@ -62,6 +68,11 @@ pub struct Worker {
     /// and the prompt's first hash (see [`Worker::routed`]).
     taught_this_epoch: Vec<(usize, usize)>,
     taught_for: Option<BlockHash>,
+    /// Load messages for the peers' next batch.
+    outbox: Outbox,
+    /// The tick period last set, and when the periodic duties last ran.
+    tick_ms: u64,
+    duties_ms: u64,
 }
 
 impl Worker {
@@ -84,6 +95,9 @@ impl Worker {
             unpublished: None,
             taught_this_epoch: Vec::new(),
             taught_for: None,
+            outbox: Outbox::new(LOAD_BATCH_MS),
+            tick_ms: DUTY_TICK_MS,
+            duties_ms: 0,
         }
     }
 
@@ -274,15 +288,22 @@ impl Worker {
         );
     }
 
-    /// Tells the serving peers about a routing event.
-    pub fn tell_peers(&self, message: PeerMessage) {
-        self.send(message, Audience::Serving, false);
+    /// Tells the serving peers about a routing event, in the next batch
+    /// (within [`LOAD_BATCH_MS`]): every queue message wakes each peer's VM.
+    pub fn tell_peers(&mut self, message: PeerMessage) {
+        if self.peers.serving_count() == 0 {
+            return;
+        }
+        if self.outbox.push(message, host::now().1) == Pushed::Armed {
+            self.set_tick(self.outbox.delay_ms());
+        }
     }
 
-    /// Tells the serving peers about routing events that happen together,
-    /// in one queue message each: every message wakes each peer's VM.
-    pub fn tell_peers_all(&self, messages: &[PeerMessage]) {
-        self.send_all(messages, Audience::Serving, false);
+    fn set_tick(&mut self, period_ms: u64) {
+        if self.tick_ms != period_ms {
+            self.tick_ms = period_ms;
+            host::set_tick_period(period_ms);
+        }
     }
 
     /// Hands confirmed blocks to the singleton, which reports them to the
@@ -431,9 +452,23 @@ impl Worker {
         }
     }
 
-    /// Periodic duties: heartbeat and gauges.
+    /// Sends the batch of load messages when due; every [`DUTY_TICK_MS`]:
+    /// heartbeat and gauges.
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
+        if let Some(batch) = self.outbox.due(now_ms) {
+            self.send_all(&batch, Audience::Serving, false);
+        }
+        let period = if self.outbox.is_empty() {
+            DUTY_TICK_MS
+        } else {
+            self.outbox.delay_ms()
+        };
+        self.set_tick(period);
+        if now_ms.saturating_sub(self.duties_ms) + 1 < DUTY_TICK_MS {
+            return;
+        }
+        self.duties_ms = now_ms;
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {
             // Serving VMs sharing their load, this one included.

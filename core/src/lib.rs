@@ -10,6 +10,7 @@ pub mod feed_client;
 pub mod hash;
 pub mod index;
 pub mod lookup;
+pub mod outbox;
 pub mod outcome;
 pub mod recent;
 pub mod registry;
