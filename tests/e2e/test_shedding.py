@@ -7,7 +7,7 @@ import time
 import pytest
 import requests
 
-from e2elib import DECISION, MODEL, POD, chat, gateway, unique_system
+from e2elib import DECISION, LOAD_BATCH_WAIT_S, MODEL, POD, chat, gateway, unique_system
 from simcluster import SimCluster
 
 PRIORITY = "x-kvroute-priority"
@@ -53,8 +53,11 @@ def shed_count(envoy) -> int:
 def test_sheddable_requests_get_429_at_saturation_and_critical_ones_route(envoy, pods):
     # Room everywhere: a sheddable request routes as without priorities.
     assert chat(envoy, unique_system(), "q").status_code == 200
-    streams = [open_stream(envoy, unique_system()) for _ in range(2)]
+    streams = []
     try:
+        for _ in range(2):
+            streams.append(open_stream(envoy, unique_system()))
+            time.sleep(LOAD_BATCH_WAIT_S)  # both workers count it
         # Ties go to the pod with fewer requests in flight: one stream on each pod.
         assert {r.headers[POD] for r, _ in streams} == set(pods.addresses)
         before = shed_count(envoy)
