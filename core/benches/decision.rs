@@ -12,6 +12,8 @@
 // A benchmark, not shipped code: a failed setup should stop it loudly.
 #![allow(clippy::expect_used)]
 
+mod common;
+use common::fleet_config;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::config::Config;
 use kvroute_core::hash::BlockHash;
@@ -157,25 +159,13 @@ fn learn_cost(cluster: &mut Cluster, pods: usize) -> (f64, f64) {
     (new, time(cluster))
 }
 
-fn config(pods: usize) -> Config {
-    let endpoints: Vec<String> = (0..pods)
-        .map(|i| format!(r#"{{"address":"10.0.{}.{}:8000"}}"#, i / 256, i % 256))
-        .collect();
-    // Each request may teach its whole prompt: the 32k-token prompt is 2,000 chunks.
-    let json = format!(
-        r#"{{"default_capacity_blocks":19208,"max_blocks":4096,"index":{{"max_learn_share":1.0}},"endpoints":[{}]}}"#,
-        endpoints.join(",")
-    );
-    Config::from_json(json.as_bytes()).expect("bench config")
-}
-
 fn decision(c: &mut Criterion) {
     let sizes = [1_000usize, 8_000, 32_000];
     let chats: Vec<Vec<u8>> = sizes.iter().map(|&n| chat_body(n, n)).collect();
     let tokens: Vec<Vec<u8>> = sizes.iter().map(|&n| token_body(n, n as u32)).collect();
     let hot: Vec<Vec<u8>> = chats.iter().chain(&tokens).cloned().collect();
     for pods in [8usize, 1000] {
-        let config = config(pods);
+        let config = fleet_config(pods);
         let mut cluster = populated(&config, pods, &hot);
         let stats = cluster.index().expect("the writer holds the index").stats();
         println!(

@@ -11,7 +11,8 @@
 // A benchmark, not shipped code: a failed setup should stop it loudly.
 #![allow(clippy::expect_used, clippy::panic)]
 
-use kvroute_core::config::Config;
+mod common;
+use common::fleet_config;
 use kvroute_core::request::{
     parse_request, parse_tokenize_response, tokenize_call_body, Prompt, PromptRequest,
 };
@@ -69,20 +70,9 @@ fn report(phase: &str, (p50, p99): (f64, f64)) {
     println!("  {phase:<44} p50 {p50:>8.1} µs   p99 {p99:>8.1} µs");
 }
 
-fn config(pods: usize) -> Config {
-    let endpoints: Vec<String> = (0..pods)
-        .map(|i| format!(r#"{{"address":"10.0.{}.{}:8000"}}"#, i / 256, i % 256))
-        .collect();
-    let json = format!(
-        r#"{{"default_capacity_blocks":19208,"max_blocks":4096,"index":{{"max_learn_share":1.0}},"endpoints":[{}]}}"#,
-        endpoints.join(",")
-    );
-    Config::from_json(json.as_bytes()).expect("bench config")
-}
-
 fn main() {
     const PODS: usize = 1000;
-    let config = config(PODS);
+    let config = fleet_config(PODS);
     let mut cluster = Cluster::default();
     cluster.set_configured(&config, 0);
     for (kb, tokens) in [(30usize, 8_000usize), (128, 32_000)] {
