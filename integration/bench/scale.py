@@ -905,39 +905,45 @@ def cause(failure: list[str]) -> str:
     return (failure[-1:] or ["?"])[0].split("] ")[-1].replace("|", "/")[:110]
 
 
+def envoy_readings(results: dict):
+    """(pods, mode, concurrency, reading, the fleet's readings by mode) of every Envoy run, in the
+    tables' order."""
+    for n, by_mode in results["fleets"].items():
+        for mode in ("approximate", "precise"):
+            for c in results["concurrency"]:
+                r = by_mode.get(mode, {}).get(f"c{c}")
+                if r is not None:
+                    yield n, mode, c, r, by_mode
+
+
 def render(results: dict) -> str:
     rows = ["| mode | pods | c | Envoy RSS MB | index MB (the singleton's) | start s / routes on full index s |"
             " decision_us p50 / p99 (fully matched / probes) | Envoy CPU µs/req 30 KB / 128 KB: added (without kvroute);"
             " schedstat, 0.1 µs resolution |",
             "|---|---:|---:|---:|---:|---|---|---|"]
-    for n, by_mode in results["fleets"].items():
-        for mode in ("approximate", "precise"):
-            for c in results["concurrency"]:
-                r = by_mode.get(mode, {}).get(f"c{c}")
-                if r is None:
-                    continue
-                if not r.get("started", False):
-                    rows.append(f"| {mode} | {n} | {c} | Envoy exits at start: `{cause(r.get('failure', []))}` "
-                                "| | | | |")
-                    continue
-                d = r.get("decision", {})
-                if d:
-                    dec = f"{fmt(d.get('p50_us'))} / {fmt(d.get('p99_us'))} ({d.get('fully_matched')}/{d.get('probes')})"
-                else:
-                    feed = r.get("feed", {})
-                    dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
-                           f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
-                cpu = r.get("cpu", {})
-                cpu_s = " / ".join((f"+{cpu[k].get('added_cpu_us_per_request')} "
-                                    f"({cpu[k].get('without_kvroute_cpu_us_per_request')})")
-                                   if "added_cpu_us_per_request" in cpu[k]
-                                   else f"{cpu[k].get('cpu_us_per_request')} (with kvroute, no baseline run)"
-                                   for k in ("30KB", "128KB") if k in cpu) or "—"
-                rss = r.get("rss_after_start_mb", r.get("rss_mb"))
-                index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
-                when = (f"{r.get('startup_s')}" if mode == "approximate" else
-                        f"{r.get('startup_s')} / {fmt(r.get('time_to_route_s'))}")
-                rows.append(f"| {mode} | {n} | {c} | {rss} | {index_mb} | {when} | {dec} | {cpu_s} |")
+    for n, mode, c, r, by_mode in envoy_readings(results):
+        if not r.get("started", False):
+            rows.append(f"| {mode} | {n} | {c} | Envoy exits at start: `{cause(r.get('failure', []))}` "
+                        "| | | | |")
+            continue
+        d = r.get("decision", {})
+        if d:
+            dec = f"{fmt(d.get('p50_us'))} / {fmt(d.get('p99_us'))} ({d.get('fully_matched')}/{d.get('probes')})"
+        else:
+            feed = r.get("feed", {})
+            dec = (f"never routed on the index in {results['route_timeout_s']} s (feed ok {feed.get('ok')}, "
+                   f"snapshots {feed.get('snapshots')}): `{cause(r.get('failure', []))}`")
+        cpu = r.get("cpu", {})
+        cpu_s = " / ".join((f"+{cpu[k].get('added_cpu_us_per_request')} "
+                            f"({cpu[k].get('without_kvroute_cpu_us_per_request')})")
+                           if "added_cpu_us_per_request" in cpu[k]
+                           else f"{cpu[k].get('cpu_us_per_request')} (with kvroute, no baseline run)"
+                           for k in ("30KB", "128KB") if k in cpu) or "—"
+        rss = r.get("rss_after_start_mb", r.get("rss_mb"))
+        index_mb = round(r["index_bytes"] / 2**20, 1) if r.get("index_bytes") else "—"
+        when = (f"{r.get('startup_s')}" if mode == "approximate" else
+                f"{r.get('startup_s')} / {fmt(r.get('time_to_route_s'))}")
+        rows.append(f"| {mode} | {n} | {c} | {rss} | {index_mb} | {when} | {dec} | {cpu_s} |")
     feed = ["| pods | indexed / expected entries | indexer RSS MB (B/entry) | snapshot bytes in pages (largest page) |"
             " idle poll bytes | churn blocks/s sent (per pod) | delta B/s measured | B per block event (all in) |"
             " delta B/s per poller at 200+200 blocks/s/pod |",
@@ -958,64 +964,53 @@ def render(results: dict) -> str:
               " Envoy main thread µs/req 30 KB / 128 KB |"
               " buckets read back 30 KB / 128 KB | blocks not re-taught / prompt blocks, 30 KB / 128 KB |",
               "|---|---:|---:|---|---|---|---|---|"]
-    for n, by_mode in results["fleets"].items():
-        for mode in ("approximate", "precise"):
-            for c in results["concurrency"]:
-                r = by_mode.get(mode, {}).get(f"c{c}")
-                if not r or not r.get("cpu"):
-                    continue
-                cpu = [r["cpu"][k] for k in ("30KB", "128KB") if k in r["cpu"]]
-                work = [x.get("index_work", {}) for x in cpu]
-                taught = [f"{fmt(w.get('blocks_already_taught'))} / {fmt(w.get('blocks_total'))}" for w in work]
-                writer.append(
-                    f"| {mode} | {n} | {c} | {fmt(r.get('snapshot_loaded_s')) if mode == 'precise' else '—'} |"
-                    f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
-                    f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
-                    f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
-                    f" {' / '.join(taught)} |")
+    for n, mode, c, r, by_mode in envoy_readings(results):
+        if not r.get("cpu"):
+            continue
+        cpu = [r["cpu"][k] for k in ("30KB", "128KB") if k in r["cpu"]]
+        work = [x.get("index_work", {}) for x in cpu]
+        taught = [f"{fmt(w.get('blocks_already_taught'))} / {fmt(w.get('blocks_total'))}" for w in work]
+        writer.append(
+            f"| {mode} | {n} | {c} | {fmt(r.get('snapshot_loaded_s')) if mode == 'precise' else '—'} |"
+            f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
+            f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
+            f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
+            f" {' / '.join(taught)} |")
     cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added | of which the idle Envoy's"
                 " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) |",
                 "|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
-    for n, by_mode in results["fleets"].items():
-        for mode in ("approximate", "precise"):
-            for c in results["concurrency"]:
-                r = by_mode.get(mode, {}).get(f"c{c}")
-                if not r or not r.get("cpu"):
-                    continue
-                plain = r.get("envoy_without_kvroute", {}).get("cpu", {}) if mode == "approximate" else \
-                    by_mode.get("approximate", {}).get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
-                for size, x in r["cpu"].items():
-                    opened = x.get("upstream_connections_opened", {})
-                    base = plain.get(size, {}).get("upstream_connections_opened", {})
-                    cpu_rows.append(
-                        f"| {mode} | {n} | {c} | {size} | {fmt(x.get('cpu_us_per_request'))} |"
-                        f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))} |"
-                        f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
-                        f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
-                        f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |")
+    for n, mode, c, r, by_mode in envoy_readings(results):
+        if not r.get("cpu"):
+            continue
+        plain = r.get("envoy_without_kvroute", {}).get("cpu", {}) if mode == "approximate" else \
+            by_mode.get("approximate", {}).get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
+        for size, x in r["cpu"].items():
+            opened = x.get("upstream_connections_opened", {})
+            base = plain.get(size, {}).get("upstream_connections_opened", {})
+            cpu_rows.append(
+                f"| {mode} | {n} | {c} | {size} | {fmt(x.get('cpu_us_per_request'))} |"
+                f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))} |"
+                f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
+                f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
+                f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |")
     memory = ["| mode | pods | c | when | Envoy RSS MB | tcmalloc allocated MB | held free: pageheap_free +"
               " thread caches MB | returned (pageheap_unmapped) MB | resident outside tcmalloc (V8, VMs' wasm"
               " memory, binary) MB | the singleton's wasm memory MB |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    for n, by_mode in results["fleets"].items():
-        for mode in ("approximate", "precise"):
-            for c in results["concurrency"]:
-                r = by_mode.get(mode, {}).get(f"c{c}")
-                if not r:
-                    continue
-                readings = ([("after start", "rss_after_start_mb", "memory_after_start"),
-                             ("after the probes", "rss_after_probes_mb", "memory_after_probes")]
-                            if mode == "approximate" else [("index loaded and published", "rss_mb", "memory"),
-                                                    (f"after the probes, CPU readings and {r.get('settle_s', 0):g} s idle", "rss_end_mb", "memory_end")])
-                for when, rss_key, mem_key in readings:
-                    m = r.get(mem_key)
-                    if not m:
-                        continue
-                    held = round(m["pageheap_free"] + m["total_thread_cache"], 1)
-                    outside = round(r[rss_key] - (m["heap_size"] - m["pageheap_unmapped"]), 1)
-                    memory.append(f"| {mode} | {n} | {c} | {when} | {r[rss_key]} | {m['allocated']} | {held} |"
-                                  f" {m['pageheap_unmapped']} | {outside} |"
-                                  f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |")
+    for n, mode, c, r, by_mode in envoy_readings(results):
+        readings = ([("after start", "rss_after_start_mb", "memory_after_start"),
+                     ("after the probes", "rss_after_probes_mb", "memory_after_probes")]
+                    if mode == "approximate" else [("index loaded and published", "rss_mb", "memory"),
+                                            (f"after the probes, CPU readings and {r.get('settle_s', 0):g} s idle", "rss_end_mb", "memory_end")])
+        for when, rss_key, mem_key in readings:
+            m = r.get(mem_key)
+            if not m:
+                continue
+            held = round(m["pageheap_free"] + m["total_thread_cache"], 1)
+            outside = round(r[rss_key] - (m["heap_size"] - m["pageheap_unmapped"]), 1)
+            memory.append(f"| {mode} | {n} | {c} | {when} | {r[rss_key]} | {m['allocated']} | {held} |"
+                          f" {m['pageheap_unmapped']} | {outside} |"
+                          f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |")
     return "\n".join(rows) + "\n\nEnvoy CPU per request (schedstat, 0.1 µs resolution):\n\n" + \
         "\n".join(cpu_rows) + "\n\nEnvoy's memory (RSS and admin `GET /memory`, read together):\n\n" + \
         "\n".join(memory) + "\n\nPrecise-mode feed (kvroute-indexer filled to 70 % by synthetic KV events):\n\n" + \
