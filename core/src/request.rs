@@ -198,42 +198,42 @@ fn parse_token_ids(bytes: &[u8]) -> Result<(Vec<u32>, usize), ParseError> {
         return Ok((ids, i + 1));
     }
     loop {
-        if let Some((id, digits)) = short_id(bytes, i) {
-            ids.push(id);
-            i = skip_whitespace(bytes, i + digits);
-            match bytes.get(i) {
-                Some(b',') => i = skip_whitespace(bytes, i + 1),
-                Some(b']') => return Ok((ids, i + 1)),
-                _ => return Err(bad("expected ',' or ']' after an id")),
-            }
-            continue;
-        }
-        let start = i;
-        let mut value: u64 = 0;
-        while i < bytes.len() {
-            let digit = bytes[i].wrapping_sub(b'0');
-            if digit > 9 {
-                break;
-            }
-            value = value * 10 + u64::from(digit);
-            if value > u64::from(u32::MAX) {
-                return Err(bad("id does not fit in 32 bits"));
-            }
-            i += 1;
-        }
-        match i - start {
-            0 => return Err(bad("expected a non-negative integer")),
-            1 => {}
-            _ if bytes[start] == b'0' => return Err(bad("leading zero")),
-            _ => {}
-        }
-        ids.push(value as u32);
-        i = skip_whitespace(bytes, i);
+        let (id, end) = match short_id(bytes, i) {
+            Some((id, digits)) => (id, i + digits),
+            None => long_id(bytes, i).map_err(bad)?,
+        };
+        ids.push(id);
+        i = skip_whitespace(bytes, end);
         match bytes.get(i) {
             Some(b',') => i = skip_whitespace(bytes, i + 1),
             Some(b']') => return Ok((ids, i + 1)),
             _ => return Err(bad("expected ',' or ']' after an id")),
         }
+    }
+}
+
+/// The id written at `bytes[start..]`, digit by digit, and the position
+/// after it: any length, and every malformed id ([`short_id`] takes the
+/// common short ones).
+fn long_id(bytes: &[u8], start: usize) -> Result<(u32, usize), &'static str> {
+    let mut i = start;
+    let mut value: u64 = 0;
+    while i < bytes.len() {
+        let digit = bytes[i].wrapping_sub(b'0');
+        if digit > 9 {
+            break;
+        }
+        value = value * 10 + u64::from(digit);
+        if value > u64::from(u32::MAX) {
+            return Err("id does not fit in 32 bits");
+        }
+        i += 1;
+    }
+    match i - start {
+        0 => Err("expected a non-negative integer"),
+        1 => Ok((value as u32, i)),
+        _ if bytes[start] == b'0' => Err("leading zero"),
+        _ => Ok((value as u32, i)),
     }
 }
 
