@@ -4,6 +4,7 @@ so it runs in the test venv (3.11) and the benchmark venv (3.12)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,10 +17,48 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
+# Ports are handed out below the kernel's ephemeral range: a port the kernel picks for bind(0) is
+# also where it picks the source ports of outgoing connections, so between our choosing it and a
+# server binding it, any client (Envoy dialling an upstream, a test's HTTP call) could take it.
+_LISTEN_PORTS_LOW = 10000
+_handed_out: set[int] = set()
+_rng = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _port_free(port: int, host: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(n: int, host: str = "127.0.0.1") -> int:
+    """First of n consecutive ports, free now and never handed out before by this process, chosen at
+    random below the ephemeral range (so outgoing connections cannot take them before the server binds)."""
+    high = max(_ephemeral_low(), _LISTEN_PORTS_LOW + 1000)
+    for _ in range(1000):
+        base = _rng.randrange(_LISTEN_PORTS_LOW, high - n)
+        ports = range(base, base + n)
+        if any(p in _handed_out for p in ports):
+            continue
+        if all(_port_free(p, host) for p in ports):
+            _handed_out.update(ports)
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found in {_LISTEN_PORTS_LOW}..{high}")
+
+
+def free_port() -> int:
+    """One port, as free_port_range(1)."""
+    return free_port_range(1)
 
 
 def workspace_binary(env_var: str, package: str, binary: str | None = None,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -37,7 +36,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctools import free_port, stop_pid, workspace_binary  # noqa: E402,F401  (free_port re-exported)
+from proctools import free_port, free_port_range, stop_pid, workspace_binary  # noqa: E402,F401  (free ports re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,29 +76,6 @@ def ensure_tokenizer() -> Path:
     tmp.write_bytes(data)
     tmp.replace(TOKENIZER_PATH)
     return TOKENIZER_PATH
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(n: int, host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
-    """First port of n consecutive ports that are free now (random base, so parallel suites rarely collide)."""
-    avoid = avoid or set()
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(20000, 60000 - n)
-        ports = range(base, base + n)
-        if any(p in avoid for p in ports):
-            continue
-        if all(_port_free(p, host) for p in ports):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 class SimCluster:
@@ -188,7 +164,7 @@ class SimCluster:
     def start(self) -> "SimCluster":
         self.port = self.fixed_port or free_port_range(self.pods, self.host)
         if self.kv_events_replay:
-            self.replay_port = free_port_range(self.pods, self.host, avoid=set(self.ports))
+            self.replay_port = free_port_range(self.pods, self.host)
         argv = self._argv()
         fd, name = tempfile.mkstemp(prefix="vllm-sim-", suffix=".log")
         os.close(fd)
