@@ -98,6 +98,13 @@ pub struct Args {
     #[arg(long, default_value_t = 1 << 20)]
     pub max_blocks_per_pod: usize,
 
+    /// Size the block table by what is stored, growing by eighths, instead
+    /// of making room at once for every pod's reported KV capacity (capped by
+    /// --max-blocks-per-pod). Less memory when pods share most of their
+    /// blocks; a slower fill, and a growth briefly holds two tables.
+    #[arg(long)]
+    pub grow_on_demand: bool,
+
     /// Cap on pods.
     #[arg(long, default_value_t = 1024)]
     pub max_pods: usize,
@@ -149,6 +156,7 @@ impl Args {
             default_model: self.model.clone(),
             accept_unknown_publishers: self.accept_unknown_publishers,
             max_blocks_per_pod: self.max_blocks_per_pod,
+            grow_on_demand: self.grow_on_demand,
             max_pods: self.max_pods,
             feed_log_hashes: self.feed_log_hashes,
             feed_max_hashes: self.feed_max_hashes.max(1),

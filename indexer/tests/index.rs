@@ -1007,6 +1007,37 @@ fn per_pod_capacity_is_enforced() {
     assert_eq!(ix.metrics().blocks_refused_capacity.get(), 1);
 }
 
+/// The block table makes room at once for what the pods report they can
+/// hold (each report capped by `max_blocks_per_pod`, so a pod reporting an
+/// absurd capacity cannot make the index allocate more than it may fill), or
+/// grows by what is stored with `grow_on_demand`; the index holds the same
+/// blocks either way.
+#[test]
+fn the_block_table_is_sized_for_the_reported_capacity() {
+    let with = |grow_on_demand: bool, capacity: u32| {
+        let mut ix = index_with(IndexConfig {
+            max_blocks_per_pod: 50_000,
+            grow_on_demand,
+            ..IndexConfig::default()
+        });
+        let load = Load {
+            capacity_blocks: capacity,
+            ..Load::default()
+        };
+        ix.set_load(POD, load, 0);
+        store_blocks(&mut ix, POD, 0, 1, 64);
+        assert_eq!(ix.blocks(), 64);
+        ix.memory_bytes()
+    };
+    let reserved = with(false, 40_000);
+    let on_demand = with(true, 40_000);
+    // 12-byte records for 40,000 blocks at most 85 % full.
+    assert!(reserved >= 40_000 * 12, "{reserved}");
+    assert!(on_demand < 40_000, "{on_demand}");
+    let absurd = with(false, u32::MAX);
+    assert!((50_000 * 12..50_000 * 12 * 2).contains(&absurd), "{absurd}");
+}
+
 /// Random event streams (stores with parents, removals by tier, clears,
 /// restarts, gaps, learned batches, expiry) polled at random points: the
 /// incremental consumer must always equal a fresh snapshot.

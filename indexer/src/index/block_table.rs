@@ -62,6 +62,9 @@ impl Record {
 const BUCKET: usize = 8;
 /// Most live records per array slot before the array grows (9 in 10).
 const MAX_LOAD: (usize, usize) = (9, 10);
+/// Load of an array sized for an expected record count: the expected
+/// records fit without overflowing (two choices fill buckets of 8 to ~85 %).
+const RESERVE_LOAD: (usize, usize) = (17, 20);
 
 /// The two buckets of an index key in an array of `buckets`.
 fn homes(key: IndexKey, buckets: usize) -> [usize; 2] {
@@ -209,31 +212,49 @@ impl BlockTable {
         BlockId::try_from(self.slots.len() + o as usize).ok()
     }
 
-    /// A new record of `kv` (whose index key is absent) with no holder;
-    /// `None` at [`MAX_BLOCKS`].
-    pub(super) fn insert(&mut self, kv: BlockHash) -> Option<BlockId> {
+    /// The live record of `kv`'s index key, or a new one of `kv` with no
+    /// holder; `None` when absent at [`MAX_BLOCKS`]. One pass over the two
+    /// buckets both looks the key up and finds the emptier one's free slot.
+    pub(super) fn find_or_insert(&mut self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
+        // Per bucket: free slots, the first of them.
+        let mut room = [(0usize, None::<usize>); 2];
+        let homes = homes(key, self.buckets());
+        for (h, &b) in homes.iter().enumerate() {
+            for (i, r) in self.bucket(b).iter().enumerate() {
+                if r.is_free() {
+                    room[h].0 += 1;
+                    room[h].1 = room[h].1.or(Some(b * BUCKET + i));
+                } else if { r.kv }.index_key() == key {
+                    return BlockId::try_from(b * BUCKET + i).ok();
+                }
+            }
+        }
+        if let Some(id) = self.find_overflow(key) {
+            return Some(id);
+        }
         if self.len() >= MAX_BLOCKS {
             return None;
         }
-        let key = kv.index_key();
-        let room = |b: usize| {
-            let bucket = self.bucket(b);
-            let free = bucket.iter().filter(|r| r.is_free()).count();
-            (
-                free,
-                bucket
-                    .iter()
-                    .position(Record::is_free)
-                    .map(|i| b * BUCKET + i),
-            )
-        };
-        let [a, b] = homes(key, self.buckets());
-        let ((free_a, slot_a), (free_b, slot_b)) = (room(a), room(b));
+        let [(free_a, slot_a), (free_b, slot_b)] = room;
         if let Some(slot) = if free_a >= free_b { slot_a } else { slot_b } {
             self.slots[slot] = Record { kv, set: EMPTY_SET };
             self.live += 1;
             return BlockId::try_from(slot).ok();
         }
+        self.insert_overflow(kv)
+    }
+
+    /// A new record of `kv` (whose index key is absent) with no holder;
+    /// `None` at [`MAX_BLOCKS`].
+    fn insert(&mut self, kv: BlockHash) -> Option<BlockId> {
+        debug_assert!(self.find(kv.index_key()).is_none());
+        self.find_or_insert(kv)
+    }
+
+    /// A new record of `kv` in the overflow slab (its two buckets are full).
+    fn insert_overflow(&mut self, kv: BlockHash) -> Option<BlockId> {
+        let key = kv.index_key();
         if self.slots.len() + self.overflow.allocated >= MAX_BLOCKS {
             return None;
         }
@@ -294,14 +315,16 @@ impl BlockTable {
     }
 
     /// Grows the array by an eighth of its buckets (doubling would leave it
-    /// 45–90 % full) and re-places every record, the overflow's too. Returns
-    /// each old id's new id (indexed by old id; free ones: [`BlockId::MAX`]),
-    /// for the caller to rewrite the ids it holds.
-    pub(super) fn grow(&mut self) -> Vec<BlockId> {
+    /// 45–90 % full), or at once to room for `expected` records at
+    /// [`RESERVE_LOAD`] when that is more, and re-places every record, the
+    /// overflow's too. Returns each old id's new id (indexed by old id; free
+    /// ones: [`BlockId::MAX`]), for the caller to rewrite the ids it holds.
+    pub(super) fn grow(&mut self, expected: usize) -> Vec<BlockId> {
         let old_len = self.slots.len();
         let buckets = self.buckets();
-        let bigger = (buckets + buckets / 8).max(buckets + 16);
-        let bigger = bigger.min(MAX_BLOCKS / BUCKET).max(buckets);
+        let eighth = (buckets + buckets / 8).max(buckets + 16);
+        let reserved = expected.min(MAX_BLOCKS) * RESERVE_LOAD.1 / RESERVE_LOAD.0 / BUCKET + 1;
+        let bigger = eighth.max(reserved).min(MAX_BLOCKS / BUCKET).max(buckets);
         let old = std::mem::replace(&mut self.slots, vec![Record::free(0); bigger * BUCKET]);
         let overflow = std::mem::take(&mut self.overflow);
         self.overflow_index = HashTable::new();
@@ -380,7 +403,7 @@ mod tests {
             let mut grown = 0;
             for step in 0..30_000u32 {
                 if table.needs_growth() {
-                    let new_ids = table.grow();
+                    let new_ids = table.grow(0);
                     for (id, _, _) in model.values_mut() {
                         *id = new_ids[*id as usize];
                     }
@@ -430,7 +453,7 @@ mod tests {
     #[test]
     fn an_overflowing_key_is_found_and_freed_and_growth_takes_it_in() {
         let mut table = BlockTable::default();
-        let _ = table.grow();
+        let _ = table.grow(0);
         // Fill one key's two buckets with other keys of the same buckets.
         let n = table.buckets();
         let [a, b] = homes(IndexKey::new(7), n);
@@ -449,7 +472,7 @@ mod tests {
         assert!(over as usize >= table.slots.len());
         assert_eq!(table.find(IndexKey::new(7)), Some(over));
         assert_eq!(table.len(), want + 1);
-        let new_ids = table.grow();
+        let new_ids = table.grow(0);
         let moved = new_ids[over as usize];
         assert_eq!(table.find(IndexKey::new(7)), Some(moved));
         assert!((moved as usize) < table.slots.len());

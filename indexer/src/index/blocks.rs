@@ -226,11 +226,17 @@ impl Blocks {
         self.records.get(id).map_or(BlockHash::default(), |r| r.kv)
     }
 
-    /// Grows the block table when it is full enough, which renumbers the
-    /// records: returns each old id's new id ([`BlockId::MAX`] for none), for
-    /// the caller to rewrite every id it holds before the next call here.
-    pub(super) fn grow_if_full(&mut self) -> Option<Vec<BlockId>> {
-        self.records.needs_growth().then(|| self.records.grow())
+    /// Grows the block table when it is full enough (at once to room for
+    /// `expected()` records when that is more), which renumbers the records:
+    /// returns each old id's new id ([`BlockId::MAX`] for none), for the
+    /// caller to rewrite every id it holds before the next call here.
+    pub(super) fn grow_if_full(
+        &mut self,
+        expected: impl FnOnce() -> usize,
+    ) -> Option<Vec<BlockId>> {
+        self.records
+            .needs_growth()
+            .then(|| self.records.grow(expected()))
     }
 
     /// The record of `kv`. Blocks are keyed by their index key, as routing
@@ -244,7 +250,7 @@ impl Blocks {
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {
-        self.find(kv).or_else(|| self.records.insert(kv))
+        self.records.find_or_insert(kv)
     }
 
     /// Adds (`up`) or drops one count of `tier` of block `id` on `pod`,

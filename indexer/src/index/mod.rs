@@ -56,6 +56,9 @@ pub struct IndexConfig {
     pub accept_unknown_publishers: bool,
     /// Cap on (vLLM block, rank) entries per pod; further stores are refused.
     pub max_blocks_per_pod: usize,
+    /// Grow the block table by eighths only, instead of at once to the pods'
+    /// reported capacity (see `Index::make_block_room`).
+    pub grow_on_demand: bool,
     /// Cap on pods.
     pub max_pods: usize,
     /// Hashes retained in the feed delta log.
@@ -82,6 +85,7 @@ impl Default for IndexConfig {
             default_model: None,
             accept_unknown_publishers: false,
             max_blocks_per_pod: 1 << 20,
+            grow_on_demand: false,
             max_pods: 1024,
             feed_log_hashes: 1 << 20,
             feed_max_hashes: 1 << 19,
