@@ -18,7 +18,7 @@ keeps its request count N = int(rate × duration), over round(duration × s)
 wall seconds (≥ 1). Every time the report prints is converted back to
 simulated seconds (TTFT ÷ s, tok/s × s), so a scaled run reads like the
 reference. kvroute's timers (feed polling, learned-entry TTL, snapshot
-interval) are scaled alike (strategies.kvroute_timers); the peers' own
+interval, the indexer's load scrape) are scaled alike (strategies.kvroute_timers); the peers' own
 wall-clock timers (tree-eviction intervals) run 1/s times slower relative to
 the pods. `full` at s = 0.25 takes ~3 hours
 for all 9 strategies on 2 cores (measured: 15–18 min per prefix-aware strategy,

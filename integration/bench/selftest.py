@@ -285,7 +285,8 @@ def kvroute_timers_scale_with_the_pods():
     import strategies
 
     assert strategies.kvroute_timers(1.0) == strategies.KVROUTE_TIMERS
-    assert strategies.kvroute_timers(0.25) == {"poll_ms": 25, "ttl_seconds": 150, "flush_ms": 25}
+    assert strategies.kvroute_timers(0.25) == {"poll_ms": 25, "ttl_seconds": 150, "flush_ms": 25,
+                                               "scrape_interval_ms": 250, "scrape_timeout_ms": 125}
     assert strategies.kvroute_timers(0.01)["poll_ms"] == 10  # the config's minimum
     eps = ["127.0.0.1:1001"]
     plugin = strategies.kvroute_plugin_config("precise", eps, 100, 16, time_scale=0.25)

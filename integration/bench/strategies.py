@@ -140,9 +140,13 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 
 # ---------------------------------------------------------------- kvroute
 
-# kvroute's shipped wall-clock timers (envoy/gateway-precise.yaml, schema/plugin-config.schema.json defaults).
-KVROUTE_TIMERS = {"poll_ms": 100, "ttl_seconds": 600, "flush_ms": 100}
-KVROUTE_TIMER_MINIMA = {"poll_ms": 10, "ttl_seconds": 1, "flush_ms": 10}
+# kvroute's shipped wall-clock timers (envoy/gateway-precise.yaml, schema/plugin-config.schema.json defaults),
+# and kvroute-indexer's scrape of the pods' load (its --scrape-interval-ms / --scrape-timeout-ms defaults):
+# the pods' running counts reach precise mode at that interval.
+KVROUTE_TIMERS = {"poll_ms": 100, "ttl_seconds": 600, "flush_ms": 100, "scrape_interval_ms": 1000,
+                  "scrape_timeout_ms": 500}
+KVROUTE_TIMER_MINIMA = {"poll_ms": 10, "ttl_seconds": 1, "flush_ms": 10, "scrape_interval_ms": 10,
+                        "scrape_timeout_ms": 10}
 
 
 def kvroute_timers(time_scale: float) -> Dict[str, int]:
@@ -217,8 +221,9 @@ def indexer_binary() -> Optional[str]:
 
 @contextlib.contextmanager
 def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, block_size: int,
-                  require_events: bool = True) -> Iterator[Dict[str, Any]]:
-    """kvroute-indexer reading every pod's KV events (through the relay) and scraping their /metrics."""
+                  require_events: bool = True, time_scale: float = 1.0) -> Iterator[Dict[str, Any]]:
+    """kvroute-indexer reading every pod's KV events (through the relay) and scraping their /metrics
+    (at its shipped interval in simulated time: kvroute_timers)."""
     sources = kv_event_sources(cluster, endpoints) if cluster is not None else {}
     if not sources and require_events:
         raise RuntimeError("the pods expose no KV-event endpoints")
@@ -232,6 +237,8 @@ def start_indexer(endpoints: List[str], workdir: str, cluster: Any, model: str, 
         fh.write(token + "\n")
     argv = [indexer_binary() or "kvroute-indexer", f"--listen=127.0.0.1:{http_port}", "--zmq-bind", "none",
             f"--model={model}", f"--block-size={block_size}", f"--learned-token-file={token_file}"]
+    t = kvroute_timers(time_scale)
+    argv += [f"--scrape-interval-ms={t['scrape_interval_ms']}", f"--scrape-timeout-ms={t['scrape_timeout_ms']}"]
     for a in endpoints:
         argv += ["--pod", f"{a}@{model}"]
         if a in sources:
@@ -264,11 +271,13 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         t = kvroute_timers(sim.time_scale)
         notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
                      f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "
-                     f"index flush {t['flush_ms']} ms (100 ms)")
+                     f"index flush {t['flush_ms']} ms (100 ms), indexer scrape of the pods' load "
+                     f"{t['scrape_interval_ms']} ms (1,000 ms)")
         idx = None
         if mode == "precise":
             idx = stack.enter_context(start_indexer(endpoints, workdir, cluster, sim.served_model_name, sim.block_size,
-                                                    require_events=strategy.params.get("require_events", True)))
+                                                    require_events=strategy.params.get("require_events", True),
+                                                    time_scale=sim.time_scale))
             notes.append("token ids: kvroute asks the pods' /tokenize (tokenizer call-out) for requests without them; "
                          "see the kvroute.tokenizer.ok / .failed counters below for how many it got")
         if clients > 1:
