@@ -467,8 +467,9 @@ def write(out: str) -> str:
                  "the load compressed the same way (same requests per stage, stages shortened to round(duration × scale) s). "
                  f"Every time and rate below is in simulated seconds (wall TTFT ÷ {ts:g}, wall tok/s × {ts:g}), so it reads "
                  "like the reference. Routers' timers in simulated time: kvroute's are scaled with the pods (feed poll, "
-                 "learned-entry TTL and snapshot interval set to their shipped value × the scale, so they keep their shipped "
-                 "simulated length: 100 ms, 600 s, 2 s; see each strategy's notes); every other router's timers "
+                 "learned-entry TTL, snapshot interval and, from a1c6e17 on, kvroute-indexer's scrape of the pods' load "
+                 "set to their shipped value × the scale, so they keep their shipped simulated length: 100 ms, 600 s, 2 s, "
+                 "1 s; each strategy's notes list the wall values it ran with); every other router's timers "
                  f"(tree eviction, health checks) run on wall time, so a wall interval T lasts T ÷ {ts:g} simulated. "
                  "Wall-clock values are kept in results.json.")
         L.append("")
