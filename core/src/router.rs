@@ -44,9 +44,6 @@ struct Pod {
     /// Uncached prompt blocks of requests routed here and not finished.
     active_blocks: u64,
     reported: ReportedLoad,
-    /// `inflight_requests` when `reported` arrived: what this proxy sent
-    /// there since (or saw finish) moves the reported running count.
-    inflight_at_report: u32,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
     /// What each recent client taught this pod's table.
@@ -66,7 +63,6 @@ impl Pod {
             inflight_blocks: 0,
             active_blocks: 0,
             reported: ReportedLoad::default(),
-            inflight_at_report: 0,
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
         }
@@ -86,16 +82,6 @@ impl Pod {
 
     fn serves(&self, model: &str) -> bool {
         self.spec.models.is_empty() || self.spec.models.iter().any(|m| m == model)
-    }
-
-    /// Requests running there now, as far as this proxy can tell: the pod's
-    /// last report, moved by the requests this proxy sent there since and
-    /// those of its requests that finished since. Reports come once per
-    /// indexer scrape (1 s): without the correction every decision in
-    /// between sees the same counts and sends new requests to the same pod.
-    fn running_now(&self) -> u32 {
-        let since = i64::from(self.inflight_requests) - i64::from(self.inflight_at_report);
-        u32::try_from((i64::from(self.reported.running) + since).max(0)).unwrap_or(u32::MAX)
     }
 
     fn passed_over(&self, now_s: u32) -> bool {
@@ -677,7 +663,7 @@ impl Cluster {
                     inflight_requests: pod.inflight_requests,
                     reported: rules.trust_precise,
                     waiting: pod.reported.waiting,
-                    running: pod.running_now(),
+                    running: pod.reported.running,
                     kv_usage: pod.reported.kv_usage,
                     capacity_blocks: pod.spec.capacity_blocks,
                     speed: pod.spec.speed,
@@ -894,7 +880,6 @@ impl Cluster {
                         running: info.running,
                         kv_usage: info.kv_usage,
                     };
-                    pod.inflight_at_report = pod.inflight_requests;
                 });
             }
         }
@@ -1314,54 +1299,6 @@ mod tests {
             cluster.decide(&c, &hashed, 301, 0).unwrap().matched_blocks,
             4
         );
-    }
-
-    /// Between two load reports (one per indexer scrape) the pods' running
-    /// counts move with what this proxy sends and sees finish: new prompts
-    /// spread instead of all going to the pod that reported the fewest.
-    #[test]
-    fn reported_running_counts_move_with_this_proxys_requests() {
-        let (c, mut cluster) = four_pods();
-        let report = |running: [u32; 3]| FeedUpdate {
-            epoch: 1,
-            cursor: 1,
-            snapshot: false,
-            pods: ["x:1", "y:1", "z:1"]
-                .iter()
-                .zip(running)
-                .map(|(a, running)| PodInfo {
-                    running,
-                    ..fed_pod(a, 1000)
-                })
-                .collect(),
-            ops: vec![],
-        };
-        cluster.apply_feed(&report([0, 4, 4]), 10, 5);
-        let mut sent = std::collections::BTreeMap::<String, u32>::new();
-        for i in 0..9u32 {
-            let prompt = token_prompt(&c, &format!("m{i}"), 64);
-            let d = cluster.decide(&c, &prompt, 10, u64::from(i)).unwrap();
-            cluster.record_routed(&d.pod, 0, &[], 10);
-            *sent.entry(d.pod).or_default() += 1;
-        }
-        // x reported 0 running and y, z 4: the first four go to x, then they take turns.
-        assert_eq!(
-            sent.values().copied().collect::<Vec<_>>(),
-            vec![5, 2, 2],
-            "{sent:?}"
-        );
-        // A finished request lowers the count until the next report.
-        cluster.record_finished("y:1", 0);
-        cluster.record_finished("y:1", 0);
-        let i = cluster.by_address["y:1"];
-        assert_eq!(cluster.pods[i].running_now(), 4);
-        // A report restarts the count from what the pod says.
-        cluster.apply_feed(&report([2, 2, 2]), 11, 5);
-        let running: Vec<u32> = ["x:1", "y:1", "z:1"]
-            .iter()
-            .map(|a| cluster.pods[cluster.by_address[*a]].running_now())
-            .collect();
-        assert_eq!(running, vec![2, 2, 2]);
     }
 
     /// A snapshot in pages by index-key range (what the indexer sends: every
