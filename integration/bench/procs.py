@@ -4,32 +4,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Dict, List, Optional
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from proctools import free_port  # noqa: E402
 
 
 def free_ports(n: int) -> List[int]:
-    """n distinct free ports (held open together while choosing, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports, from the picker the tests use (integration/proctools.py): below the
+    kernel's ephemeral range, so no outgoing connection takes one before its server binds it."""
+    return [free_port() for _ in range(n)]
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
