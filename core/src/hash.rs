@@ -233,17 +233,24 @@ pub fn keyed_token_block_hashes(
     }
     let blocks = (tokens.len() / block_size).min(max_blocks);
     let mut out = Vec::with_capacity(blocks);
-    let mut bytes = Vec::with_capacity(block_size * 4 + 8);
+    // One buffer written in place: pushed token by token, an 8k-token
+    // prompt took 12-13 µs to hash natively instead of 7-9 (request_phases).
+    let body = block_size * 4;
+    let mut bytes = vec![0u8; body + 8];
     let mut parent = root;
     for (i, block) in tokens.chunks_exact(block_size).take(blocks).enumerate() {
-        bytes.clear();
-        for token in block {
-            bytes.extend_from_slice(&token.to_le_bytes());
+        let (token_bytes, digest_bytes) = bytes.split_at_mut(body);
+        for (to, token) in token_bytes.chunks_exact_mut(4).zip(block) {
+            to.copy_from_slice(&token.to_le_bytes());
         }
-        if let Some(Some(digest)) = extra.get(i) {
-            bytes.extend_from_slice(&digest.to_le_bytes());
-        }
-        parent = BlockHash(xxh3_64_with_seed(&bytes, parent.0));
+        let len = match extra.get(i) {
+            Some(Some(digest)) => {
+                digest_bytes.copy_from_slice(&digest.to_le_bytes());
+                body + 8
+            }
+            _ => body,
+        };
+        parent = BlockHash(xxh3_64_with_seed(&bytes[..len], parent.0));
         out.push(parent);
     }
     out
