@@ -426,6 +426,13 @@ fn unsigned_at(payload: &[u8], at: usize) -> Option<(u32, usize)> {
 /// A msgpack string at the cursor, borrowed from the payload (rmp-serde
 /// copies each one through `Read::read_to_end`; a key only needs comparing).
 fn read_str<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a str, EventError> {
+    std::str::from_utf8(read_str_bytes(cursor)?).map_err(|e| EventError::Invalid(e.to_string()))
+}
+
+/// The bytes of a msgpack string at the cursor, not checked as UTF-8: for
+/// comparing with known names (a key or tag that is not valid UTF-8 matches
+/// none of them).
+fn read_str_bytes<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a [u8], EventError> {
     let len = rmp::decode::read_str_len(cursor)? as usize;
     let payload: &'a [u8] = cursor.get_ref();
     let start = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
@@ -434,7 +441,7 @@ fn read_str<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a str, EventError> {
         .and_then(|end| payload.get(start..end))
         .ok_or(EventError::Truncated)?;
     cursor.set_position(cursor.position() + len as u64);
-    std::str::from_utf8(bytes).map_err(|e| EventError::Invalid(e.to_string()))
+    Ok(bytes)
 }
 
 /// A string or nil.
@@ -454,17 +461,17 @@ const NIL: u8 = 0xc0;
 /// ids directly, the other values through serde.
 fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
     let fields = rmp::decode::read_map_len(cursor)?;
-    let mut tag: Option<String> = None;
-    let mut block_hashes: Option<WireHashes> = None;
+    let mut tag: Option<Tag> = None;
+    let mut block_hashes: Option<Vec<u64>> = None;
     let mut parent: Option<Option<WireHash>> = None;
     let mut token_ids: Option<Vec<u32>> = None;
     let mut block_size: Option<u32> = None;
     let mut stored = BlockStored::default();
     let mut medium_name: Option<String> = None;
     for _ in 0..fields {
-        match Field::of(read_str(cursor)?) {
-            Field::Type => tag = Some(read_str(cursor)?.to_owned()),
-            Field::BlockHashes => block_hashes = Some(value(cursor)?),
+        match Field::of(read_str_bytes(cursor)?) {
+            Field::Type => tag = Some(Tag::read(cursor)?),
+            Field::BlockHashes => block_hashes = Some(read_hashes(cursor)?),
             Field::ParentBlockHash => parent = Some(value(cursor)?),
             Field::TokenIds => token_ids = Some(read_tokens(cursor)?),
             Field::BlockSize => block_size = Some(value(cursor)?),
@@ -482,25 +489,81 @@ fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
     fn present<T>(value: Option<T>, field: &'static str) -> Result<T, EventError> {
         value.ok_or_else(|| EventError::Invalid(format!("missing field `{field}`")))
     }
-    let tag = present(tag, "type")?;
-    Ok(match tag.as_str() {
-        "BlockStored" => KvEvent::BlockStored(BlockStored {
-            block_hashes: present(block_hashes, "block_hashes")?.0,
+    Ok(match present(tag, "type")? {
+        Tag::BlockStored => KvEvent::BlockStored(BlockStored {
+            block_hashes: present(block_hashes, "block_hashes")?,
             parent_block_hash: present(parent, "parent_block_hash")?.map(|h| h.0),
             token_ids: present(token_ids, "token_ids")?,
             block_size: present(block_size, "block_size")?,
             medium: medium(medium_name),
             ..stored
         }),
-        "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: present(block_hashes, "block_hashes")?.0,
+        Tag::BlockRemoved => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: present(block_hashes, "block_hashes")?,
             medium: medium(medium_name),
             group_idx: stored.group_idx,
         }),
-        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
-        _ => KvEvent::Unknown { tag },
+        Tag::AllBlocksCleared => KvEvent::AllBlocksCleared,
+        Tag::Other(tag) => KvEvent::Unknown { tag },
     })
 }
+
+/// A map-encoded event's `type`, owned only when it is none kvroute knows.
+enum Tag {
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    Other(String),
+}
+
+impl Tag {
+    fn read(cursor: &mut Cursor<&[u8]>) -> Result<Tag, EventError> {
+        Ok(match read_str_bytes(cursor)? {
+            b"BlockStored" => Tag::BlockStored,
+            b"BlockRemoved" => Tag::BlockRemoved,
+            b"AllBlocksCleared" => Tag::AllBlocksCleared,
+            other => Tag::Other(String::from_utf8_lossy(other).into_owned()),
+        })
+    }
+}
+
+/// Block hashes (an array of them in any of their wire forms). vLLM's
+/// int form is a uint 64, read here directly; any other form through serde.
+fn read_hashes(cursor: &mut Cursor<&[u8]>) -> Result<Vec<u64>, EventError> {
+    let at = cursor.position();
+    if !matches!(
+        cursor.get_ref().get(at as usize),
+        Some(0x90..=0x9f | 0xdc | 0xdd)
+    ) {
+        // Not an array: serde says what it is (a bin must not pass for one).
+        return Ok(value::<WireHashes>(cursor)?.0);
+    }
+    let n = rmp::decode::read_array_len(cursor)?;
+    // Every hash takes at least one byte: a count beyond the input is a lie.
+    if u64::from(n) > left(cursor) {
+        return Err(EventError::Truncated);
+    }
+    let mut hashes = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let payload: &[u8] = cursor.get_ref();
+        let at = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
+        let uint64 = match payload.get(at..at.saturating_add(9)) {
+            Some([UINT64, rest @ ..]) => <[u8; 8]>::try_from(rest).ok(),
+            _ => None,
+        };
+        match uint64 {
+            Some(be) => {
+                hashes.push(u64::from_be_bytes(be));
+                cursor.set_position(at as u64 + 9);
+            }
+            None => hashes.push(value::<WireHash>(cursor)?.0),
+        }
+    }
+    Ok(hashes)
+}
+
+/// The msgpack marker of a uint 64.
+const UINT64: u8 = 0xcf;
 
 /// A block hash in any of its wire forms.
 struct WireHash(u64);
@@ -568,19 +631,19 @@ enum Field {
 }
 
 impl Field {
-    fn of(key: &str) -> Field {
+    fn of(key: &[u8]) -> Field {
         match key {
-            "type" => Field::Type,
-            "block_hashes" => Field::BlockHashes,
-            "parent_block_hash" => Field::ParentBlockHash,
-            "token_ids" => Field::TokenIds,
-            "block_size" => Field::BlockSize,
-            "lora_id" => Field::LoraId,
-            "medium" => Field::Medium,
-            "lora_name" => Field::LoraName,
-            "extra_keys" => Field::ExtraKeys,
-            "group_idx" => Field::GroupIdx,
-            "kv_cache_spec_kind" => Field::KvCacheSpecKind,
+            b"type" => Field::Type,
+            b"block_hashes" => Field::BlockHashes,
+            b"parent_block_hash" => Field::ParentBlockHash,
+            b"token_ids" => Field::TokenIds,
+            b"block_size" => Field::BlockSize,
+            b"lora_id" => Field::LoraId,
+            b"medium" => Field::Medium,
+            b"lora_name" => Field::LoraName,
+            b"extra_keys" => Field::ExtraKeys,
+            b"group_idx" => Field::GroupIdx,
+            b"kv_cache_spec_kind" => Field::KvCacheSpecKind,
             _ => Field::Other,
         }
     }

@@ -23,6 +23,7 @@ use hashbrown::HashTable;
 use super::blocks::{BlockId, SetId, EMPTY_SET, FREE, MAX_BLOCKS};
 use super::hashing::{mix, table_bytes};
 use super::keys::BlockHash;
+use super::prefetch::prefetch;
 use kvroute_core::hash::IndexKey;
 
 /// A block: its kvroute hash and who holds it (packed: 12 bytes).
@@ -191,6 +192,13 @@ impl BlockTable {
         self.slots
             .get(b * BUCKET..(b + 1) * BUCKET)
             .unwrap_or_default()
+    }
+
+    /// Starts loading the buckets of `key` (see [`super::prefetch`]).
+    pub(super) fn prefetch(&self, key: IndexKey) {
+        for b in homes(key, self.buckets()) {
+            prefetch(self.bucket(b));
+        }
     }
 
     /// The live record of index key `key`.

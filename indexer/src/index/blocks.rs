@@ -247,6 +247,12 @@ impl Blocks {
         self.records.find(kv.index_key())
     }
 
+    /// Starts loading the buckets where `kv`'s record is or would go (see
+    /// [`super::prefetch`]).
+    pub(super) fn prefetch(&self, kv: BlockHash) {
+        self.records.prefetch(kv.index_key());
+    }
+
     /// The record of `kv`, added with no holder when absent (the caller adds
     /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
     pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {

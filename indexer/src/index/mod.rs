@@ -11,7 +11,8 @@
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
 //! `least_loaded` (the serving pods in load order, for the same), `keys`
-//! (the newtypes of pod keys and block hashes).
+//! (the newtypes of pod keys and block hashes), `prefetch` (cache hints for
+//! the table probes of one event).
 
 mod block_table;
 mod blocks;
@@ -23,6 +24,7 @@ mod keys;
 mod learned;
 mod least_loaded;
 mod pods;
+mod prefetch;
 mod sequence;
 mod source_table;
 mod sources;

@@ -28,6 +28,7 @@
 use super::blocks::BlockId;
 use super::hashing::mix;
 use super::keys::VllmHash;
+use super::prefetch::prefetch;
 
 /// The 32 bits of a vLLM hash a group's table keeps (its key there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -167,6 +168,13 @@ impl SourceTable {
                 .position(|&e| e.fp() == fp && !e.is_empty())?;
             Some(b * BUCKET + i)
         })
+    }
+
+    /// Starts loading the buckets of `fp` (see [`super::prefetch`]).
+    pub(super) fn prefetch(&self, fp: Fingerprint) {
+        for b in self.homes(fp) {
+            prefetch(self.bucket(b));
+        }
     }
 
     /// The entry of `fp`.

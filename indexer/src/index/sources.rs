@@ -277,6 +277,13 @@ impl Index {
         let held = &mut pod.held;
         let mut applied = 0u64;
         let vhs = e.block_hashes.iter().map(|&h| VllmHash::new(h));
+        // Every probe of the event announced first: the misses overlap.
+        for (vh, parts) in vhs.clone().zip(kvs.chunks_exact(span)) {
+            group.blocks.prefetch(Fingerprint::of(vh));
+            if let Some(&kv) = parts.last() {
+                blocks.prefetch(kv);
+            }
+        }
         for (vh, parts) in vhs.zip(kvs.chunks_exact(span)) {
             let Some((&kv, head)) = parts.split_last() else {
                 continue;
@@ -410,11 +417,15 @@ impl Index {
         let tier = Medium::tier(e.medium.as_ref());
         let bit = tier_bit(tier);
         let mut removed = 0u64;
-        for fp in e
+        let fps = e
             .block_hashes
             .iter()
-            .map(|&h| Fingerprint::of(VllmHash::new(h)))
-        {
+            .map(|&h| Fingerprint::of(VllmHash::new(h)));
+        // Every probe of the event announced first: the misses overlap.
+        for fp in fps.clone() {
+            group.blocks.prefetch(fp);
+        }
+        for fp in fps {
             let found = group
                 .blocks
                 .find(fp)

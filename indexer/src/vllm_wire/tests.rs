@@ -700,3 +700,33 @@ fn map_event_tokens_decode_at_every_width_and_a_bad_one_skips_its_event() {
     let kinds: Vec<&str> = d.skipped.iter().map(EventError::kind).collect();
     assert_eq!(kinds, ["out_of_range", "out_of_range"]);
 }
+
+#[test]
+fn map_event_hashes_decode_in_every_wire_form() {
+    let mut bin = [0u8; 32];
+    bin[24..].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+    let mut w = W::default();
+    w.arr(2).f64(0.0).arr(2);
+    w.map(2)
+        .s("type")
+        .s("BlockRemoved")
+        .s("block_hashes")
+        .arr(5);
+    w.u(u64::MAX).u(7).i(-2).bin(&bin);
+    rmp::encode::write_uint(&mut w.0, 300).unwrap();
+    // A bin where the array belongs is an error, not an array of its bytes.
+    w.map(2)
+        .s("type")
+        .s("BlockRemoved")
+        .s("block_hashes")
+        .bin(&bin);
+    let d = decode_batch(&w.0).expect("the batch decodes");
+    let [KvEvent::BlockRemoved(removed)] = &d.batch.events[..] else {
+        panic!("{:?} {:?}", d.batch.events, d.skipped);
+    };
+    assert_eq!(
+        removed.block_hashes,
+        [u64::MAX, 7, -2i64 as u64, 0x0102_0304_0506_0708, 300]
+    );
+    assert_eq!(d.skipped.len(), 1);
+}
