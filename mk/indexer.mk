@@ -5,7 +5,9 @@ FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=N runs each target N executions instead of FUZZ_SECONDS (the README's figures: 10M).
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
-FUZZ_TARGETS := events_decode feed_decode request_parse peer_wire lookup_decode
+FUZZ_ALL := events_decode feed_decode request_parse peer_wire lookup_decode
+# FUZZ_TARGETS="events_decode" runs only those (every corpus is still seeded).
+FUZZ_TARGETS ?= $(FUZZ_ALL)
 GOLDEN_FRAMES := testdata/vllm-golden/frames
 
 .PHONY: indexer indexer-lint indexer-test indexer-bench fuzz fuzz-build
@@ -31,7 +33,7 @@ fuzz-build: ## build every fuzz target (installs cargo-fuzz if missing)
 	cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build
 
 fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS (or FUZZ_RUNS executions), seeded with the golden captures
-	mkdir -p $(addprefix fuzz/corpus/,$(FUZZ_TARGETS))
+	mkdir -p $(addprefix fuzz/corpus/,$(FUZZ_ALL))
 	cp $(GOLDEN_FRAMES)/*.payload.msgpack fuzz/corpus/events_decode/
 	cp fuzz/seeds/feed_decode/* fuzz/corpus/feed_decode/
 	cp fuzz/seeds/request_parse/* fuzz/corpus/request_parse/
