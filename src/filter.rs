@@ -5,11 +5,11 @@
 use crate::host;
 use crate::metrics::FailOpen;
 use crate::remote::{self, PendingLookup};
-use crate::worker::{RoutedRequest, SharedWorker};
+use crate::worker::{ByteFallback, RoutedRequest, SharedWorker};
 use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
 use kvroute_core::config::{Admission, Config};
-use kvroute_core::hash::Domain;
+use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::lookup::LookupError;
 use kvroute_core::outcome::{judge, judge_end, Outcome, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
@@ -40,6 +40,9 @@ pub struct RequestFilter {
     fallback: Option<FailOpen>,
     /// Pending tokenizer call-out: (token, the request, start in µs).
     tokenizing: Option<(u32, PromptRequest, u64)>,
+    /// The byte chunks of a prompt routed on its token ids, taught beside
+    /// them (see `Worker::teach_byte_fallback`).
+    byte_fallback: Option<Vec<BlockHash>>,
     /// Pending remote lookup (`remote_index`).
     looking_up: Option<PendingLookup>,
     /// The decision came from a remote lookup: its pod's load is counted
@@ -65,6 +68,7 @@ impl RequestFilter {
             explanation: None,
             fallback: None,
             tokenizing: None,
+            byte_fallback: None,
             looking_up: None,
             looked_up: false,
             lookup_note: None,
@@ -298,6 +302,7 @@ impl RequestFilter {
         )
         .unwrap_or(u32::MAX);
         let mut hashes = hashed.hashes;
+        let hashed_len = hashes.len();
         // With tenant isolation the tenant's salt names the client: beyond
         // the blocks the pod already holds, it teaches only its budget.
         if let Some(salt) = request
@@ -319,10 +324,19 @@ impl RequestFilter {
                 });
             }
         }
+        let mut fallback = ByteFallback::default();
         if self.looked_up {
             remote::routed(&decision.pod, prompt_blocks);
         } else {
             w.routed(&decision.pod, prompt_blocks, &hashes);
+            if let Some(mut bytes) = self.byte_fallback.take() {
+                // A tenant's budget was charged in token blocks: its byte
+                // chunks teach no more than that.
+                if hashes.len() < hashed_len {
+                    bytes.truncate(hashes.len());
+                }
+                fallback = w.teach_byte_fallback(&decision.pod, bytes);
+            }
         }
         let m = &w.metrics;
         if decision.matched_blocks > 0 {
@@ -349,6 +363,7 @@ impl RequestFilter {
             // learned guess shared through the indexer could outlive the pod's
             // own removal of the block. Byte chunks have no other source.
             report: hashed.domain == Domain::Bytes,
+            fallback,
         });
         self.in_flight = Some((decision.pod, prompt_blocks, prompt_blocks));
         self.explanation = Some(explanation);
@@ -524,6 +539,10 @@ impl Context for RequestFilter {
                     w.metrics
                         .tokenizer_us
                         .record(micros().saturating_sub(started));
+                    // A later call that fails routes this prompt's group on
+                    // bytes: these chunks let it find the same pod.
+                    let text = hash_prompt(&w.config, &request);
+                    self.byte_fallback = (text.domain == Domain::Bytes).then_some(text.hashes);
                 }
                 PromptRequest {
                     prompt: Prompt::Tokens(tokens),

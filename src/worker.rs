@@ -45,6 +45,21 @@ pub struct RoutedRequest {
     pub matched_blocks: usize,
     /// Confirmed blocks are reported to the indexer (byte chunks only).
     pub report: bool,
+    /// Byte chunks taught beside a token-routed prompt's blocks.
+    pub fallback: ByteFallback,
+}
+
+/// The byte chunks of a prompt routed on its token ids, taught on its pod
+/// beside the token blocks: a request of the same group whose tokenizer call
+/// fails routes on bytes and finds that pod instead of none. Token blocks come
+/// from the pods' own events; byte chunks have no other source, so confirmed
+/// ones are reported to the indexer.
+#[derive(Debug, Clone, Default)]
+pub struct ByteFallback {
+    pub hashes: Vec<BlockHash>,
+    /// Leading chunks this VM had already taught the pod in this epoch: a
+    /// refusal takes back only the rest.
+    pub already_taught: usize,
 }
 
 pub struct Worker {
@@ -234,13 +249,28 @@ impl Worker {
             _ => 0,
         };
         self.taught_this_epoch.clear();
-        // What this VM sent in this epoch and the index may not show yet
-        // (the flush gap) counts too.
-        let epoch_start_ms = u64::from(epoch_start_s(self.config.index.ttl_seconds, now_s)) * 1000;
-        let sent = self
-            .recent
-            .taught_since(pod, hashes, epoch_start_ms, now_ms);
+        let sent = self.sent_this_epoch(pod, hashes);
         self.teach(pod, hashes, in_index.max(sent), now_ms);
+    }
+
+    /// Leading `hashes` this VM sent for `pod` in this epoch, which the index
+    /// may not show yet (the flush gap).
+    fn sent_this_epoch(&self, pod: &str, hashes: &[BlockHash]) -> usize {
+        let (now_s, now_ms) = host::now();
+        let epoch_start_ms = u64::from(epoch_start_s(self.config.index.ttl_seconds, now_s)) * 1000;
+        self.recent
+            .taught_since(pod, hashes, epoch_start_ms, now_ms)
+    }
+
+    /// Teaches a token-routed prompt's byte chunks on `pod` (see
+    /// [`ByteFallback`]), but for those this VM already sent in this epoch.
+    pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>) -> ByteFallback {
+        let already_taught = self.sent_this_epoch(pod, &hashes);
+        self.teach(pod, &hashes, already_taught, host::now().1);
+        ByteFallback {
+            hashes,
+            already_taught,
+        }
     }
 
     /// Sends what `pod` holds (cut to its share) to the singleton, but for
@@ -337,15 +367,24 @@ impl Worker {
                 if request.report {
                     self.report_learned(chosen, request.hashes.clone());
                 }
+                if !request.fallback.hashes.is_empty() {
+                    self.report_learned(chosen, request.fallback.hashes.clone());
+                }
             }
             Outcome::Refused => {
                 let taught = request.hashes.get(request.matched_blocks..).unwrap_or(&[]);
+                let fallback = &request.fallback;
+                let taught_bytes = fallback.hashes.get(fallback.already_taught..);
                 self.recent.forget(chosen);
-                let message = PeerMessage::Unlearned {
-                    pod: chosen.clone(),
-                    hashes: taught.to_vec(),
-                };
-                self.send(message, Audience::None, true);
+                let messages: Vec<PeerMessage> = [taught, taught_bytes.unwrap_or(&[])]
+                    .into_iter()
+                    .filter(|hashes| !hashes.is_empty())
+                    .map(|hashes| PeerMessage::Unlearned {
+                        pod: chosen.clone(),
+                        hashes: hashes.to_vec(),
+                    })
+                    .collect();
+                self.send_all(&messages, Audience::None, true);
             }
             Outcome::Failed | Outcome::ServedElsewhere { .. } => {
                 self.cluster.record_failure(chosen, now_s);
@@ -369,6 +408,11 @@ impl Worker {
             self.teach(pod, &request.hashes, 0, host::now().1);
             if request.report {
                 self.report_learned(pod, request.hashes.clone());
+            }
+            let bytes = &request.fallback.hashes;
+            if !bytes.is_empty() {
+                self.teach(pod, bytes, 0, host::now().1);
+                self.report_learned(pod, bytes.clone());
             }
         }
     }

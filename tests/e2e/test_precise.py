@@ -160,6 +160,29 @@ def test_gateway_replicas_learn_as_one(stack):
             assert (d["pod"], d["matched"]) == (first["pod"], first["total"]), (first["raw"], d["raw"])
 
 
+def test_a_prompt_routed_on_tokens_teaches_its_bytes_for_a_failed_tokenizer_call(stack):
+    """A prompt routed on its token ids also teaches its byte chunks on the pod (shared through the
+    indexer once confirmed): when a later request of the same prompt cannot get token ids (its
+    tokenizer call fails, or, as here, a proxy has none), it routes on bytes and still finds the
+    pod that holds the prefix, instead of treating it as a new prompt."""
+    sims, indexer, envoy = stack
+    config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY, "tokenizer": None},
+                            template=GATEWAY_PRECISE, indexer=indexer.address)
+    with EnvoyProcess(config) as untokenized:
+        untokenized.wait_for_peers()
+        for i in range(3):
+            body = {"model": MODEL, "max_tokens": 1,
+                    "messages": [{"role": "system", "content": f"fallback {i} " + "a long shared system prompt " * 60},
+                                 {"role": "user", "content": "hi"}]}
+            first = decision(requests.post(envoy.url + "/v1/chat/completions", json=body, timeout=30))
+            assert first["domain"] == "tokens", first["raw"]
+            settle(envoy)  # the confirmed byte chunks reach the indexer
+            settle(untokenized)  # and its feed
+            d = decision(requests.post(untokenized.url + "/v1/chat/completions", json=body, timeout=30))
+            assert d["domain"] == "bytes", d["raw"]
+            assert (d["pod"], d["matched"]) == (first["pod"], d["total"]), (first["raw"], d["raw"])
+
+
 def test_completion_prompts_get_token_ids_from_the_tokenizer_call_out(stack):
     sims, indexer, envoy = stack
     body = {"model": MODEL, "prompt": "a completion prompt " * 100, "max_tokens": 1}
