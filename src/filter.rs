@@ -274,9 +274,6 @@ impl RequestFilter {
         if decision.saturation.is_some() {
             w.metrics.saturated.inc();
         }
-        if decision.routed_around_full {
-            w.metrics.routed_around_full.inc();
-        }
         if sheds(self.admission, decision.saturation) {
             return self.shed(&w, config, &decision.explain());
         }

@@ -87,9 +87,6 @@ pub struct FilterMetrics {
     pub tokenizer_us: Metric,
     /// Decisions taken while every candidate pod was saturated (priority on).
     pub saturated: Metric,
-    /// Decisions that passed over a cheaper pod whose KV cache was full
-    /// (`route_around_kv_usage`).
-    pub routed_around_full: Metric,
     /// Sheddable requests answered 429 at saturation.
     pub shed: Metric,
     pub remote_lookup_answered: Metric,
@@ -118,7 +115,6 @@ impl FilterMetrics {
             tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
             saturated: Metric::counter("kvroute.saturated"),
-            routed_around_full: Metric::counter("kvroute.routed_around_full"),
             shed: Metric::counter("kvroute.shed"),
             remote_lookup_answered: Metric::counter("kvroute.remote_lookup.answered"),
             remote_lookup_failed: Metric::counter("kvroute.remote_lookup.failed"),

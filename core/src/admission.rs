@@ -37,6 +37,7 @@ impl Saturated {
 
 /// The first test that finds `pod` saturated, if any.
 pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
+    let kv_limit = test.max_kv_usage > 0.0;
     let speed = if pod.speed.is_finite() && pod.speed > 0.0 {
         pod.speed
     } else {
@@ -46,7 +47,8 @@ pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
         if test.max_waiting > 0 && pod.waiting >= test.max_waiting {
             return Some(Saturated::Waiting);
         }
-        if pod.kv_full(test.max_kv_usage) {
+        // Compared in the pod's own precision: 0.9 reported is 0.9 configured.
+        if kv_limit && pod.kv_usage >= test.max_kv_usage as f32 {
             return Some(Saturated::KvUsage);
         }
         let running_limit = f64::from(test.max_running) * speed;
@@ -59,7 +61,8 @@ pub fn saturated(pod: &PodSignals, test: &Saturation) -> Option<Saturated> {
     if test.max_inflight_requests > 0 && f64::from(pod.inflight_requests) >= inflight_limit {
         return Some(Saturated::InFlight);
     }
-    if pod.kv_full(test.max_kv_usage) {
+    let kv_blocks = test.max_kv_usage * f64::from(pod.capacity_blocks);
+    if kv_limit && pod.active_blocks as f64 >= kv_blocks {
         return Some(Saturated::KvUsage);
     }
     None

@@ -374,10 +374,6 @@ pub struct Config {
     /// is passed over for this long; 0: never passed over.
     pub failure_cooldown_seconds: u32,
     pub weights: Weights,
-    /// Pods whose KV cache is at least this full (pod-reported `kv_usage`
-    /// while the feed is fresh, else the proxy's estimate) are chosen only
-    /// when every candidate is; 0: off (see `score::rank`).
-    pub route_around_kv_usage: f64,
     pub tier_discount: TierDiscount,
     pub index: IndexSettings,
     pub default_capacity_blocks: u32,
@@ -414,7 +410,6 @@ impl Default for Config {
             served_header: "x-gateway-destination-endpoint-served".into(),
             failure_cooldown_seconds: 3,
             weights: Weights::default(),
-            route_around_kv_usage: 0.0,
             tier_discount: TierDiscount::default(),
             index: IndexSettings::default(),
             default_capacity_blocks: 16384,
@@ -578,7 +573,6 @@ impl Config {
                 }
             }
         }
-        check_kv_fraction("route_around_kv_usage", self.route_around_kv_usage)?;
         if let Some(priority) = &self.priority {
             check_priority(priority)?;
         }
@@ -658,14 +652,6 @@ impl Config {
     }
 }
 
-/// A KV-use threshold: a fraction, 0 turning its test off.
-fn check_kv_fraction(field: &str, value: f64) -> Result<(), ConfigError> {
-    if value.is_finite() && (0.0..=1.0).contains(&value) {
-        return Ok(());
-    }
-    Err(invalid(field, "must be between 0 and 1 (0: off)"))
-}
-
 fn check_priority(p: &PrioritySettings) -> Result<(), ConfigError> {
     if !is_header_name(&p.header) {
         return Err(invalid(
@@ -682,10 +668,13 @@ fn check_priority(p: &PrioritySettings) -> Result<(), ConfigError> {
             "must be one of priority.classes",
         ));
     }
-    check_kv_fraction(
-        "priority.saturation.max_kv_usage",
-        p.saturation.max_kv_usage,
-    )?;
+    let kv = p.saturation.max_kv_usage;
+    if !(kv.is_finite() && (0.0..=1.0).contains(&kv)) {
+        return Err(invalid(
+            "priority.saturation.max_kv_usage",
+            "must be between 0 and 1 (0: test off)",
+        ));
+    }
     if p.retry_after_seconds == 0 || p.retry_after_seconds > 3600 {
         return Err(invalid(
             "priority.retry_after_seconds",

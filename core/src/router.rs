@@ -207,10 +207,6 @@ pub struct Decision {
     /// With `priority` configured: every candidate is saturated, by test
     /// (see `admission::all_saturated`).
     pub saturation: Option<[usize; 4]>,
-    /// Candidates whose KV cache was at least `route_around_kv_usage` full.
-    pub kv_full: usize,
-    /// The cheapest candidate by cost was one of them, and another was chosen.
-    pub routed_around_full: bool,
     /// What the index lookup cost (blocks probed, runs of equal pod set).
     pub lookup: LookupCost,
 }
@@ -259,12 +255,6 @@ impl Decision {
             "; inflight={} req/{} blocks; candidates={}",
             self.signals.inflight_requests, self.signals.inflight_blocks, self.candidates,
         );
-        if self.kv_full > 0 {
-            let _ = write!(out, "; kv_full={}/{}", self.kv_full, self.candidates);
-            if self.routed_around_full {
-                out.push_str(" (routed around)");
-            }
-        }
         if let Some(by_test) = self.saturation {
             let _ = write!(out, "; {}", crate::admission::explain(by_test));
         }
@@ -291,15 +281,7 @@ pub fn decide_among(
     lookup: LookupCost,
 ) -> Result<Decision, NoRoute> {
     let signals = candidates.signals;
-    let full_at = config.route_around_kv_usage;
-    let ranked = rank(
-        prompt.hashes.len(),
-        signals,
-        &config.weights,
-        full_at,
-        tie_seed,
-    );
-    let kv_full = signals.iter().filter(|p| p.kv_full(full_at)).count();
+    let ranked = rank(prompt.hashes.len(), signals, &config.weights, tie_seed);
     let saturation = config
         .priority
         .as_ref()
@@ -307,12 +289,6 @@ pub fn decide_among(
     let Some(&(best, terms)) = ranked.first() else {
         return Err(NoRoute::NoEndpointForModel);
     };
-    // Routed around: some full candidate costs less than the one chosen.
-    let routed_around_full = kv_full > 0
-        && !signals[best].kv_full(full_at)
-        && ranked
-            .iter()
-            .any(|&(c, t)| signals[c].kv_full(full_at) && t.total() < terms.total());
     let address = |c: usize| candidates.addresses[c].to_owned();
     Ok(Decision {
         pod: address(best),
@@ -329,8 +305,6 @@ pub fn decide_among(
         signals: signals[best],
         candidates: signals.len(),
         saturation,
-        kv_full,
-        routed_around_full,
         lookup,
     })
 }
@@ -1410,59 +1384,6 @@ mod tests {
         }
         assert_eq!(entries(&unpaged).len(), 5 * 90);
         assert_eq!(entries(&paged), entries(&unpaged));
-    }
-
-    /// The pod holding the whole prompt reports a full KV cache: with
-    /// `route_around_kv_usage` the request goes to the pod with room, and the
-    /// header says why; without it, the prefix keeps it on the full pod.
-    #[test]
-    fn a_full_pod_is_routed_around_and_the_header_says_so() {
-        let update = FeedUpdate {
-            epoch: 1,
-            cursor: 1,
-            snapshot: true,
-            pods: vec![
-                PodInfo {
-                    kv_usage: 0.97,
-                    running: 40,
-                    ..fed_pod("full:1", 1000)
-                },
-                PodInfo {
-                    kv_usage: 0.5,
-                    running: 40,
-                    ..fed_pod("room:1", 1000)
-                },
-            ],
-            ops: vec![BlockOp::Stored {
-                pod: 0,
-                tier: Tier::Gpu,
-                hashes: (1..=50).map(IndexKey::new).collect(),
-            }],
-        };
-        let prompt = HashedPrompt {
-            serving_model: "m".into(),
-            domain: Domain::Tokens,
-            hashes: (1..=50).map(BlockHash::new).collect(),
-        };
-        let decide = |config: &str| {
-            let c = Config::from_json(config.as_bytes()).unwrap();
-            let mut cluster = Cluster::default();
-            cluster.set_configured(&c, 0);
-            cluster.apply_feed(&update, 10, 5);
-            cluster.decide(&c, &prompt, 10, 0).unwrap()
-        };
-        let around = decide(r#"{"route_around_kv_usage":0.95}"#);
-        assert_eq!(around.pod, "room:1");
-        assert!(around.routed_around_full);
-        assert!(
-            around.explain().contains("kv_full=1/2 (routed around)"),
-            "{}",
-            around.explain()
-        );
-        let kept = decide("{}");
-        assert_eq!((kept.pod.as_str(), kept.matched_blocks), ("full:1", 50));
-        assert!(!kept.routed_around_full);
-        assert!(!kept.explain().contains("kv_full"), "{}", kept.explain());
     }
 
     #[test]

@@ -69,22 +69,6 @@ impl PodSignals {
         }
     }
 
-    /// True when the pod's KV cache is at least `limit` full (a fraction; 0:
-    /// never): pod-reported `kv_usage` while fresh, else the proxy's
-    /// active-block estimate over the capacity. A request sent there makes
-    /// vLLM preempt running sequences.
-    pub fn kv_full(&self, limit: f64) -> bool {
-        if limit <= 0.0 {
-            return false;
-        }
-        if self.reported {
-            // Compared in the pod's own precision: 0.9 reported is 0.9 configured.
-            self.kv_usage >= limit as f32
-        } else {
-            self.active_blocks as f64 >= limit * f64::from(self.capacity_blocks)
-        }
-    }
-
     /// The speed work is divided by; a missing or nonsensical one counts as 1.
     fn divisor(&self) -> f64 {
         if self.speed.is_finite() && self.speed > 0.0 {
@@ -126,16 +110,11 @@ pub fn cost(prompt_blocks: usize, pod: &PodSignals, w: &Weights) -> CostTerms {
 }
 
 /// Candidates ordered best first: (index into `pods`, its cost terms).
-/// Pods whose KV cache is at least `kv_full_at` full (see
-/// [`PodSignals::kv_full`]) come after every other, whatever their cost: the
-/// prefix terms would otherwise keep a group's requests on its pod until
-/// vLLM preempts there while other pods have room.
 /// `tie_seed` breaks exact ties at random without a host RNG.
 pub fn rank(
     prompt_blocks: usize,
     pods: &[PodSignals],
     w: &Weights,
-    kv_full_at: f64,
     tie_seed: u64,
 ) -> Vec<(usize, CostTerms)> {
     let mut ranked: Vec<(usize, CostTerms, f64, u64)> = pods
@@ -146,11 +125,8 @@ pub fn rank(
             (i, terms, terms.total(), mix(tie_seed ^ i as u64))
         })
         .collect();
-    let full = |i: usize| pods[i].kv_full(kv_full_at);
     ranked.sort_by(|a, b| {
-        full(a.0)
-            .cmp(&full(b.0))
-            .then(a.2.total_cmp(&b.2))
+        a.2.total_cmp(&b.2)
             .then(
                 pods[a.0]
                     .inflight_requests
@@ -198,7 +174,7 @@ mod tests {
         let pods = [pod(2.0, 10), pod(5.0, 5), pod(8.0, 9)];
         let costs: Vec<f64> = pods.iter().map(|p| cost(10, p, &w).total()).collect();
         assert_eq!(costs, vec![18.0, 10.0, 11.0]);
-        assert_eq!(rank(10, &pods, &w, 0.0, 7)[0].0, 1);
+        assert_eq!(rank(10, &pods, &w, 7)[0].0, 1);
     }
 
     #[test]
@@ -206,11 +182,10 @@ mod tests {
         let w = Weights::default();
         let mut busy = pod(0.0, 0);
         busy.inflight_requests = 3;
-        assert_eq!(rank(4, &[busy, pod(0.0, 0)], &w, 0.0, 1)[0].0, 1);
+        assert_eq!(rank(4, &[busy, pod(0.0, 0)], &w, 1)[0].0, 1);
         let idle = [pod(0.0, 0), pod(0.0, 0), pod(0.0, 0), pod(0.0, 0)];
-        let winners: std::collections::BTreeSet<usize> = (0..64)
-            .map(|seed| rank(4, &idle, &w, 0.0, seed)[0].0)
-            .collect();
+        let winners: std::collections::BTreeSet<usize> =
+            (0..64).map(|seed| rank(4, &idle, &w, seed)[0].0).collect();
         assert_eq!(winners.len(), 4, "exact ties spread over every pod");
     }
 
@@ -277,14 +252,14 @@ mod tests {
         assert_eq!(s.total(), 2.0 * f.total());
         // The same work goes to the fast pod; the slow one wins only when
         // its work is less than half.
-        assert_eq!(rank(10, &[slow, fast], &w, 0.0, 3)[0].0, 1);
+        assert_eq!(rank(10, &[slow, fast], &w, 3)[0].0, 1);
         let idle_slow = PodSignals {
             cached_credit: 10.0,
             active_blocks: 0,
             inflight_blocks: 0,
             ..slow
         };
-        assert_eq!(rank(10, &[idle_slow, fast], &w, 0.0, 3)[0].0, 0);
+        assert_eq!(rank(10, &[idle_slow, fast], &w, 3)[0].0, 0);
         // A speed left at 0 (unset) counts as 1, never as infinite cost.
         assert_eq!(cost(10, &PodSignals { speed: 0.0, ..fast }, &w), f);
     }
@@ -295,51 +270,6 @@ mod tests {
             prefill: 0.0,
             ..Weights::default()
         };
-        assert_eq!(rank(10, &[pod(10.0, 5), pod(0.0, 1)], &w, 0.0, 0)[0].0, 1);
-    }
-
-    /// A pod holding the whole prompt loses to an empty one once its KV
-    /// cache is full enough: pod-reported while fresh, else the proxy's
-    /// estimate; below the limit, or with the limit off, the prefix wins.
-    #[test]
-    fn a_pod_with_full_kv_is_routed_around() {
-        let w = Weights::default();
-        let holder = |kv_usage: f32| PodSignals {
-            cached_credit: 10.0,
-            reported: true,
-            kv_usage,
-            capacity_blocks: 1000,
-            speed: 1.0,
-            ..Default::default()
-        };
-        let empty = PodSignals {
-            reported: true,
-            kv_usage: 0.2,
-            capacity_blocks: 1000,
-            speed: 1.0,
-            ..Default::default()
-        };
-        assert_eq!(rank(10, &[holder(0.96), empty], &w, 0.95, 1)[0].0, 1);
-        assert_eq!(rank(10, &[holder(0.94), empty], &w, 0.95, 1)[0].0, 0);
-        assert_eq!(rank(10, &[holder(0.99), empty], &w, 0.0, 1)[0].0, 0);
-        // Every candidate full: the cost decides among them.
-        let full_empty = PodSignals {
-            kv_usage: 0.97,
-            ..empty
-        };
-        assert_eq!(rank(10, &[holder(0.99), full_empty], &w, 0.95, 1)[0].0, 0);
-        // Without reports, the proxy's estimate of the KV it has routed there.
-        let estimated = |active_blocks: u64| PodSignals {
-            cached_credit: 10.0,
-            active_blocks,
-            capacity_blocks: 1000,
-            ..Default::default()
-        };
-        let idle = PodSignals {
-            capacity_blocks: 1000,
-            ..Default::default()
-        };
-        assert_eq!(rank(10, &[estimated(960), idle], &w, 0.95, 1)[0].0, 1);
-        assert_eq!(rank(10, &[estimated(900), idle], &w, 0.95, 1)[0].0, 0);
+        assert_eq!(rank(10, &[pod(10.0, 5), pod(0.0, 1)], &w, 0)[0].0, 1);
     }
 }
