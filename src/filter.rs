@@ -5,7 +5,7 @@
 use crate::host;
 use crate::metrics::FailOpen;
 use crate::remote::{self, PendingLookup};
-use crate::worker::{ByteFallback, RoutedRequest, SharedWorker};
+use crate::worker::{RoutedRequest, SharedWorker, Taught};
 use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
 use kvroute_core::config::{Admission, Config};
@@ -321,11 +321,12 @@ impl RequestFilter {
                 });
             }
         }
-        let mut fallback = ByteFallback::default();
+        let mut fallback = Taught::default();
+        let mut already_taught = 0;
         if self.looked_up {
             remote::routed(&decision.pod, prompt_blocks);
         } else {
-            w.routed(&decision.pod, prompt_blocks, &hashes);
+            already_taught = w.routed(&decision.pod, prompt_blocks, &hashes);
             if let Some(mut bytes) = self.byte_fallback.take() {
                 // A tenant's budget was charged in token blocks: its byte
                 // chunks teach no more than that.
@@ -354,7 +355,10 @@ impl RequestFilter {
         );
         self.unsettled = Some(RoutedRequest {
             pod: decision.pod.clone(),
-            hashes,
+            taught: Taught {
+                hashes,
+                already_taught,
+            },
             matched_blocks: decision.matched_blocks,
             // Token blocks are reported by the pods themselves (KV events): a
             // learned guess shared through the indexer could outlive the pod's

@@ -40,26 +40,33 @@ pub struct RoutedRequest {
     /// The pod chosen first.
     pub pod: String,
     /// Its prompt's block hashes, learned provisionally on `pod`.
-    pub hashes: Vec<BlockHash>,
+    pub taught: Taught,
     /// Leading blocks `pod` already held: a refusal takes back only the rest.
     pub matched_blocks: usize,
     /// Confirmed blocks are reported to the indexer (byte chunks only).
     pub report: bool,
-    /// Byte chunks taught beside a token-routed prompt's blocks.
-    pub fallback: ByteFallback,
+    /// The byte chunks of a prompt routed on its token ids, taught on its
+    /// pod beside the token blocks: a request of the same group whose
+    /// tokenizer call fails routes on bytes and finds that pod instead of
+    /// none. Token blocks come from the pods' own events; byte chunks have
+    /// no other source, so confirmed ones are reported to the indexer.
+    pub fallback: Taught,
 }
 
-/// The byte chunks of a prompt routed on its token ids, taught on its pod
-/// beside the token blocks: a request of the same group whose tokenizer call
-/// fails routes on bytes and finds that pod instead of none. Token blocks come
-/// from the pods' own events; byte chunks have no other source, so confirmed
-/// ones are reported to the indexer.
+/// A prompt's chain of block hashes taught on its pod.
 #[derive(Debug, Clone, Default)]
-pub struct ByteFallback {
+pub struct Taught {
     pub hashes: Vec<BlockHash>,
-    /// Leading chunks this VM had already taught the pod in this epoch: a
-    /// refusal takes back only the rest.
+    /// Leading blocks already taught to the pod in this epoch by an earlier
+    /// request, which reports them to the indexer.
     pub already_taught: usize,
+}
+
+impl Taught {
+    /// The blocks this request taught itself.
+    fn own(&self) -> &[BlockHash] {
+        self.hashes.get(self.already_taught..).unwrap_or(&[])
+    }
 }
 
 pub struct Worker {
@@ -230,8 +237,8 @@ impl Worker {
     /// shows them), except the leading ones the decision's lookup found
     /// already taught to `pod` in this epoch, or this VM sent in it:
     /// teaching them again would change nothing but cost the singleton
-    /// their buckets' reads.
-    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[BlockHash]) {
+    /// their buckets' reads. Returns how many leading blocks were skipped.
+    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[BlockHash]) -> usize {
         let (now_s, now_ms) = host::now();
         self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
         self.tell_peers(PeerMessage::Routed {
@@ -249,8 +256,27 @@ impl Worker {
             _ => 0,
         };
         self.taught_this_epoch.clear();
-        let sent = self.sent_this_epoch(pod, hashes);
-        self.teach(pod, hashes, in_index.max(sent), now_ms);
+        let already_taught = in_index.max(self.sent_this_epoch(pod, hashes));
+        self.teach(pod, hashes, already_taught, now_ms);
+        already_taught
+    }
+
+    /// Leading `hashes` the published index (as the request's decision read
+    /// it) shows taught to `pod` in this epoch.
+    fn taught_in_index(&self, pod: &str, hashes: &[BlockHash]) -> usize {
+        let (Some(position), Some(source)) =
+            (self.cluster.position(pod), self.index.source(&SharedData))
+        else {
+            return 0;
+        };
+        let now_s = host::now().0;
+        let rules = self.cluster.match_rules(&self.config, now_s);
+        let mut found: Vec<PodMatch> = Vec::new();
+        match_lengths(&source, hashes, now_s, &rules, &mut found);
+        found
+            .iter()
+            .find(|m| self.positions.get(m.pod.slot()) == Some(&Some(position)))
+            .map_or(0, |m| m.taught_this_epoch)
     }
 
     /// Leading `hashes` this VM sent for `pod` in this epoch, which the index
@@ -263,11 +289,16 @@ impl Worker {
     }
 
     /// Teaches a token-routed prompt's byte chunks on `pod` (see
-    /// [`ByteFallback`]), but for those this VM already sent in this epoch.
-    pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>) -> ByteFallback {
-        let already_taught = self.sent_this_epoch(pod, &hashes);
+    /// [`RoutedRequest::fallback`]), but for the leading ones the index
+    /// shows taught to it in this epoch, or this VM sent in it. The decision
+    /// looked up the token blocks only: this second lookup costs a few
+    /// probes of the chain, where teaching and reporting every chunk again
+    /// would cost the singleton and the indexer a write each.
+    pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>) -> Taught {
+        let in_index = self.taught_in_index(pod, &hashes);
+        let already_taught = in_index.max(self.sent_this_epoch(pod, &hashes));
         self.teach(pod, &hashes, already_taught, host::now().1);
-        ByteFallback {
+        Taught {
             hashes,
             already_taught,
         }
@@ -339,16 +370,16 @@ impl Worker {
     /// Hands confirmed blocks to the singleton, which reports them to the
     /// indexer as learned entries (when this proxy shares what it learns);
     /// the singleton learned them when they were routed.
-    pub fn report_learned(&self, pod: &str, hashes: Vec<BlockHash>) {
-        if self
+    pub fn report_learned(&self, pod: &str, hashes: &[BlockHash]) {
+        let sharing = self
             .config
             .indexer
             .as_ref()
-            .is_some_and(|i| i.share_learned)
-        {
+            .is_some_and(|i| i.share_learned);
+        if sharing && !hashes.is_empty() {
             let message = PeerMessage::Learned {
                 pod: pod.to_string(),
-                hashes,
+                hashes: hashes.to_vec(),
             };
             self.send(message, Audience::None, true);
         }
@@ -357,7 +388,9 @@ impl Worker {
     /// Settles a routed request by its response: confirms or takes back what
     /// it taught, passes over a pod that failed. `report` says whether its
     /// blocks are shared with the indexer (byte chunks: token blocks come
-    /// from the pods' own events).
+    /// from the pods' own events). A request reports only the blocks it
+    /// taught: the request that taught the leading ones in this epoch
+    /// reported them, and the indexer's learned entries outlive an epoch.
     pub fn settle(&mut self, request: &RoutedRequest, outcome: Outcome, request_id: &str) {
         let (now_s, _) = host::now();
         self.metrics.outcome(&outcome);
@@ -365,18 +398,15 @@ impl Worker {
         match outcome {
             Outcome::Confirmed => {
                 if request.report {
-                    self.report_learned(chosen, request.hashes.clone());
+                    self.report_learned(chosen, request.taught.own());
                 }
-                if !request.fallback.hashes.is_empty() {
-                    self.report_learned(chosen, request.fallback.hashes.clone());
-                }
+                self.report_learned(chosen, request.fallback.own());
             }
             Outcome::Refused => {
-                let taught = request.hashes.get(request.matched_blocks..).unwrap_or(&[]);
-                let fallback = &request.fallback;
-                let taught_bytes = fallback.hashes.get(fallback.already_taught..);
+                let hashes = &request.taught.hashes;
+                let taught = hashes.get(request.matched_blocks..).unwrap_or(&[]);
                 self.recent.forget(chosen);
-                let messages: Vec<PeerMessage> = [taught, taught_bytes.unwrap_or(&[])]
+                let messages: Vec<PeerMessage> = [taught, request.fallback.own()]
                     .into_iter()
                     .filter(|hashes| !hashes.is_empty())
                     .map(|hashes| PeerMessage::Unlearned {
@@ -405,14 +435,15 @@ impl Worker {
             }
         }
         if let Outcome::ServedElsewhere { pod, success: true } = outcome {
-            self.teach(pod, &request.hashes, 0, host::now().1);
+            let hashes = &request.taught.hashes;
+            self.teach(pod, hashes, 0, host::now().1);
             if request.report {
-                self.report_learned(pod, request.hashes.clone());
+                self.report_learned(pod, hashes);
             }
             let bytes = &request.fallback.hashes;
             if !bytes.is_empty() {
                 self.teach(pod, bytes, 0, host::now().1);
-                self.report_learned(pod, bytes.clone());
+                self.report_learned(pod, bytes);
             }
         }
     }
