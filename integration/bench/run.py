@@ -930,8 +930,10 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
 
 # ------------------------------------------------------------------ main
 
+# envoy-stats.txt: Envoy's own counters and histograms (tokenizer call-out connections and
+# timeouts, downstream vs upstream request time) say where a request's time went before the pod.
 RAW_KEEP = ("result.json", "requests.jsonl.gz", "pod-samples.jsonl", "arrival-schedule.jsonl", "inference-perf.yaml",
-            "envoy.yaml", "plugin.json", "router-metrics.txt", "indexer-metrics.txt")
+            "envoy.yaml", "plugin.json", "router-metrics.txt", "indexer-metrics.txt", "envoy-stats.txt")
 
 
 def publish(out: str, dst: str) -> None:
