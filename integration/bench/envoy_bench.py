@@ -17,7 +17,12 @@ kvroute (the peers are not Envoy and keep their defaults):
   one that counts;
 - cluster circuit-breaker limits raised to 100,000 — Envoy's defaults (1,024
   requests/pending/connections) must not shed load the client sends (the
-  client caps requests in flight; in the full profile at 640).
+  client caps requests in flight; in the full profile at 640);
+- with `access_log`, a file access log of when each request reached Envoy and
+  how long until its body was read, its upstream request began, the pod's
+  response headers came and its first body byte (the first token) came
+  (ACCESS_LOG_FIELDS): the time to first token as Envoy sees it, without the
+  load generator's own delays.
 """
 
 from __future__ import annotations
@@ -50,9 +55,21 @@ def _hcm(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
-def overlay(cfg: Dict[str, Any]) -> Dict[str, Any]:
+# One line per request: its arrival (Unix seconds), then microseconds from arrival to each point.
+ACCESS_LOG_FIELDS = ("start", "body_read_us", "upstream_sent_us", "headers_us", "first_byte_us", "status")
+ACCESS_LOG_FORMAT = ("%START_TIME(%s.%6f)% %COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)% "
+                     "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_RX_BEG:us)% "
+                     "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %RESPONSE_CODE%\n")
+
+
+def overlay(cfg: Dict[str, Any], access_log: Optional[str] = None) -> Dict[str, Any]:
     cfg = copy.deepcopy(cfg)
     _hcm(cfg)["stream_idle_timeout"] = "0s"
+    if access_log:
+        _hcm(cfg)["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": access_log,
+            "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
     pods = cfg["static_resources"]["clusters"][0]
     pods["circuit_breakers"] = {"thresholds": [{
         "priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000,
@@ -60,14 +77,15 @@ def overlay(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return cfg
 
 
-def baseline(endpoints: List[str], policy: str) -> str:
+def baseline(endpoints: List[str], policy: str, access_log: Optional[str] = None) -> str:
     if policy not in POLICIES:
         raise ValueError(f"unknown LB policy {policy!r}; known: {', '.join(POLICIES)}")
     text = _envoyctl().render_gateway(endpoints, kvroute=False, lb_policy=POLICIES[policy])
-    return yaml.safe_dump(overlay(yaml.safe_load(text)), sort_keys=False)
+    return yaml.safe_dump(overlay(yaml.safe_load(text), access_log), sort_keys=False)
 
 
-def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None) -> str:
+def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None,
+            access_log: Optional[str] = None) -> str:
     """kvroute gateway (envoy/gateway.yaml); with indexer_address the precise one (envoy/gateway-precise.yaml:
     singleton feed poller, kvroute_indexer cluster, vllm_tokenizer cluster = the pods' /tokenize).
     `plugin["indexer"]` (e.g. a scaled poll_ms) also reaches the singleton's own configuration."""
@@ -76,7 +94,7 @@ def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optio
         text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address)
     else:
         text = ctl.render_gateway(endpoints, plugin)
-    cfg = overlay(yaml.safe_load(text))
+    cfg = overlay(yaml.safe_load(text), access_log)
     if "indexer" in plugin:
         for extension in cfg.get("bootstrap_extensions", []):
             conf = extension["typed_config"]["config"]["configuration"]

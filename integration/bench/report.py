@@ -356,6 +356,38 @@ def priority_section(results: List[Dict[str, Any]]) -> List[str]:
     return L
 
 
+def envoy_timing_section(results: List[Dict[str, Any]], columns: List[tuple]) -> List[str]:
+    """TTFT as the Envoy strategies' own access logs time it (envoy_timing.py) beside the client's."""
+    rows = [r for r in results if r.get("envoy_timing")]
+    if not rows:
+        return []
+    L = ["### Time to first token at Envoy", "",
+         "The client times a request from its own dispatch; Envoy's access log times it from the request's arrival at "
+         "the proxy to the pod's first body byte (the first token), and to the start of the upstream request (Envoy's "
+         "routing: body read, decision, tokenizer call-out). The difference between the client's TTFT and Envoy's is "
+         "spent in the load generator and on the loopback. Means over the measured stages of per-stage p90s, simulated "
+         "seconds; requests: counted at Envoy / recorded by the client.", "",
+         "| strategy | requests at Envoy / client | TTFT p90, client | TTFT p90, Envoy | routing p90, Envoy |",
+         "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        t = r["envoy_timing"]
+        client = _mean([s.get("ttft_p90") for s in r.get("stages", []) if not s.get("warmup")])
+        recorded = sum(s.get("recorded", 0) or 0 for s in r.get("stages", []))
+        L.append(f"| {r['label']} | {t['requests']} / {recorded} | {f_s(client)} | {f_s(t.get('ttft_p90_mean'))} | "
+                 f"{f_s(t.get('routing_p90_mean'))} |")
+    L.append("")
+    if columns:
+        L += ["TTFT p90 per stage at Envoy:", "",
+              "| strategy | " + " | ".join(lbl for _, lbl in columns) + " |",
+              "|---|" + "---:|" * len(columns)]
+        for r in rows:
+            by = {s["stage"]: e for s, e in zip(r.get("stages", []), r["envoy_timing"]["stages"]) if not s.get("warmup")}
+            L.append(f"| {r['label']} | " + " | ".join(f_s(by[k].get("ttft_p90")) if k in by else "—"
+                                                      for k, _ in columns) + " |")
+        L.append("")
+    return L
+
+
 def per_pod_section(results: List[Dict[str, Any]], prof: Dict[str, Any]) -> List[str]:
     """Who got the work on an unequal fleet: mean running / waiting per pod over the measured stages."""
     speeds = prof["sim"].get("pod_speeds") or []
@@ -562,6 +594,7 @@ def write(out: str) -> str:
                              f"hit {f_pct(p.get('hit_rate'))}, wait {f_num(p.get('waiting'), 1)}")
             L.append(f"| {r['label']} | " + " | ".join(cells) + " |")
         L.append("")
+    L.extend(envoy_timing_section(results, columns))
     # Setup.
     w, ld, sim = prof["workload"], prof["load"], prof["sim"]
     L.append("## Setup")

@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import envoy_timing  # noqa: E402
 import ipwrap  # noqa: E402
 import podmetrics  # noqa: E402
 import profiles  # noqa: E402
@@ -904,12 +905,17 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                 fh.write(json.dumps(r) + "\n")
         res["requests_file"] = os.path.relpath(os.path.join(sdir, "requests.jsonl.gz"), out)
         res["pods"] = pod_summary(os.path.join(sdir, "pod-samples.jsonl"), before, after, parsed["stages"])
+        timing = envoy_timing.summarize(sdir, parsed["stages"], profile.sim.time_scale)
+        if timing:
+            res["envoy_timing"] = timing
         if (res.get("restart") or {}).get("status") == "done":
             res["restart"]["windows"] = restart_windows(res["restart"], parsed["requests"],
                                                         os.path.join(sdir, "pod-samples.jsonl"), profile.sim.time_scale)
-        # The big per-request files (every inter-token gap) are summarised above; keep a gzip.
-        for d in [ip_dir] + [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]:
-            big = os.path.join(d, "per_request_lifecycle_metrics.json")
+        # The big per-request files (every inter-token gap, Envoy's access logs) are summarised above; keep a gzip.
+        bigs = [os.path.join(d, "per_request_lifecycle_metrics.json")
+                for d in [ip_dir] + [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]]
+        bigs += [os.path.join(sdir, strategies.envoy_access_log_name(k)) for k in range(profile.load.clients)]
+        for big in bigs:
             if os.path.exists(big):
                 with open(big, "rb") as src, gzip.open(big + ".gz", "wb") as dst:
                     shutil.copyfileobj(src, dst)
@@ -931,9 +937,11 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
 # ------------------------------------------------------------------ main
 
 # envoy-stats.txt: Envoy's own counters and histograms (tokenizer call-out connections and
-# timeouts, downstream vs upstream request time) say where a request's time went before the pod.
+# timeouts, downstream vs upstream request time) say where a request's time went before the pod;
+# envoy-access.log.gz times each request at Envoy (envoy_timing.py).
 RAW_KEEP = ("result.json", "requests.jsonl.gz", "pod-samples.jsonl", "arrival-schedule.jsonl", "inference-perf.yaml",
-            "envoy.yaml", "plugin.json", "router-metrics.txt", "indexer-metrics.txt", "envoy-stats.txt")
+            "envoy.yaml", "plugin.json", "router-metrics.txt", "indexer-metrics.txt", "envoy-stats.txt",
+            "envoy-access.log.gz")
 
 
 def publish(out: str, dst: str) -> None:
@@ -952,7 +960,8 @@ def publish(out: str, dst: str) -> None:
                 if os.path.exists(os.path.join(sd, f)):
                     tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
             for f in sorted(os.listdir(sd)):  # the mesh scenario's clients: one config and schedule each
-                if f.startswith(("inference-perf-client", "arrival-schedule-client")) and not f.endswith(".log"):
+                if f.startswith(("inference-perf-client", "arrival-schedule-client", "envoy-access-client")) \
+                        and not f.endswith(".log"):
                     tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
             ipd = os.path.join(sd, "inference-perf")
             for root, _, files in sorted(os.walk(ipd)):

@@ -6,7 +6,8 @@
 Covers: profile arithmetic, Prometheus parsing and counter deltas, wrk output
 parsing, the seeded arrival schedule (two timers from the same seed give the
 same gaps, a different seed does not), the Envoy configs (baseline and kvroute
-precise: overlay present, filter removed or singleton added), kvroute's timers
+precise: overlay present, filter removed or singleton added; the access log and its per-stage
+timing), kvroute's timers
 scaled with the pods' time scale (singleton and filter), run.py --kvroute-set (schema-checked paths
 and values, merged over each mode's plugin config), the mixed and overload
 scenarios (per-pod capacities and speeds, priority classes by prompt hash, the
@@ -275,6 +276,32 @@ def envoy_configs():
     hcm = pr["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["http_filters"][0]["name"] == "kvroute" and hcm["stream_idle_timeout"] == "0s"
     assert single["indexer"]["poll_ms"] == 100
+    assert "access_log" not in hcm
+    logged = yaml.safe_load(envoy_bench.kvroute(eps, {"block_size": 16}, access_log="/tmp/x/envoy-access.log"))
+    hcm = logged["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (al,) = hcm["access_log"]
+    assert al["typed_config"]["path"] == "/tmp/x/envoy-access.log"
+    assert "US_RX_BODY_BEG" in al["typed_config"]["log_format"]["text_format_source"]["inline_string"]
+
+
+@check
+def envoy_access_log_timing():
+    import envoy_timing
+
+    # Two stages (warm-up, then one measured); time scale 0.25: 100 ms wall = 0.4 s simulated.
+    stages = [{"warmup": True, "t_start": 1000.0, "t_end": 1010.0}, {"warmup": False, "t_start": 1010.0, "t_end": 1020.0}]
+    lines = ["1001.5 900 2000 2500 50000 200\n",       # warm-up: 50 ms wall to the first token
+             "1011.0 900 3000 3500 100000 200\n",      # measured: 100 ms → 0.4 s, routing 3 ms → 0.012 s
+             "1012.0 900 5000 5500 200000 200\n",      # measured: 200 ms → 0.8 s
+             "1013.0 900 - - - 503\n",                 # no upstream answer: not a first token
+             "garbage\n"]
+    recs = [r for r in map(envoy_timing.parse_line, lines) if r]
+    assert len(recs) == 3
+    t = envoy_timing.per_stage(recs, stages, 0.25)
+    assert [row["n"] for row in t["stages"]] == [1, 2] and t["requests"] == 3
+    m = t["stages"][1]
+    assert math.isclose(m["ttft_p50"], 0.6) and math.isclose(m["ttft_p90"], 0.76)
+    assert math.isclose(t["ttft_p90_mean"], 0.76) and math.isclose(t["routing_p90_mean"], 0.0192)
 
 
 @check

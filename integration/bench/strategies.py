@@ -123,10 +123,16 @@ def _envoy_stats(ep: Any) -> Dict[str, Any]:
     return out
 
 
+def envoy_access_log_name(client: int) -> str:
+    """The access log (envoy_bench.ACCESS_LOG_FIELDS) of the Envoy in front of client `client`."""
+    return "envoy-access.log" if client == 0 else f"envoy-access-client-{client}.log"
+
+
 @contextlib.contextmanager
 def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
     envoyctl = _import_integration("envoyctl")
-    text = envoy_bench.baseline(endpoints, strategy.params["policy"])
+    text = envoy_bench.baseline(endpoints, strategy.params["policy"],
+                                access_log=os.path.join(workdir, envoy_access_log_name(0)))
     with envoyctl.EnvoyProcess(text) as ep:
         h = RouterHandle(
             base_url=ep.url,
@@ -285,9 +291,10 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
                          + ("; every Envoy's singleton polls the same kvroute-indexer" if idx else "")
                          + f"; {MESH_NOTE}")
         texts, eps = [], []
-        for _ in range(clients):
+        for k in range(clients):
             # Rendered one at a time: each render picks free ports, taken once its Envoy is up.
-            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"] if idx else None)
+            text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"] if idx else None,
+                                       access_log=os.path.join(workdir, envoy_access_log_name(k)))
             ep = stack.enter_context(envoyctl.EnvoyProcess(text))
             ep.wait_for_peers()
             texts.append(text)

@@ -7,6 +7,7 @@ in CI (CI=true) `make test` builds it first, so a missing module fails them.
 import copy
 import json
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -163,3 +164,22 @@ def test_shipped_configs_keep_the_fail_open_promise(path):
         assert [p["name"] for p in retry["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
     (pods,) = [c for c in cfg["static_resources"]["clusters"] if "load_balancing_policy" in c]
     assert pods["outlier_detection"]["consecutive_5xx"] >= 1
+
+
+def test_bench_access_log_validates(tmp_path):
+    """The benchmark's Envoys log each request's timing (integration/bench/envoy_bench.py): Envoy 1.40 accepts the
+    access log, and validation reads it (a misspelt logger type is refused). Validation does not check the format's
+    time-point names; the report counts the requests whose line has them (envoy_timing.py)."""
+    sys.path.insert(0, str(meshlib.ROOT / "integration" / "bench"))
+    try:
+        import envoy_bench
+    finally:
+        sys.path.pop(0)
+    text = envoy_bench.baseline(["127.0.0.1:1001"], "random", access_log=str(tmp_path / "envoy-access.log"))
+    rc, out = envoy_validate(text, tmp_path)
+    assert rc == 0, out
+    bad = text.replace("file.v3.FileAccessLog", "file.v3.FileAccessLogger")
+    assert bad != text
+    rc, out = envoy_validate(bad, tmp_path, "bad.yaml")
+    assert rc != 0
+    assert "FileAccessLogger" in out
