@@ -684,7 +684,7 @@ async fn collect(
 }
 
 /// Runs request parsing and tokenisation (the CPU-heavy part of a request) on tokio's blocking
-/// pool, so the HTTP threads that stream every pod's answers are not held up by it.
+/// pool, so the one runtime thread that times every pod's engine steps is never held up.
 async fn off_thread<T: Send + 'static>(
     f: impl FnOnce() -> ApiResult<T> + Send + 'static,
 ) -> ApiResult<T> {
@@ -749,7 +749,7 @@ async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
 
 // ---------------------------------------------------------------- tokenize and render
 
-fn json_or_error<T: serde::Serialize>(r: ApiResult<T>) -> Response {
+fn json_or_error(r: ApiResult<Value>) -> Response {
     match r {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -757,7 +757,7 @@ fn json_or_error<T: serde::Serialize>(r: ApiResult<T>) -> Response {
 }
 
 async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let r: ApiResult<TokenizeAnswer> = off_thread(move || {
+    let r: ApiResult<Value> = off_thread(move || {
         let m = parse_body(&body)?;
         check_model(&pod, &m)?;
         let tokens = if m.contains_key("messages") {
@@ -777,24 +777,12 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
                 }
             }
         };
-        Ok(TokenizeAnswer {
-            count: tokens.len(),
-            max_model_len: pod.max_model_len(),
-            tokens,
-            token_strs: None,
-        })
+        Ok(
+            json!({"count": tokens.len(), "max_model_len": pod.max_model_len(), "tokens": tokens, "token_strs": null}),
+        )
     })
     .await;
     json_or_error(r)
-}
-
-/// vLLM's `/tokenize` answer, serialised straight from the ids (a `json!` value would box every id).
-#[derive(serde::Serialize)]
-struct TokenizeAnswer {
-    count: usize,
-    max_model_len: usize,
-    tokens: Vec<u32>,
-    token_strs: Option<Vec<String>>,
 }
 
 fn sampling_params(m: &Map<String, Value>, chat: bool) -> ApiResult<Value> {

@@ -64,10 +64,6 @@ struct Args {
     /// Wall seconds per simulated second (< 1 runs faster than real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
-    /// Threads serving every pod's HTTP (requests, tokenisation, streamed answers). A real pod has an
-    /// API server of its own; one thread for all of them queues each pod behind the others' bursts.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
-    http_threads: u16,
     /// Output tokens per streamed chunk after the first (coarse chunks keep CPU low).
     #[arg(long, default_value_t = 16)]
     stream_interval: usize,
@@ -333,8 +329,7 @@ async fn run(a: Args) -> Result<(), SimError> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(usize::from(args.http_threads))
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
