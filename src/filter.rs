@@ -13,10 +13,20 @@ use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::lookup::LookupError;
 use kvroute_core::outcome::{judge, judge_end, Outcome, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
-use kvroute_core::router::{hash_prompt, Decision, HashedPrompt, NoRoute};
+use kvroute_core::router::{hash_prompt, serving_model, Decision, HashedPrompt, NoRoute};
+use kvroute_core::token_memo::PromptText;
 use kvroute_core::wire::PeerMessage;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
+
+/// A request waiting for its tokenizer call-out.
+struct PendingTokenize {
+    token: u32,
+    request: PromptRequest,
+    started_us: u64,
+    /// The prompt's text, for the token memo to learn with the answer.
+    text: PromptText,
+}
 
 pub struct RequestFilter {
     worker: SharedWorker,
@@ -38,8 +48,11 @@ pub struct RequestFilter {
     explanation: Option<String>,
     /// Why the request was left to Envoy's LB, for the decision header.
     fallback: Option<FailOpen>,
-    /// Pending tokenizer call-out: (token, the request, start in µs).
-    tokenizing: Option<(u32, PromptRequest, u64)>,
+    /// Pending tokenizer call-out.
+    tokenizing: Option<PendingTokenize>,
+    /// Where the token ids came from when not from the client, for the
+    /// decision header.
+    tokens_note: Option<&'static str>,
     /// The byte chunks of a prompt routed on its token ids, taught beside
     /// them (see `Worker::teach_byte_fallback`).
     byte_fallback: Option<Vec<BlockHash>>,
@@ -68,6 +81,7 @@ impl RequestFilter {
             explanation: None,
             fallback: None,
             tokenizing: None,
+            tokens_note: None,
             byte_fallback: None,
             looking_up: None,
             looked_up: false,
@@ -126,13 +140,58 @@ impl RequestFilter {
                 }
             }
         }
-        if matches!(request.prompt, Prompt::Text(_)) && !request.multimodal {
+        if let Some(text) = self.text_for_tokenizer(&request) {
+            let started = micros();
+            if let Some(recalled) = self.recall_tokens(&request, &text) {
+                self.byte_fallback = Some(text.chunks);
+                return self.route_hashed(request, recalled, started);
+            }
             if let Some(token) = self.start_tokenizer(body) {
-                self.tokenizing = Some((token, request, micros()));
+                self.tokenizing = Some(PendingTokenize {
+                    token,
+                    request,
+                    started_us: started,
+                    text,
+                });
                 return true;
             }
         }
         self.route(request)
+    }
+
+    /// A text prompt's chunks, when precise mode wants its token ids.
+    fn text_for_tokenizer(&self, request: &PromptRequest) -> Option<PromptText> {
+        let Prompt::Text(text) = &request.prompt else {
+            return None;
+        };
+        let w = self.worker.try_borrow().ok()?;
+        if request.multimodal || w.config.tokenizer.is_none() {
+            return None;
+        }
+        let chunks = hash_prompt(&w.config, request).hashes;
+        Some(PromptText::of(text, chunks))
+    }
+
+    /// The prompt's leading token blocks from the memo, if it covers them.
+    fn recall_tokens(
+        &mut self,
+        request: &PromptRequest,
+        text: &PromptText,
+    ) -> Option<HashedPrompt> {
+        let mut w = self.worker.try_borrow_mut().ok()?;
+        let recalled = w.token_memo.recall(text)?;
+        w.metrics.tokenizer_recalled.inc();
+        self.tokens_note = Some(if recalled.whole {
+            "tokens=memo (whole prompt)"
+        } else {
+            "tokens=memo (shared prefix)"
+        });
+        Some(HashedPrompt {
+            serving_model: serving_model(&w.config, &request.model),
+            domain: Domain::Tokens,
+            hashes: recalled.hashes,
+            blocks: recalled.blocks,
+        })
     }
 
     /// Sends a chat body to the configured `/tokenize`, when there is one.
@@ -168,10 +227,22 @@ impl RequestFilter {
     /// the lookup, or because it was shed (answered 429 by the proxy).
     fn route(&mut self, request: PromptRequest) -> bool {
         let started = micros();
+        let Some(hashed) = self
+            .worker
+            .try_borrow()
+            .ok()
+            .map(|w| hash_prompt(&w.config, &request))
+        else {
+            return false;
+        };
+        self.route_hashed(request, hashed, started)
+    }
+
+    /// Decides for a hashed prompt (see `route`).
+    fn route_hashed(&mut self, request: PromptRequest, hashed: HashedPrompt, started: u64) -> bool {
         let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
             return false;
         };
-        let hashed = hash_prompt(&config, &request);
         if remote::wanted(&config, &hashed) {
             match remote::start(&config, &hashed) {
                 Ok(token) => {
@@ -517,11 +588,11 @@ impl Context for RequestFilter {
             }
             return;
         }
-        let Some((token, request, started)) = self.tokenizing.take() else {
+        let Some(pending) = self.tokenizing.take() else {
             return;
         };
-        if token != token_id {
-            self.tokenizing = Some((token, request, started));
+        if pending.token != token_id {
+            self.tokenizing = Some(pending);
             return;
         }
         let tokens = match (
@@ -533,22 +604,32 @@ impl Context for RequestFilter {
             }
             (status, _) => Err(format!("status {status:?}")),
         };
-        let request = match tokens {
+        let PendingTokenize {
+            request,
+            started_us,
+            text,
+            ..
+        } = pending;
+        let (request, hashed) = match tokens {
             Ok(tokens) => {
-                if let Ok(w) = self.worker.try_borrow() {
-                    w.metrics.tokenizer_ok.inc();
-                    w.metrics
-                        .tokenizer_us
-                        .record(micros().saturating_sub(started));
-                    // A later call that fails routes this prompt's group on
-                    // bytes: these chunks let it find the same pod.
-                    let text = hash_prompt(&w.config, &request);
-                    self.byte_fallback = (text.domain == Domain::Bytes).then_some(text.hashes);
-                }
-                PromptRequest {
+                let request = PromptRequest {
                     prompt: Prompt::Tokens(tokens),
                     ..request
-                }
+                };
+                let Ok(mut w) = self.worker.try_borrow_mut() else {
+                    host::resume_request();
+                    return;
+                };
+                w.metrics.tokenizer_ok.inc();
+                w.metrics
+                    .tokenizer_us
+                    .record(micros().saturating_sub(started_us));
+                let hashed = hash_prompt(&w.config, &request);
+                // A later call that fails routes this prompt's group on
+                // bytes: these chunks let it find the same pod.
+                self.byte_fallback = Some(text.chunks.clone());
+                w.token_memo.learn(text, hashed.hashes.clone());
+                (request, Some(hashed))
             }
             Err(why) => {
                 if let Ok(w) = self.worker.try_borrow() {
@@ -561,10 +642,14 @@ impl Context for RequestFilter {
                         self.request_id
                     ),
                 );
-                request
+                (request, None)
             }
         };
-        if !self.route(request) {
+        let paused = match hashed {
+            Some(hashed) => self.route_hashed(request, hashed, micros()),
+            None => self.route(request),
+        };
+        if !paused {
             host::resume_request();
         }
     }
@@ -661,10 +746,14 @@ impl HttpContext for RequestFilter {
             .take()
             .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())))
             .map(|text| {
-                [self.lookup_note.take(), self.index_note.take()]
-                    .into_iter()
-                    .flatten()
-                    .fold(text, |text, note| format!("{text}; {note}"))
+                [
+                    self.tokens_note.map(str::to_owned),
+                    self.lookup_note.take(),
+                    self.index_note.take(),
+                ]
+                .into_iter()
+                .flatten()
+                .fold(text, |text, note| format!("{text}; {note}"))
             });
         if let Ok(w) = self.worker.try_borrow() {
             if let Some(text) = explanation.filter(|_| !w.config.decision_header.is_empty()) {

@@ -84,6 +84,8 @@ pub struct FilterMetrics {
     pub peer_errors: Metric,
     pub tokenizer_ok: Metric,
     pub tokenizer_failed: Metric,
+    /// Prompts whose token blocks came from the token memo (no call-out).
+    pub tokenizer_recalled: Metric,
     pub tokenizer_us: Metric,
     /// Decisions taken while every candidate pod was saturated (priority on).
     pub saturated: Metric,
@@ -113,6 +115,7 @@ impl FilterMetrics {
             peer_errors: Metric::counter("kvroute.peer.errors"),
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
             tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
+            tokenizer_recalled: Metric::counter("kvroute.tokenizer.recalled"),
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
             saturated: Metric::counter("kvroute.saturated"),
             shed: Metric::counter("kvroute.shed"),

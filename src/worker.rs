@@ -15,6 +15,7 @@ use kvroute_core::outbox::{Outbox, Pushed};
 use kvroute_core::outcome::Outcome;
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
+use kvroute_core::token_memo::TokenMemo;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
@@ -85,6 +86,8 @@ pub struct Worker {
     /// Why the index was last unusable (logged when it changes).
     unpublished: Option<Unpublished>,
     recent: RecentRoutes,
+    /// Token blocks of this VM's earlier tokenizer call-outs (precise mode).
+    pub token_memo: TokenMemo,
     /// From the last decision, per matched pod (cluster position): the
     /// leading blocks the index showed taught to it in the current epoch,
     /// and the prompt's first hash (see [`Worker::routed`]).
@@ -105,6 +108,7 @@ impl Worker {
         cluster.set_configured(&config, now_s);
         Worker {
             recent: RecentRoutes::new(recent_keep_ms(&config)),
+            token_memo: token_memo_for(&config),
             config,
             cluster,
             peers: Peers::join(vm_id, now_s, now_ms),
@@ -132,6 +136,20 @@ impl Worker {
     pub fn reconfigure(&mut self, config: Rc<Config>) {
         self.cluster.set_configured(&config, host::now().0);
         self.recent.set_keep_ms(recent_keep_ms(&config));
+        // Blocks hashed under another block size, chunk size or model scope
+        // would be recalled wrongly: a changed setting starts the memo empty.
+        let memo_shape = |c: &Config| {
+            (
+                c.tokenizer.as_ref().map(|t| t.memo_bytes),
+                c.block_size,
+                c.chunk_bytes,
+                c.max_blocks,
+                c.adapters.clone(),
+            )
+        };
+        if memo_shape(&config) != memo_shape(&self.config) {
+            self.token_memo = token_memo_for(&config);
+        }
         self.config = config;
     }
 
@@ -556,6 +574,11 @@ impl Worker {
 
 /// Recent decisions live two flush periods: by then the singleton's flush
 /// that carries them has landed.
+fn token_memo_for(config: &Config) -> TokenMemo {
+    let budget = config.tokenizer.as_ref().map_or(0, |t| t.memo_bytes);
+    TokenMemo::new(budget, config.chunk_bytes, config.block_size)
+}
+
 fn recent_keep_ms(config: &Config) -> u64 {
     2 * u64::from(config.index.flush_ms)
 }

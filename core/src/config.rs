@@ -309,6 +309,11 @@ pub struct TokenizerSettings {
     pub path: String,
     #[serde(default = "TokenizerSettings::default_timeout_ms")]
     pub timeout_ms: u32,
+    /// Bytes of token blocks each worker keeps from earlier call-outs, so a
+    /// prompt sharing their text skips the call-out (see `token_memo`); 0:
+    /// every prompt is sent.
+    #[serde(default = "TokenizerSettings::default_memo_bytes")]
+    pub memo_bytes: usize,
 }
 
 impl TokenizerSettings {
@@ -320,6 +325,9 @@ impl TokenizerSettings {
     }
     fn default_timeout_ms() -> u32 {
         50
+    }
+    fn default_memo_bytes() -> usize {
+        8 << 20
     }
 }
 
@@ -428,6 +436,7 @@ impl Default for Config {
 /// Bounds that keep a typo from turning into a memory or CPU bomb.
 const MAX_CAPACITY_BLOCKS: u32 = 1 << 24;
 const MAX_BLOCKS_PER_REQUEST: usize = 1 << 16;
+const MAX_MEMO_BYTES: usize = 1 << 30;
 /// Speeds are relative to one reference pod; beyond this is a typo.
 const MAX_SPEED: f64 = 1000.0;
 
@@ -617,6 +626,9 @@ impl Config {
             if !tokenizer.path.starts_with('/') {
                 return Err(invalid("tokenizer.path", "must start with '/'"));
             }
+            if tokenizer.memo_bytes > MAX_MEMO_BYTES {
+                return Err(invalid("tokenizer.memo_bytes", "must be at most 1 GiB"));
+            }
         }
         if let Some(remote) = &self.remote_index {
             check_callout("remote_index", &remote.cluster, remote.timeout_ms)?;
@@ -776,7 +788,9 @@ mod tests {
         assert_eq!(indexer.poll_ms, 100);
         assert!(indexer.share_learned);
         assert_eq!(indexer.token_env, None);
-        assert_eq!(c.tokenizer.unwrap().path, "/tokenize");
+        let tokenizer = c.tokenizer.unwrap();
+        assert_eq!(tokenizer.path, "/tokenize");
+        assert_eq!(tokenizer.memo_bytes, 8 << 20);
     }
 
     #[test]
@@ -785,6 +799,10 @@ mod tests {
         assert_eq!(err(r#"{"weights":{"prefil":1}}"#).field, "prefil");
         assert_eq!(err(r#"{"weights":{"decode":-1}}"#).field, "weights.decode");
         assert_eq!(err(r#"{"block_size":0}"#).field, "block_size");
+        assert_eq!(
+            err(r#"{"tokenizer":{"cluster":"t","memo_bytes":2147483648}}"#).field,
+            "tokenizer.memo_bytes"
+        );
         assert_eq!(
             err(r#"{"endpoints":[{"address":"nope"}]}"#).field,
             "endpoints[0].address"

@@ -17,4 +17,5 @@ pub mod registry;
 pub mod request;
 pub mod router;
 pub mod score;
+pub mod token_memo;
 pub mod wire;

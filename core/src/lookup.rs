@@ -323,6 +323,7 @@ mod tests {
             serving_model: "m".into(),
             domain: Domain::Tokens,
             hashes: (1..=blocks).map(BlockHash::new).collect(),
+            blocks: blocks as usize,
         }
     }
 

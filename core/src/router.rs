@@ -145,16 +145,20 @@ pub struct HashedPrompt {
     pub serving_model: String,
     pub domain: Domain,
     pub hashes: Vec<BlockHash>,
+    /// The prompt's length in blocks: `hashes.len()`, or more when only a
+    /// prefix's hashes are known (recalled from the token memo).
+    pub blocks: usize,
 }
 
 /// Hashes a parsed request per the configuration (block size, chunk size,
 /// cap, adapter scoping). A `cache_salt` enters block 0 as vLLM's extra key
 /// (see `hash`), in both domains, so salts never share blocks.
 pub fn hash_prompt(config: &Config, request: &PromptRequest) -> HashedPrompt {
-    let (serving_model, lora) = match config.adapters.get(&request.model) {
-        Some(base) => (base.clone(), Some(request.model.as_str())),
-        None => (request.model.clone(), None),
-    };
+    let serving_model = serving_model(config, &request.model);
+    let lora = config
+        .adapters
+        .contains_key(&request.model)
+        .then_some(request.model.as_str());
     let extra = [request.cache_salt.as_deref().and_then(salt_digest)];
     let (domain, hashes) = match &request.prompt {
         Prompt::Tokens(tokens) => {
@@ -181,8 +185,19 @@ pub fn hash_prompt(config: &Config, request: &PromptRequest) -> HashedPrompt {
     HashedPrompt {
         serving_model,
         domain,
+        blocks: hashes.len(),
         hashes,
     }
+}
+
+/// The model pods must serve for a request naming `model`: the base model
+/// of a configured LoRA adapter, else the model itself.
+pub fn serving_model(config: &Config, model: &str) -> String {
+    config
+        .adapters
+        .get(model)
+        .cloned()
+        .unwrap_or_else(|| model.to_owned())
 }
 
 /// Why no pod could be chosen (the request then fails open to Envoy's LB).
@@ -281,7 +296,7 @@ pub fn decide_among(
     lookup: LookupCost,
 ) -> Result<Decision, NoRoute> {
     let signals = candidates.signals;
-    let ranked = rank(prompt.hashes.len(), signals, &config.weights, tie_seed);
+    let ranked = rank(prompt.blocks, signals, &config.weights, tie_seed);
     let saturation = config
         .priority
         .as_ref()
@@ -299,7 +314,7 @@ pub fn decide_among(
             .map(|&(c, _)| address(c))
             .collect(),
         matched_blocks: candidates.matched[best],
-        total_blocks: prompt.hashes.len(),
+        total_blocks: prompt.blocks,
         domain: prompt.domain,
         terms,
         signals: signals[best],
@@ -1405,10 +1420,20 @@ mod tests {
             serving_model: "m".into(),
             domain: Domain::Tokens,
             hashes: (1..=50).map(BlockHash::new).collect(),
+            blocks: 50,
         };
         let d = cluster.decide(&c, &prompt, 10, 0).unwrap();
         assert_eq!(d.signals.capacity_blocks, c.default_capacity_blocks);
         assert_eq!(d.matched_blocks, 50);
+        // Only a prefix's hashes known (a token memo recall): the rest of the
+        // prompt is still charged as uncached prefill.
+        let longer = HashedPrompt {
+            blocks: 80,
+            ..prompt.clone()
+        };
+        let d = cluster.decide(&c, &longer, 10, 0).unwrap();
+        assert_eq!((d.matched_blocks, d.total_blocks), (50, 80));
+        assert_eq!(d.terms.prefill, c.weights.prefill * 30.0);
         // Capacity learned later: the index entries stay.
         let scraped = FeedUpdate {
             pods: vec![PodInfo {

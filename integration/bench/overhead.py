@@ -10,9 +10,12 @@ fallback tokenizer):
   direct          wrk -> the pod                               [baseline of the peers' hop]
   envoy           Envoy, LB only (integration/bench/envoy/lb-only.yaml, LEAST_REQUEST)
   envoy+kvroute   the same Envoy with kvroute.wasm (approximate mode, default config)
-  envoy+kvroute-precise  envoy/gateway-precise.yaml + kvroute-indexer: every chat request
-                  also makes the tokenizer call-out to the pod's /tokenize (no KV events
-                  here: the cost of the call-out and the feed, not routing quality)
+  envoy+kvroute-precise  envoy/gateway-precise.yaml + kvroute-indexer: a chat request gets
+                  its token ids from the tokenizer call-out to the pod's /tokenize, or from
+                  the token memo once a worker has seen that body (16 variants: after the
+                  first call-outs nearly all are recalled; the counters below say how many
+                  of each). No KV events here: the cost of the tokens and the feed, not
+                  routing quality
   sglang-router   sglang-router launch --policy cache_aware
   vllm-router     vllm-router --policy cache_aware
 Bodies: OpenAI chat JSON of 4 KiB and 30 KiB (overhead/body.lua, 16 variants,
@@ -272,7 +275,8 @@ def render(data: Dict[str, Any]) -> str:
         if kv:
             fb = [f"{k.split('.')[-1]} {v}" for k, v in sorted(kv.items()) if ".fallback." in k]
             L.append(f"- {n} counters: requests {kv.get('kvroute.requests', 0)}, tokenizer call-outs ok "
-                     f"{kv.get('kvroute.tokenizer.ok', 0)} / failed {kv.get('kvroute.tokenizer.failed', 0)}"
+                     f"{kv.get('kvroute.tokenizer.ok', 0)} / failed {kv.get('kvroute.tokenizer.failed', 0)}, "
+                     f"token memo recalls {kv.get('kvroute.tokenizer.recalled', 0)}"
                      + (f", fail-open fallbacks: {', '.join(fb)}" if fb else ", no fail-open fallback"))
     L.append("")
     L.append("Router command lines:")

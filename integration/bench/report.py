@@ -164,9 +164,10 @@ def routing_facts(r: Dict[str, Any]) -> List[str]:
             out.append("kvroute fail-open fallbacks: " + ", ".join(f"{k} {v}" for k, v in sorted(fb.items())))
         if r.get("params", {}).get("mode") == "precise":
             ok, failed = kv.get("kvroute.tokenizer.ok", 0), kv.get("kvroute.tokenizer.failed", 0)
-            if ok:
-                out.append(f"token ids: from the tokenizer call-out for {ok} requests ({failed} call-outs failed and were "
-                           "routed on bytes)")
+            recalled = kv.get("kvroute.tokenizer.recalled", 0)
+            if ok or recalled:
+                out.append(f"token ids: from the tokenizer call-out for {ok} requests, from the token memo for {recalled} "
+                           f"({failed} call-outs failed and were routed on bytes)")
             else:
                 out.append(f"**token ids: none** — the tokenizer call-out was used for 0 requests ({failed} failed): "
                            "these requests were hashed on bytes, so the indexer's token-domain entries from KV events could "

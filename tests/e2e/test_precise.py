@@ -235,6 +235,48 @@ def test_completion_prompts_get_token_ids_from_the_tokenizer_call_out(stack):
     assert d["matched"] >= d["total"] - 1 > 10, d["raw"]
 
 
+def test_prompts_sharing_an_earlier_prompts_text_skip_the_call_out(stack):
+    """The token memo: once two call-outs of a worker show where prompts of a shared prefix part,
+    the worker recalls that prefix's token blocks for the next such prompt without a call-out,
+    and routes it like the call-out did; an equal prompt recalls every block."""
+    sims, indexer, envoy = stack
+    system = " ".join(f"memo{i % 97} word{i}" for i in range(400))
+    direct = {"model": MODEL, "prompt": system + " held by pod two", "max_tokens": 1}
+    assert requests.post(sims.urls[2] + "/v1/completions", json=direct, timeout=30).status_code == 200
+    settle(envoy, polls=5)
+    counters = lambda: envoy.stats("wasmcustom.kvroute.tokenizer")  # noqa: E731
+    before = counters()
+    decisions = []
+    for i in range(10):
+        body = {"model": MODEL, "prompt": f"{system} question {i}: why {i * 7}?", "max_tokens": 1}
+        decisions.append(decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30)))
+    after = counters()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    recalled = [d for d in decisions if "tokens=memo (shared prefix)" in d["raw"]]
+    assert recalled, [d["raw"] for d in decisions]
+    assert delta["wasmcustom.kvroute.tokenizer.recalled"] == len(recalled)
+    assert delta["wasmcustom.kvroute.tokenizer.ok"] + len(recalled) == len(decisions), delta
+    called = [d for d in decisions if "tokens=memo" not in d["raw"]]
+    shared = min(d["matched"] for d in called)
+    assert shared > 20, [d["raw"] for d in called]
+    for d in decisions:
+        assert (d["pod"], d["domain"]) == (sims.addresses[2], "tokens"), d["raw"]
+    for d in recalled:
+        # The memo keeps back the blocks near where prompts part (chunk_bytes / block_size + 1).
+        assert shared - 6 <= d["matched"] <= shared, d["raw"]
+        assert d["total"] >= d["matched"], d["raw"]
+    # An equal prompt: every block, once the worker that takes it has seen it.
+    body = {"model": MODEL, "prompt": f"{system} question 0: why 0?", "max_tokens": 1}
+    settle(envoy, polls=5)
+    for _ in range(8):
+        d = decision(requests.post(envoy.url + "/v1/completions", json=body, timeout=30))
+        if "tokens=memo (whole prompt)" in d["raw"]:
+            break
+    else:
+        raise AssertionError(f"no whole-prompt recall: {d['raw']}")
+    assert d["pod"] == sims.addresses[2] and d["matched"] == d["total"] >= shared, d["raw"]
+
+
 def token_block_hashes(prompts: list[list[int]]) -> list[list[int]]:
     """kvroute's token-domain block hashes of each prompt, as an attacker computes them (the hash
     is public): here with kvroute's own code, a scratch indexer re-hashing one BlockStored event

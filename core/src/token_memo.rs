@@ -1,0 +1,529 @@
+//! The token memo: token blocks of earlier prompts, recalled for a prompt
+//! that shares their text, so that most requests need no tokenizer call-out.
+//!
+//! Precise mode hashes token ids, and a proxy has no tokenizer of its own:
+//! each prompt costs a `/tokenize` round trip to a pod. Prompts that share a
+//! long prefix (a system prompt, a conversation's earlier turns, a repeat)
+//! share its token ids too, except near the point where their text parts:
+//! a tokenizer may cut the last words before it differently.
+//!
+//! The memo keeps *samples*: for a prompt that went through the tokenizer,
+//! its byte-chunk chain (the approximate mode's hashes, one per
+//! `chunk_bytes` of text), a hash of the whole text, and its token block
+//! hashes. Every chunk hash points at the newest sample holding it. Because
+//! chunk hashes chain, the deepest chunk of a new prompt found in the memo
+//! says how many leading bytes it shares with that sample (bisected).
+//!
+//! How many token blocks that shared text fixes is learned, never guessed:
+//! when a tokenized prompt parts from a sample after chunk `j`, the number of
+//! leading token blocks the two have in common (`b`) is a *calibration
+//! point* `(j, b)` of both. A later prompt sharing at least chunks `0..=j`
+//! parts from the sample anywhere in chunk `j + 1` or later, up to
+//! `chunk_bytes` bytes (so at most `chunk_bytes` tokens) before where the
+//! calibrating pair parted; it is given `b - margin` blocks, where
+//! `margin = ceil(chunk_bytes / block_size) + 1` blocks covers those tokens
+//! and one block of retokenised words at the cut. A prompt equal to a
+//! sample (same chunks, same whole-text hash) is given all its blocks.
+//!
+//! Recalled blocks are a prefix of the prompt's: the prompt's length in
+//! blocks is estimated from the sample's tokens per byte, so the cost model
+//! still charges the uncached rest. A recall that is wrong (a tokenizer
+//! whose cut moved further than a block) matches blocks the pod does not
+//! hold: the request is routed less well, never refused.
+//!
+//! Memory is bounded by `budget_bytes` (accounted per sample: its chunks,
+//! its blocks, its points and its map entries). The sample not recalled for
+//! the longest time is evicted first (second chance: a sample recalled since
+//! it was queued goes round once more).
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::hash::BlockHash;
+
+/// Calibration points kept per sample; more are merged into the nearest.
+const MAX_POINTS: usize = 16;
+/// Bytes one map entry costs, hash table overhead included (measured order).
+const ENTRY_BYTES: usize = 24;
+/// Bytes a sample costs beyond its vectors.
+const SAMPLE_BYTES: usize = 96;
+
+/// A prompt's text as the memo sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptText {
+    /// Its byte-chunk chain (full chunks only).
+    pub chunks: Vec<BlockHash>,
+    /// A hash of the whole text, seeded by its first chunk (so by the model,
+    /// adapter and salt too): equal texts, equal hashes.
+    pub text_hash: u64,
+    pub text_len: usize,
+}
+
+impl PromptText {
+    /// The text and its byte-chunk chain (`hash_prompt` of the text).
+    pub fn of(text: &[u8], chunks: Vec<BlockHash>) -> PromptText {
+        let seed = chunks.first().map_or(0, |c| c.get());
+        PromptText {
+            text_hash: xxh3_64_with_seed(text, seed),
+            text_len: text.len(),
+            chunks,
+        }
+    }
+}
+
+/// Token blocks recalled for a prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recalled {
+    /// The leading token block hashes the shared text fixes.
+    pub hashes: Vec<BlockHash>,
+    /// The prompt's estimated length in blocks (≥ `hashes.len()`).
+    pub blocks: usize,
+    /// Whole prompt (an equal text) or a shared prefix.
+    pub whole: bool,
+}
+
+#[derive(Debug)]
+struct Sample {
+    chunks: Vec<BlockHash>,
+    blocks: Vec<BlockHash>,
+    text_hash: u64,
+    text_len: usize,
+    /// `(deepest shared chunk, leading blocks in common)`, sorted by chunk.
+    points: Vec<(u32, u32)>,
+    last_used: u64,
+}
+
+impl Sample {
+    fn cost(&self) -> usize {
+        SAMPLE_BYTES
+            + (self.chunks.len() + 1) * (8 + ENTRY_BYTES)
+            + self.blocks.len() * 8
+            + MAX_POINTS * 8
+    }
+
+    /// Blocks guaranteed (up to `margin`) for a prompt sharing chunks `0..=depth`.
+    fn stable_blocks(&self, depth: usize, margin: usize) -> Option<usize> {
+        let (_, b) = self
+            .points
+            .iter()
+            .rev()
+            .find(|&&(j, _)| j as usize <= depth)?;
+        Some((*b as usize).saturating_sub(margin))
+    }
+
+    fn add_point(&mut self, depth: usize, blocks: usize) {
+        let depth = u32::try_from(depth).unwrap_or(u32::MAX);
+        let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        match self.points.binary_search_by_key(&depth, |&(j, _)| j) {
+            // Two pairs parted in the same chunk: keep the smaller agreement.
+            Ok(at) => self.points[at].1 = self.points[at].1.min(blocks),
+            Err(at) if self.points.len() < MAX_POINTS => self.points.insert(at, (depth, blocks)),
+            // Full: the shallowest point goes (its prompts fall back to the call-out).
+            Err(at) => {
+                self.points.remove(0);
+                self.points.insert(at.saturating_sub(1), (depth, blocks));
+            }
+        }
+    }
+}
+
+/// Counts for the proxy's metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MemoStats {
+    pub samples: usize,
+    pub bytes: usize,
+}
+
+#[derive(Debug)]
+pub struct TokenMemo {
+    budget_bytes: usize,
+    margin_blocks: usize,
+    used_bytes: usize,
+    samples: HashMap<u64, Sample>,
+    /// Chunk hash → the newest sample holding it.
+    by_chunk: HashMap<BlockHash, u64>,
+    /// Whole-text hash → the newest sample of that text.
+    by_text: HashMap<u64, u64>,
+    /// Eviction order: (sample, tick when queued).
+    queue: VecDeque<(u64, u64)>,
+    next_id: u64,
+    tick: u64,
+}
+
+impl TokenMemo {
+    /// A memo of at most `budget_bytes`, for chunks of `chunk_bytes` and
+    /// token blocks of `block_size`. A budget of 0 keeps nothing.
+    pub fn new(budget_bytes: usize, chunk_bytes: usize, block_size: usize) -> TokenMemo {
+        TokenMemo {
+            budget_bytes,
+            margin_blocks: chunk_bytes.div_ceil(block_size.max(1)) + 1,
+            used_bytes: 0,
+            samples: HashMap::new(),
+            by_chunk: HashMap::new(),
+            by_text: HashMap::new(),
+            queue: VecDeque::new(),
+            next_id: 0,
+            tick: 0,
+        }
+    }
+
+    pub fn stats(&self) -> MemoStats {
+        MemoStats {
+            samples: self.samples.len(),
+            bytes: self.used_bytes,
+        }
+    }
+
+    /// The deepest chunk of `chunks` some sample holds, and that sample.
+    /// Chained hashes make presence a prefix property, so this bisects; an
+    /// eviction that left a hole makes it find a shallower chunk, never a
+    /// wrong one.
+    fn deepest(&self, chunks: &[BlockHash]) -> Option<(usize, u64)> {
+        let first = *self.by_chunk.get(chunks.first()?)?;
+        let (mut found, mut lo, mut hi) = ((0, first), 1, chunks.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.by_chunk.get(&chunks[mid]) {
+                Some(&id) => {
+                    found = (mid, id);
+                    lo = mid + 1;
+                }
+                None => hi = mid,
+            }
+        }
+        Some(found)
+    }
+
+    /// Token blocks for a prompt, when a sample's calibration covers it.
+    pub fn recall(&mut self, text: &PromptText) -> Option<Recalled> {
+        if let Some(&id) = self.by_text.get(&text.text_hash) {
+            let equal = self.samples.get(&id).is_some_and(|s| {
+                s.text_len == text.text_len && s.chunks.last() == text.chunks.last()
+            });
+            if equal {
+                return self.recalled(id, None, text.text_len);
+            }
+        }
+        let (depth, id) = self.deepest(&text.chunks)?;
+        self.recalled(id, Some(depth), text.text_len)
+    }
+
+    /// What sample `id` gives a prompt of `text_len` bytes sharing its chunks
+    /// `0..=depth`, or its whole text (`None`).
+    fn recalled(&mut self, id: u64, depth: Option<usize>, text_len: usize) -> Option<Recalled> {
+        self.tick += 1;
+        let tick = self.tick;
+        let margin = self.margin_blocks;
+        let sample = self.samples.get_mut(&id)?;
+        let stable = match depth {
+            None => sample.blocks.len(),
+            Some(depth) => sample
+                .stable_blocks(depth, margin)?
+                .min(sample.blocks.len()),
+        };
+        if stable == 0 {
+            return None;
+        }
+        sample.last_used = tick;
+        let estimate = (text_len as u128 * sample.blocks.len() as u128)
+            .checked_div(sample.text_len as u128)
+            .and_then(|b| usize::try_from(b).ok())
+            .unwrap_or(0);
+        Some(Recalled {
+            hashes: sample.blocks[..stable].to_vec(),
+            blocks: estimate.max(stable),
+            whole: depth.is_none(),
+        })
+    }
+
+    /// Stores a prompt the tokenizer answered, calibrating the sample it
+    /// shares the most text with.
+    pub fn learn(&mut self, text: PromptText, blocks: Vec<BlockHash>) {
+        if text.chunks.is_empty() || blocks.is_empty() {
+            return;
+        }
+        let mut points = Vec::new();
+        if let Some((depth, id)) = self.deepest(&text.chunks) {
+            if let Some(sample) = self.samples.get_mut(&id) {
+                let common = sample
+                    .blocks
+                    .iter()
+                    .zip(&blocks)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                sample.add_point(depth, common);
+                points.push((u32::try_from(depth).unwrap_or(u32::MAX), common as u32));
+            }
+        }
+        self.tick += 1;
+        let sample = Sample {
+            chunks: text.chunks,
+            blocks,
+            text_hash: text.text_hash,
+            text_len: text.text_len,
+            points,
+            last_used: self.tick,
+        };
+        let cost = sample.cost();
+        if cost > self.budget_bytes {
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        for &chunk in &sample.chunks {
+            self.by_chunk.insert(chunk, id);
+        }
+        self.by_text.insert(sample.text_hash, id);
+        self.used_bytes += cost;
+        self.samples.insert(id, sample);
+        self.queue.push_back((id, self.tick));
+        self.evict();
+    }
+
+    fn evict(&mut self) {
+        while self.used_bytes > self.budget_bytes {
+            let Some((id, queued)) = self.queue.pop_front() else {
+                return;
+            };
+            let Some(sample) = self.samples.get(&id) else {
+                continue;
+            };
+            if sample.last_used > queued {
+                self.tick += 1;
+                self.queue.push_back((id, self.tick));
+                continue;
+            }
+            if let Some(sample) = self.samples.remove(&id) {
+                self.used_bytes -= sample.cost();
+                for chunk in &sample.chunks {
+                    if self.by_chunk.get(chunk) == Some(&id) {
+                        self.by_chunk.remove(chunk);
+                    }
+                }
+                if self.by_text.get(&sample.text_hash) == Some(&id) {
+                    self.by_text.remove(&sample.text_hash);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{byte_chunk_hashes, root_hash, token_block_hashes, Domain};
+
+    const CHUNK: usize = 64;
+    const BLOCK: usize = 16;
+
+    /// A word-level tokenizer: each maximal run of letters or digits, with
+    /// the space before it, is one token; any other byte is one token.
+    fn tokenize(text: &str) -> Vec<u32> {
+        let mut tokens = Vec::new();
+        let mut piece = String::new();
+        let flush = |piece: &mut String, tokens: &mut Vec<u32>| {
+            if !piece.is_empty() {
+                tokens.push(xxh3_64_with_seed(piece.as_bytes(), 7) as u32);
+                piece.clear();
+            }
+        };
+        for ch in text.chars() {
+            if ch.is_alphanumeric() {
+                piece.push(ch);
+            } else if ch == ' ' {
+                flush(&mut piece, &mut tokens);
+                piece.push(' ');
+            } else {
+                flush(&mut piece, &mut tokens);
+                tokens.push(u32::from(ch));
+            }
+        }
+        flush(&mut piece, &mut tokens);
+        tokens
+    }
+
+    struct Prompt {
+        text: PromptText,
+        blocks: Vec<BlockHash>,
+    }
+
+    impl Prompt {
+        fn of(text: &str) -> Prompt {
+            let chunks = byte_chunk_hashes(
+                root_hash(Domain::Bytes, "m", None),
+                text.as_bytes(),
+                CHUNK,
+                4096,
+            );
+            let blocks = token_block_hashes(
+                root_hash(Domain::Tokens, "m", None),
+                &tokenize(text),
+                BLOCK,
+                4096,
+            );
+            Prompt {
+                text: PromptText::of(text.as_bytes(), chunks),
+                blocks,
+            }
+        }
+
+        fn key(&self) -> &PromptText {
+            &self.text
+        }
+
+        fn learn_into(&self, memo: &mut TokenMemo) {
+            memo.learn(self.text.clone(), self.blocks.clone());
+        }
+    }
+
+    /// Deterministic words from a seed.
+    fn words(seed: u64, n: usize) -> String {
+        (0..n)
+            .map(|i| {
+                let h = xxh3_64_with_seed(&i.to_le_bytes(), seed);
+                let len = 1 + (h % 9) as usize;
+                let mut w: String = (0..len)
+                    .map(|k| (b'a' + ((h >> (k * 5)) % 26) as u8) as char)
+                    .collect();
+                if h % 13 == 0 {
+                    w.push(',');
+                }
+                w
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn memo() -> TokenMemo {
+        TokenMemo::new(64 << 20, CHUNK, BLOCK)
+    }
+
+    #[test]
+    fn nothing_is_recalled_before_two_prompts_calibrate() {
+        let mut memo = memo();
+        let system = words(1, 1500);
+        let a = Prompt::of(&format!("{system} {}", words(2, 300)));
+        let b = Prompt::of(&format!("{system} {}", words(3, 300)));
+        assert_eq!(memo.recall(a.key()), None);
+        a.learn_into(&mut memo);
+        assert_eq!(memo.recall(b.key()), None, "one sample, no calibration");
+        b.learn_into(&mut memo);
+        let c = Prompt::of(&format!("{system} {}", words(4, 300)));
+        let got = memo.recall(c.key()).expect("calibrated");
+        assert!(!got.whole);
+        assert_eq!(
+            got.hashes,
+            c.blocks[..got.hashes.len()],
+            "a prefix of the true blocks"
+        );
+        let common = c
+            .blocks
+            .iter()
+            .zip(&a.blocks)
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(
+            got.hashes.len() + memo.margin_blocks + 1 >= common,
+            "{} of {common}",
+            got.hashes.len()
+        );
+        let estimate = got.blocks as f64 / c.blocks.len() as f64;
+        assert!(
+            (0.9..1.1).contains(&estimate),
+            "length estimate off: {estimate}"
+        );
+    }
+
+    #[test]
+    fn an_equal_prompt_recalls_every_block() {
+        let mut memo = memo();
+        let a = Prompt::of(&words(5, 2000));
+        a.learn_into(&mut memo);
+        let got = memo.recall(a.key()).expect("equal text");
+        assert!(got.whole);
+        assert_eq!(got.hashes, a.blocks);
+        assert_eq!(got.blocks, a.blocks.len());
+    }
+
+    #[test]
+    fn same_chunks_but_another_tail_is_not_whole() {
+        let mut memo = memo();
+        let base = words(6, 2000);
+        let a = Prompt::of(&format!("{base} x"));
+        let b = Prompt::of(&format!("{base} y"));
+        assert_eq!(a.text.chunks, b.text.chunks, "tails shorter than a chunk");
+        a.learn_into(&mut memo);
+        assert_eq!(memo.recall(b.key()), None);
+        // Both stored: each is recalled whole, though their chunks are the same.
+        b.learn_into(&mut memo);
+        assert!(memo
+            .recall(a.key())
+            .is_some_and(|r| r.whole && r.hashes == a.blocks));
+        assert!(memo
+            .recall(b.key())
+            .is_some_and(|r| r.whole && r.hashes == b.blocks));
+    }
+
+    /// The property the router relies on: whatever earlier prompts taught,
+    /// a recall is a prefix of the prompt's own token blocks.
+    #[test]
+    fn recalls_are_prefixes_of_the_true_blocks() {
+        let mut memo = memo();
+        let prefixes: Vec<String> = (0..6)
+            .map(|g| words(100 + g, 400 + 150 * g as usize))
+            .collect();
+        let (mut recalled, mut blocks_recalled) = (0, 0);
+        for i in 0..400u64 {
+            let h = xxh3_64_with_seed(&i.to_le_bytes(), 99);
+            let prefix = &prefixes[(h % 6) as usize];
+            // Cut the shared prefix at a random word or byte, then a unique tail.
+            let cut = prefix.len() - (h >> 8) as usize % (prefix.len() / 4);
+            let text = format!(
+                "{}{}",
+                &prefix[..cut],
+                words(i + 1000, 50 + (h >> 20) as usize % 200)
+            );
+            let p = Prompt::of(&text);
+            if let Some(got) = memo.recall(p.key()) {
+                assert_eq!(got.hashes, p.blocks[..got.hashes.len()], "prompt {i}");
+                recalled += 1;
+                blocks_recalled += got.hashes.len();
+            } else {
+                p.learn_into(&mut memo);
+            }
+        }
+        assert!(recalled > 200, "only {recalled} of 400 recalled");
+        assert!(blocks_recalled > 0);
+    }
+
+    #[test]
+    fn the_budget_is_never_exceeded_and_recalled_samples_stay() {
+        let one = Prompt::of(&words(7, 1000));
+        let mut memo = TokenMemo::new(3 * one.text.chunks.len() * 40 + 1000, CHUNK, BLOCK);
+        let budget = memo.budget_bytes;
+        one.learn_into(&mut memo);
+        for i in 0..50 {
+            let p = Prompt::of(&words(200 + i, 1000));
+            p.learn_into(&mut memo);
+            assert!(memo.stats().bytes <= budget);
+            // Keep the first one in use: second chance keeps it.
+            assert!(memo.recall(one.key()).is_some(), "evicted after {i}");
+        }
+        assert!(memo.stats().samples < 5);
+        let mut none = TokenMemo::new(0, CHUNK, BLOCK);
+        one.learn_into(&mut none);
+        assert_eq!(none.stats(), MemoStats::default());
+        assert_eq!(none.recall(one.key()), None);
+    }
+
+    #[test]
+    fn empty_inputs_are_ignored() {
+        let mut memo = memo();
+        let empty = PromptText::of(b"", Vec::new());
+        memo.learn(empty.clone(), vec![BlockHash::new(1)]);
+        assert_eq!(memo.recall(&empty), None);
+        assert_eq!(memo.stats().samples, 0);
+    }
+}
