@@ -28,7 +28,9 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   start to the first fully matched decision on one of the last pods, which the snapshot's last
   page brings, or the failure as the result), its RSS,
   `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
-  CPU per chat request including the tokenizer call-out. Both modes also record the CPU of
+  CPU per chat request including the tokenizer call-out (every request: `tokenizer.memo_bytes`
+  is 0 unless --token-memo-bytes gives the workers a token memo, which then recalls the
+  variants' token blocks and spares their call-outs; the counts of each are checked). Both modes also record the CPU of
   Envoy's main thread, where the singleton (the index's one writer) runs: per request, and in
   precise mode from start until the index is routable.
 Every RSS is read with Envoy's allocator figures (admin `GET /memory`: live heap, free memory
@@ -712,7 +714,8 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
     pods = fleet.addresses
     # The tokenizer call-out's 50 ms timeout is widened: the stub pods tokenize in Python on a
     # busy 2-core machine, and a timed-out call-out would measure the byte fallback instead.
-    plugin = {"default_capacity_blocks": CAPACITY_BLOCKS, "tokenizer": {"timeout_ms": 1000}}
+    plugin = {"default_capacity_blocks": CAPACITY_BLOCKS,
+              "tokenizer": {"timeout_ms": 1000, "memo_bytes": args.token_memo_bytes}}
     config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
     rng = random.Random(concurrency)
     # The index is complete once the snapshot's last page is applied: pages go in pod order, so
@@ -773,13 +776,14 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         result["index_blocks"] = wait_for(
             lambda: envoy.stats("kvroute.index.blocks").get("wasmcustom.kvroute.index.blocks"), 10)
         result["index_bytes"] = envoy.stats("kvroute.index.bytes").get("wasmcustom.kvroute.index.bytes")
-        # chat bodies without token ids: each request also makes the tokenizer call-out
+        # chat bodies without token ids: each request also makes the tokenizer call-out, or
+        # (--token-memo-bytes) recalls its variant's token blocks
         result["cpu"] = {}
         for kb in (30, 128):
             before = envoy.stats("kvroute.tokenizer.")
             cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections)
             after = envoy.stats("kvroute.tokenizer.")
-            for outcome in ("ok", "failed"):
+            for outcome in ("ok", "failed", "recalled"):
                 key = f"wasmcustom.kvroute.tokenizer.{outcome}"
                 cpu[f"tokenizer_{outcome}"] = after.get(key, 0) - before.get(key, 0)
             if f"{kb}KB" in baseline:
@@ -856,8 +860,11 @@ def verify(results: dict) -> dict[str, Any]:
                 for size, cpu in r.get("cpu", {}).items():
                     checks.append((f"{where}: {size} load all answered 200", cpu["failed"] == 0 and cpu["ok"] > 0))
                     if "tokenizer_ok" in cpu:
-                        checks.append((f"{where}: {size} requests all tokenized by the call-out",
-                                       cpu["tokenizer_failed"] == 0 and cpu["tokenizer_ok"] >= cpu["ok"]))
+                        recalled = cpu.get("tokenizer_recalled", 0)
+                        checks.append((f"{where}: {size} requests all got token ids (call-out or token memo)",
+                                       cpu["tokenizer_failed"] == 0 and cpu["tokenizer_ok"] + recalled >= cpu["ok"]))
+                        checks.append((f"{where}: {size} token memo used only when configured",
+                                       (recalled > 0) == (results.get("token_memo_bytes", 0) > 0)))
             if mode == "precise" and "fill" in runs:
                 fill = runs["fill"]
                 checks.append((f"precise N={n}: indexer holds every entry sent",
@@ -977,8 +984,8 @@ def render(results: dict) -> str:
             f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
             f" {' / '.join(taught)} |")
     cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added | of which the idle Envoy's"
-                " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) |",
-                "|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
+                " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) | token ids: call-out / memo |",
+                "|---|---:|---:|---|---:|---:|---:|---|---:|---|---|"]
     for n, mode, c, r, by_mode in envoy_readings(results):
         if not r.get("cpu"):
             continue
@@ -992,7 +999,8 @@ def render(results: dict) -> str:
                 f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))} |"
                 f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
                 f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
-                f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |")
+                f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |"
+                f" {x.get('tokenizer_ok', '—')} / {x.get('tokenizer_recalled', '—')} |")
     memory = ["| mode | pods | c | when | Envoy RSS MB | tcmalloc allocated MB | held free: pageheap_free +"
               " thread caches MB | returned (pageheap_unmapped) MB | resident outside tcmalloc (V8, VMs' wasm"
               " memory, binary) MB | the singleton's wasm memory MB |",
@@ -1040,6 +1048,8 @@ def main() -> None:
                     help="precise mode: idle this long after the CPU readings before the last RSS reading")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
+    ap.add_argument("--token-memo-bytes", type=int, default=0,
+                    help="precise mode: the workers' tokenizer.memo_bytes (0: every chat request makes the call-out)")
     ap.add_argument("--results-dir", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -1056,6 +1066,7 @@ def main() -> None:
                                "argv": sys.argv[1:], "machine": machine(), "capacity_blocks": CAPACITY_BLOCKS,
                                "fill": FILL, "sequence_blocks": SEQUENCE_BLOCKS, "concurrency": args.concurrency,
                                "route_timeout_s": args.route_timeout, "cpu_requests": args.cpu_requests,
+                               "token_memo_bytes": args.token_memo_bytes,
                                "fleets": {}}
     log(f"Envoy CPU per request: on-CPU ns of its threads (schedstat) over {args.cpu_requests} requests, "
         "reported to 0.1 µs")
