@@ -18,12 +18,16 @@
 //! when a tokenized prompt parts from a sample after chunk `j`, the number of
 //! leading token blocks the two have in common (`b`) is a *calibration
 //! point* `(j, b)` of both. A later prompt sharing at least chunks `0..=j`
-//! parts from the sample anywhere in chunk `j + 1` or later, up to
-//! `chunk_bytes` bytes (so at most `chunk_bytes` tokens) before where the
-//! calibrating pair parted; it is given `b - margin` blocks, where
+//! parts from the sample in chunk `j + 1` or later, so at most `chunk_bytes`
+//! bytes (at most `chunk_bytes` tokens) before where the calibrating pair
+//! parted; it is given `b - margin` blocks, where
 //! `margin = ceil(chunk_bytes / block_size) + 1` blocks covers those tokens
-//! and one block of retokenised words at the cut. A prompt equal to a
-//! sample (same chunks, same whole-text hash) is given all its blocks.
+//! and one block of retokenised words at the cut. A prompt sharing more
+//! than `MAX_UNCALIBRATED_CHUNKS` chunks beyond its deepest point (a
+//! conversation's next turn) is not recalled: `b` would hide the rest of
+//! what it shares, so it makes the call-out, which calibrates that depth.
+//! A prompt equal to a sample (same chunks, same whole-text hash) is given
+//! all its blocks.
 //!
 //! Recalled blocks are a prefix of the prompt's: the prompt's length in
 //! blocks is estimated from the sample's tokens per byte, so the cost model
@@ -43,8 +47,14 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::hash::BlockHash;
 
-/// Calibration points kept per sample; more are merged into the nearest.
+/// Calibration points kept per sample; past that the shallowest goes.
 const MAX_POINTS: usize = 16;
+/// How many chunks a prompt may share with a sample beyond its deepest
+/// calibration point and still be recalled. Sharing much more (the next
+/// turn of a conversation) would recall only the shallow prefix and hide
+/// the rest from the index: such a prompt makes the call-out, which
+/// calibrates that deeper point.
+const MAX_UNCALIBRATED_CHUNKS: usize = 4;
 /// Bytes one map entry costs, hash table overhead included (measured order).
 const ENTRY_BYTES: usize = 24;
 /// Bytes a sample costs beyond its vectors.
@@ -103,14 +113,19 @@ impl Sample {
             + MAX_POINTS * 8
     }
 
-    /// Blocks guaranteed (up to `margin`) for a prompt sharing chunks `0..=depth`.
+    /// Blocks guaranteed (up to `margin`) for a prompt sharing chunks
+    /// `0..=depth`, when a calibration point lies at most
+    /// `MAX_UNCALIBRATED_CHUNKS` above it.
     fn stable_blocks(&self, depth: usize, margin: usize) -> Option<usize> {
-        let (_, b) = self
+        let &(j, b) = self
             .points
             .iter()
             .rev()
             .find(|&&(j, _)| j as usize <= depth)?;
-        Some((*b as usize).saturating_sub(margin))
+        if depth - j as usize > MAX_UNCALIBRATED_CHUNKS {
+            return None;
+        }
+        Some((b as usize).saturating_sub(margin))
     }
 
     fn add_point(&mut self, depth: usize, blocks: usize) {
@@ -496,6 +511,38 @@ mod tests {
         }
         assert!(recalled > 200, "only {recalled} of 400 recalled");
         assert!(blocks_recalled > 0);
+    }
+
+    /// A conversation's next turn shares all of the last turn's text: the
+    /// memo must not recall only the shallow prefix calibrated earlier.
+    #[test]
+    fn a_conversations_next_turn_makes_the_call_out() {
+        let mut memo = memo();
+        let system = words(8, 100);
+        let turn1 = format!("{system} {}", words(9, 300));
+        let other = Prompt::of(&format!("{system} {}", words(10, 300)));
+        let first = Prompt::of(&turn1);
+        first.learn_into(&mut memo);
+        other.learn_into(&mut memo);
+        let turn2 = Prompt::of(&format!("{turn1} {}", words(11, 200)));
+        assert_eq!(
+            memo.recall(turn2.key()),
+            None,
+            "only the system prompt is calibrated"
+        );
+        turn2.learn_into(&mut memo);
+        // A regenerated second turn parts from turn 2 where turn 1 ended: calibrated now.
+        let again = Prompt::of(&format!("{turn1} {}", words(12, 200)));
+        let got = memo
+            .recall(again.key())
+            .expect("calibrated at turn 1's end");
+        assert_eq!(got.hashes, again.blocks[..got.hashes.len()]);
+        assert!(
+            got.hashes.len() + 8 >= first.blocks.len(),
+            "{} of {}",
+            got.hashes.len(),
+            first.blocks.len()
+        );
     }
 
     #[test]
