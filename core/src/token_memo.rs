@@ -29,6 +29,14 @@
 //! A prompt equal to a sample (same chunks, same whole-text hash) is given
 //! all its blocks.
 //!
+//! A chunk stays with the first sample that held it, so a shared prefix
+//! keeps pointing at the sample its calibration points are on. A prompt
+//! recalled only in part leaves a *ghost*: its chunks beyond the shared
+//! ones, without token blocks. Seeing that text again (a repeat, or a
+//! conversation's next turn) finds the ghost deepest: the memo knows the
+//! text but not its tokens, and some pod may hold them, so the prompt makes
+//! the call-out, and its sample replaces the ghost.
+//!
 //! Recalled blocks are a prefix of the prompt's: the prompt's length in
 //! blocks is estimated from the sample's tokens per byte, so the cost model
 //! still charges the uncached rest. A recall that is wrong (a tokenizer
@@ -94,9 +102,15 @@ pub struct Recalled {
     pub whole: bool,
 }
 
+/// A tokenized prompt, or a *ghost*: a prompt recalled only in part, kept
+/// without token blocks so that its next sight (whose text the memo then
+/// knows beyond any calibration) makes the call-out.
 #[derive(Debug)]
 struct Sample {
-    chunks: Vec<BlockHash>,
+    /// The chunks this sample put in the map (those no earlier sample held).
+    owned: Vec<BlockHash>,
+    last_chunk: Option<BlockHash>,
+    /// Empty for a ghost.
     blocks: Vec<BlockHash>,
     text_hash: u64,
     text_len: usize,
@@ -106,9 +120,13 @@ struct Sample {
 }
 
 impl Sample {
+    fn is_ghost(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
     fn cost(&self) -> usize {
         SAMPLE_BYTES
-            + (self.chunks.len() + 1) * (8 + ENTRY_BYTES)
+            + (self.owned.len() + 1) * (8 + ENTRY_BYTES)
             + self.blocks.len() * 8
             + MAX_POINTS * 8
     }
@@ -157,9 +175,10 @@ pub struct TokenMemo {
     margin_blocks: usize,
     used_bytes: usize,
     samples: HashMap<u64, Sample>,
-    /// Chunk hash → the newest sample holding it.
+    /// Chunk hash → the first sample that held it (a shared prefix stays
+    /// with the sample its calibration points are on).
     by_chunk: HashMap<BlockHash, u64>,
-    /// Whole-text hash → the newest sample of that text.
+    /// Whole-text hash → the newest tokenized sample of that text.
     by_text: HashMap<u64, u64>,
     /// Eviction order: (sample, tick when queued).
     queue: VecDeque<(u64, u64)>,
@@ -212,26 +231,31 @@ impl TokenMemo {
     }
 
     /// Token blocks for a prompt, when a sample's calibration covers it.
+    /// A prompt recalled in part leaves a ghost of its text.
     pub fn recall(&mut self, text: &PromptText) -> Option<Recalled> {
         if let Some(&id) = self.by_text.get(&text.text_hash) {
             let equal = self.samples.get(&id).is_some_and(|s| {
-                s.text_len == text.text_len && s.chunks.last() == text.chunks.last()
+                s.text_len == text.text_len && s.last_chunk == text.chunks.last().copied()
             });
             if equal {
                 return self.recalled(id, None, text.text_len);
             }
         }
         let (depth, id) = self.deepest(&text.chunks)?;
-        self.recalled(id, Some(depth), text.text_len)
+        let recalled = self.recalled(id, Some(depth), text.text_len)?;
+        if text.chunks.len() > depth + 1 {
+            self.insert(text, Vec::new(), Vec::new());
+        }
+        Some(recalled)
     }
 
     /// What sample `id` gives a prompt of `text_len` bytes sharing its chunks
-    /// `0..=depth`, or its whole text (`None`).
+    /// `0..=depth`, or its whole text (`None`). Nothing from a ghost.
     fn recalled(&mut self, id: u64, depth: Option<usize>, text_len: usize) -> Option<Recalled> {
         self.tick += 1;
         let tick = self.tick;
         let margin = self.margin_blocks;
-        let sample = self.samples.get_mut(&id)?;
+        let sample = self.samples.get_mut(&id).filter(|s| !s.is_ghost())?;
         let stable = match depth {
             None => sample.blocks.len(),
             Some(depth) => sample
@@ -253,28 +277,46 @@ impl TokenMemo {
         })
     }
 
-    /// Stores a prompt the tokenizer answered, calibrating the sample it
-    /// shares the most text with.
+    /// Stores a prompt the tokenizer answered (replacing its ghosts),
+    /// calibrating the sample it shares the most text with.
     pub fn learn(&mut self, text: PromptText, blocks: Vec<BlockHash>) {
         if text.chunks.is_empty() || blocks.is_empty() {
             return;
         }
         let mut points = Vec::new();
-        if let Some((depth, id)) = self.deepest(&text.chunks) {
-            if let Some(sample) = self.samples.get_mut(&id) {
-                let common = sample
-                    .blocks
-                    .iter()
-                    .zip(&blocks)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                sample.add_point(depth, common);
-                points.push((u32::try_from(depth).unwrap_or(u32::MAX), common as u32));
+        while let Some((depth, id)) = self.deepest(&text.chunks) {
+            let Some(sample) = self.samples.get_mut(&id) else {
+                break;
+            };
+            if sample.is_ghost() {
+                self.remove(id);
+                continue;
             }
+            let common = sample
+                .blocks
+                .iter()
+                .zip(&blocks)
+                .take_while(|(a, b)| a == b)
+                .count();
+            sample.add_point(depth, common);
+            points.push((u32::try_from(depth).unwrap_or(u32::MAX), common as u32));
+            break;
         }
+        self.insert(&text, blocks, points);
+    }
+
+    fn insert(&mut self, text: &PromptText, blocks: Vec<BlockHash>, points: Vec<(u32, u32)>) {
         self.tick += 1;
+        let id = self.next_id;
+        let owned: Vec<BlockHash> = text
+            .chunks
+            .iter()
+            .copied()
+            .filter(|c| !self.by_chunk.contains_key(c))
+            .collect();
         let sample = Sample {
-            chunks: text.chunks,
+            owned,
+            last_chunk: text.chunks.last().copied(),
             blocks,
             text_hash: text.text_hash,
             text_len: text.text_len,
@@ -285,16 +327,32 @@ impl TokenMemo {
         if cost > self.budget_bytes {
             return;
         }
-        let id = self.next_id;
         self.next_id += 1;
-        for &chunk in &sample.chunks {
+        for &chunk in &sample.owned {
             self.by_chunk.insert(chunk, id);
         }
-        self.by_text.insert(sample.text_hash, id);
+        if !sample.is_ghost() {
+            self.by_text.insert(sample.text_hash, id);
+        }
         self.used_bytes += cost;
         self.samples.insert(id, sample);
         self.queue.push_back((id, self.tick));
         self.evict();
+    }
+
+    fn remove(&mut self, id: u64) {
+        let Some(sample) = self.samples.remove(&id) else {
+            return;
+        };
+        self.used_bytes -= sample.cost();
+        for chunk in &sample.owned {
+            if self.by_chunk.get(chunk) == Some(&id) {
+                self.by_chunk.remove(chunk);
+            }
+        }
+        if self.by_text.get(&sample.text_hash) == Some(&id) {
+            self.by_text.remove(&sample.text_hash);
+        }
     }
 
     fn evict(&mut self) {
@@ -310,17 +368,7 @@ impl TokenMemo {
                 self.queue.push_back((id, self.tick));
                 continue;
             }
-            if let Some(sample) = self.samples.remove(&id) {
-                self.used_bytes -= sample.cost();
-                for chunk in &sample.chunks {
-                    if self.by_chunk.get(chunk) == Some(&id) {
-                        self.by_chunk.remove(chunk);
-                    }
-                }
-                if self.by_text.get(&sample.text_hash) == Some(&id) {
-                    self.by_text.remove(&sample.text_hash);
-                }
-            }
+            self.remove(id);
         }
     }
 }
@@ -542,6 +590,39 @@ mod tests {
             "{} of {}",
             got.hashes.len(),
             first.blocks.len()
+        );
+    }
+
+    /// A prompt recalled in part is seen again: the memo knows its text beyond
+    /// any calibration (a ghost), so it makes the call-out; a third sight is
+    /// recalled whole. And a conversation whose first turn was recalled in
+    /// part calls out for its second.
+    #[test]
+    fn a_prompt_recalled_in_part_calls_out_when_seen_again() {
+        let mut memo = memo();
+        let system = words(13, 1500);
+        for seed in [14, 15] {
+            Prompt::of(&format!("{system} {}", words(seed, 300))).learn_into(&mut memo);
+        }
+        let p = Prompt::of(&format!("{system} {}", words(16, 300)));
+        assert!(
+            memo.recall(p.key()).is_some_and(|r| !r.whole),
+            "first sight: the shared prefix"
+        );
+        assert_eq!(memo.recall(p.key()), None, "second sight: the call-out");
+        p.learn_into(&mut memo);
+        let whole = memo.recall(p.key()).expect("third sight");
+        assert!(whole.whole && whole.hashes == p.blocks);
+        // The group stays calibrated for new prompts.
+        let q = Prompt::of(&format!("{system} {}", words(17, 300)));
+        assert!(memo
+            .recall(q.key())
+            .is_some_and(|r| !r.whole && r.hashes == q.blocks[..r.hashes.len()]));
+        let next_turn = Prompt::of(&format!("{system} {} {}", words(17, 300), words(18, 100)));
+        assert_eq!(
+            memo.recall(next_turn.key()),
+            None,
+            "the next turn of a partly recalled prompt"
         );
     }
 
