@@ -180,6 +180,15 @@ impl RequestFilter {
     ) -> Option<HashedPrompt> {
         let mut w = self.worker.try_borrow_mut().ok()?;
         let recalled = w.token_memo.recall(text)?;
+        if !recalled.whole {
+            // Another worker (or an earlier decision) routed more of this
+            // text: some pod may hold its blocks beyond the shared prefix,
+            // which only the call-out's token ids can match.
+            let config = w.config.clone();
+            if w.longest_known(&config, &text.chunks) > recalled.shared_chunks {
+                return None;
+            }
+        }
         w.metrics.tokenizer_recalled.inc();
         self.tokens_note = Some(if recalled.whole {
             "tokens=memo (whole prompt)"

@@ -165,52 +165,70 @@ impl Worker {
             // Nothing to route to, whatever the index says (a sidecar's local fallback).
             return (Err(NoRoute::NoEndpoints), None);
         }
-        let (now_s, now_ms) = host::now();
+        let (now_s, _) = host::now();
         let seed = self.next_tie_seed();
-        let mut matches: Vec<LocalMatch> = Vec::new();
-        let mut lookup = LookupCost::default();
-        self.taught_this_epoch.clear();
         self.taught_for = prompt.hashes.first().copied();
-        let unpublished = match self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
-            Ok(()) => {
-                self.refresh_positions();
-                if let Some(source) = self.index.source(&SharedData) {
-                    let rules = self.cluster.match_rules(config, now_s);
-                    let mut found: Vec<PodMatch> = Vec::new();
-                    lookup = match_lengths(&source, &prompt.hashes, now_s, &rules, &mut found);
-                    self.metrics.index_unreadable.add(source.unreadable());
-                    for m in &found {
-                        let Some(&Some(pod)) = self.positions.get(m.pod.slot()) else {
-                            continue;
-                        };
-                        matches.push(LocalMatch {
-                            pod,
-                            blocks: m.blocks,
-                            credit: m.credit,
-                        });
-                        if m.taught_this_epoch > 0 {
-                            self.taught_this_epoch.push((pod, m.taught_this_epoch));
-                        }
-                    }
-                }
-                // The flush gap: what this VM routed and the index may not show yet.
-                for (pod, blocks) in self.recent.matches(&prompt.hashes, now_ms) {
-                    if let Some(pod) = self.cluster.position(pod) {
-                        LocalMatch::merge_learned(&mut matches, pod, blocks);
-                    }
-                }
-                None
-            }
-            Err(why) => {
-                self.metrics.index_unpublished.inc();
-                Some(why)
-            }
-        };
+        let (matches, lookup, unpublished) = self.index_matches(config, &prompt.hashes, true);
         self.note_index_state(unpublished);
         let decision = self
             .cluster
             .decide_on(config, prompt, now_s, seed, &matches, lookup);
         (decision, unpublished)
+    }
+
+    /// The most leading blocks of `hashes` any pod is known to hold (the
+    /// published index and this VM's recent decisions); 0 without an index.
+    pub fn longest_known(&mut self, config: &Config, hashes: &[BlockHash]) -> usize {
+        let (matches, ..) = self.index_matches(config, hashes, false);
+        matches.iter().map(|m| m.blocks).max().unwrap_or(0)
+    }
+
+    /// Every pod's leading blocks of `hashes` in the published index and in
+    /// this VM's recent decisions. With `for_decision`, also notes which
+    /// blocks the index showed taught this epoch (see [`Worker::routed`]).
+    fn index_matches(
+        &mut self,
+        config: &Config,
+        hashes: &[BlockHash],
+        for_decision: bool,
+    ) -> (Vec<LocalMatch>, LookupCost, Option<Unpublished>) {
+        let (now_s, now_ms) = host::now();
+        let mut matches: Vec<LocalMatch> = Vec::new();
+        let mut lookup = LookupCost::default();
+        if for_decision {
+            self.taught_this_epoch.clear();
+        }
+        if let Err(why) = self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
+            self.metrics.index_unpublished.inc();
+            return (matches, lookup, Some(why));
+        }
+        self.refresh_positions();
+        if let Some(source) = self.index.source(&SharedData) {
+            let rules = self.cluster.match_rules(config, now_s);
+            let mut found: Vec<PodMatch> = Vec::new();
+            lookup = match_lengths(&source, hashes, now_s, &rules, &mut found);
+            self.metrics.index_unreadable.add(source.unreadable());
+            for m in &found {
+                let Some(&Some(pod)) = self.positions.get(m.pod.slot()) else {
+                    continue;
+                };
+                matches.push(LocalMatch {
+                    pod,
+                    blocks: m.blocks,
+                    credit: m.credit,
+                });
+                if for_decision && m.taught_this_epoch > 0 {
+                    self.taught_this_epoch.push((pod, m.taught_this_epoch));
+                }
+            }
+        }
+        // The flush gap: what this VM routed and the index may not show yet.
+        for (pod, blocks) in self.recent.matches(hashes, now_ms) {
+            if let Some(pod) = self.cluster.position(pod) {
+                LocalMatch::merge_learned(&mut matches, pod, blocks);
+            }
+        }
+        (matches, lookup, None)
     }
 
     /// Logs when the published index becomes unusable and when it is back.

@@ -100,6 +100,8 @@ pub struct Recalled {
     pub blocks: usize,
     /// Whole prompt (an equal text) or a shared prefix.
     pub whole: bool,
+    /// Leading chunks of the prompt's text the memo shares with the sample.
+    pub shared_chunks: usize,
 }
 
 /// A tokenized prompt, or a *ghost*: a prompt recalled only in part, kept
@@ -238,20 +240,20 @@ impl TokenMemo {
                 s.text_len == text.text_len && s.last_chunk == text.chunks.last().copied()
             });
             if equal {
-                return self.recalled(id, None, text.text_len);
+                return self.recalled(id, None, text);
             }
         }
         let (depth, id) = self.deepest(&text.chunks)?;
-        let recalled = self.recalled(id, Some(depth), text.text_len)?;
+        let recalled = self.recalled(id, Some(depth), text)?;
         if text.chunks.len() > depth + 1 {
             self.insert(text, Vec::new(), Vec::new());
         }
         Some(recalled)
     }
 
-    /// What sample `id` gives a prompt of `text_len` bytes sharing its chunks
-    /// `0..=depth`, or its whole text (`None`). Nothing from a ghost.
-    fn recalled(&mut self, id: u64, depth: Option<usize>, text_len: usize) -> Option<Recalled> {
+    /// What sample `id` gives a prompt sharing its chunks `0..=depth`, or its
+    /// whole text (`None`). Nothing from a ghost.
+    fn recalled(&mut self, id: u64, depth: Option<usize>, text: &PromptText) -> Option<Recalled> {
         self.tick += 1;
         let tick = self.tick;
         let margin = self.margin_blocks;
@@ -266,7 +268,7 @@ impl TokenMemo {
             return None;
         }
         sample.last_used = tick;
-        let estimate = (text_len as u128 * sample.blocks.len() as u128)
+        let estimate = (text.text_len as u128 * sample.blocks.len() as u128)
             .checked_div(sample.text_len as u128)
             .and_then(|b| usize::try_from(b).ok())
             .unwrap_or(0);
@@ -274,6 +276,7 @@ impl TokenMemo {
             hashes: sample.blocks[..stable].to_vec(),
             blocks: estimate.max(stable),
             whole: depth.is_none(),
+            shared_chunks: depth.map_or(text.chunks.len(), |d| d + 1),
         })
     }
 
