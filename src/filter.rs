@@ -636,8 +636,8 @@ impl Context for RequestFilter {
                 let hashed = hash_prompt(&w.config, &request);
                 // A later call that fails routes this prompt's group on
                 // bytes: these chunks let it find the same pod.
-                self.byte_fallback = Some(text.chunks.clone());
-                w.token_memo.learn(text, hashed.hashes.clone());
+                w.token_memo.learn(&text, hashed.hashes.clone());
+                self.byte_fallback = Some(text.chunks);
                 (request, Some(hashed))
             }
             Err(why) => {

@@ -10,7 +10,7 @@
 //! The memo keeps *samples*: for a prompt that went through the tokenizer,
 //! its byte-chunk chain (the approximate mode's hashes, one per
 //! `chunk_bytes` of text), a hash of the whole text, and its token block
-//! hashes. Every chunk hash points at the newest sample holding it. Because
+//! hashes. Every chunk hash points at the first sample that held it. Because
 //! chunk hashes chain, the deepest chunk of a new prompt found in the memo
 //! says how many leading bytes it shares with that sample (bisected).
 //!
@@ -29,8 +29,8 @@
 //! A prompt equal to a sample (same chunks, same whole-text hash) is given
 //! all its blocks.
 //!
-//! A chunk stays with the first sample that held it, so a shared prefix
-//! keeps pointing at the sample its calibration points are on. A prompt
+//! Chunks stay with their first sample, so a shared prefix keeps pointing
+//! at the sample its calibration points are on. A prompt
 //! recalled only in part leaves a *ghost*: its chunks beyond the shared
 //! ones, without token blocks. Seeing that text again (a repeat, or a
 //! conversation's next turn) finds the ghost deepest: the memo knows the
@@ -164,13 +164,6 @@ impl Sample {
     }
 }
 
-/// Counts for the proxy's metrics.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct MemoStats {
-    pub samples: usize,
-    pub bytes: usize,
-}
-
 #[derive(Debug)]
 pub struct TokenMemo {
     budget_bytes: usize,
@@ -202,13 +195,6 @@ impl TokenMemo {
             queue: VecDeque::new(),
             next_id: 0,
             tick: 0,
-        }
-    }
-
-    pub fn stats(&self) -> MemoStats {
-        MemoStats {
-            samples: self.samples.len(),
-            bytes: self.used_bytes,
         }
     }
 
@@ -246,7 +232,7 @@ impl TokenMemo {
         let (depth, id) = self.deepest(&text.chunks)?;
         let recalled = self.recalled(id, Some(depth), text)?;
         if text.chunks.len() > depth + 1 {
-            self.insert(text, Vec::new(), Vec::new());
+            self.insert(text, Vec::new(), None);
         }
         Some(recalled)
     }
@@ -282,11 +268,11 @@ impl TokenMemo {
 
     /// Stores a prompt the tokenizer answered (replacing its ghosts),
     /// calibrating the sample it shares the most text with.
-    pub fn learn(&mut self, text: PromptText, blocks: Vec<BlockHash>) {
+    pub fn learn(&mut self, text: &PromptText, blocks: Vec<BlockHash>) {
         if text.chunks.is_empty() || blocks.is_empty() {
             return;
         }
-        let mut points = Vec::new();
+        let mut point = None;
         while let Some((depth, id)) = self.deepest(&text.chunks) {
             let Some(sample) = self.samples.get_mut(&id) else {
                 break;
@@ -302,13 +288,15 @@ impl TokenMemo {
                 .take_while(|(a, b)| a == b)
                 .count();
             sample.add_point(depth, common);
-            points.push((u32::try_from(depth).unwrap_or(u32::MAX), common as u32));
+            point = Some((depth, common));
             break;
         }
-        self.insert(&text, blocks, points);
+        self.insert(text, blocks, point);
     }
 
-    fn insert(&mut self, text: &PromptText, blocks: Vec<BlockHash>, points: Vec<(u32, u32)>) {
+    /// Stores a sample (a ghost when `blocks` is empty) with its first
+    /// calibration point.
+    fn insert(&mut self, text: &PromptText, blocks: Vec<BlockHash>, point: Option<(usize, usize)>) {
         self.tick += 1;
         let id = self.next_id;
         let owned: Vec<BlockHash> = text
@@ -317,15 +305,18 @@ impl TokenMemo {
             .copied()
             .filter(|c| !self.by_chunk.contains_key(c))
             .collect();
-        let sample = Sample {
+        let mut sample = Sample {
             owned,
             last_chunk: text.chunks.last().copied(),
             blocks,
             text_hash: text.text_hash,
             text_len: text.text_len,
-            points,
+            points: Vec::new(),
             last_used: self.tick,
         };
+        if let Some((depth, blocks)) = point {
+            sample.add_point(depth, blocks);
+        }
         let cost = sample.cost();
         if cost > self.budget_bytes {
             return;
@@ -440,7 +431,7 @@ mod tests {
         }
 
         fn learn_into(&self, memo: &mut TokenMemo) {
-            memo.learn(self.text.clone(), self.blocks.clone());
+            memo.learn(&self.text, self.blocks.clone());
         }
     }
 
@@ -638,14 +629,14 @@ mod tests {
         for i in 0..50 {
             let p = Prompt::of(&words(200 + i, 1000));
             p.learn_into(&mut memo);
-            assert!(memo.stats().bytes <= budget);
+            assert!(memo.used_bytes <= budget);
             // Keep the first one in use: second chance keeps it.
             assert!(memo.recall(one.key()).is_some(), "evicted after {i}");
         }
-        assert!(memo.stats().samples < 5);
+        assert!(memo.samples.len() < 5);
         let mut none = TokenMemo::new(0, CHUNK, BLOCK);
         one.learn_into(&mut none);
-        assert_eq!(none.stats(), MemoStats::default());
+        assert_eq!((none.used_bytes, none.samples.len()), (0, 0));
         assert_eq!(none.recall(one.key()), None);
     }
 
@@ -653,8 +644,8 @@ mod tests {
     fn empty_inputs_are_ignored() {
         let mut memo = memo();
         let empty = PromptText::of(b"", Vec::new());
-        memo.learn(empty.clone(), vec![BlockHash::new(1)]);
+        memo.learn(&empty, vec![BlockHash::new(1)]);
         assert_eq!(memo.recall(&empty), None);
-        assert_eq!(memo.stats().samples, 0);
+        assert_eq!(memo.samples.len(), 0);
     }
 }
