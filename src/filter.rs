@@ -155,6 +155,7 @@ impl RequestFilter {
                 });
                 return true;
             }
+            return self.route_on_bytes(request, text.chunks);
         }
         self.route(request)
     }
@@ -243,6 +244,27 @@ impl RequestFilter {
             .map(|w| hash_prompt(&w.config, &request))
         else {
             return false;
+        };
+        self.route_hashed(request, hashed, started)
+    }
+
+    /// `route` for a text prompt whose byte chunks are already hashed (the
+    /// tokenizer could not be asked, or failed).
+    fn route_on_bytes(&mut self, request: PromptRequest, chunks: Vec<BlockHash>) -> bool {
+        let started = micros();
+        let Some(serving_model) = self
+            .worker
+            .try_borrow()
+            .ok()
+            .map(|w| serving_model(&w.config, &request.model))
+        else {
+            return false;
+        };
+        let hashed = HashedPrompt {
+            serving_model,
+            domain: Domain::Bytes,
+            blocks: chunks.len(),
+            hashes: chunks,
         };
         self.route_hashed(request, hashed, started)
     }
@@ -619,6 +641,7 @@ impl Context for RequestFilter {
             text,
             ..
         } = pending;
+        // Token blocks, or the byte chunks to route on when the call failed.
         let (request, hashed) = match tokens {
             Ok(tokens) => {
                 let request = PromptRequest {
@@ -638,7 +661,7 @@ impl Context for RequestFilter {
                 // bytes: these chunks let it find the same pod.
                 w.token_memo.learn(&text, hashed.hashes.clone());
                 self.byte_fallback = Some(text.chunks);
-                (request, Some(hashed))
+                (request, Ok(hashed))
             }
             Err(why) => {
                 if let Ok(w) = self.worker.try_borrow() {
@@ -651,12 +674,12 @@ impl Context for RequestFilter {
                         self.request_id
                     ),
                 );
-                (request, None)
+                (request, Err(text.chunks))
             }
         };
         let paused = match hashed {
-            Some(hashed) => self.route_hashed(request, hashed, micros()),
-            None => self.route(request),
+            Ok(tokens) => self.route_hashed(request, tokens, micros()),
+            Err(chunks) => self.route_on_bytes(request, chunks),
         };
         if !paused {
             host::resume_request();
