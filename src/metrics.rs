@@ -155,6 +155,8 @@ pub struct IndexMetrics {
     pub deferred: Metric,
     /// Buckets the singleton holds in memory (its working set).
     pub resident_buckets: Metric,
+    /// Bytes of their slots (the working set's bound applies to these).
+    pub resident_bytes: Metric,
     /// Buckets stored back before a flush because the working set was full.
     pub written_back_early: Metric,
     /// Buckets read back from shared data (written while not in the working set).
@@ -175,6 +177,7 @@ impl IndexMetrics {
             flushed: Metric::counter("kvroute.index.flushed"),
             deferred: Metric::gauge("kvroute.index.deferred"),
             resident_buckets: Metric::gauge("kvroute.index.resident_buckets"),
+            resident_bytes: Metric::gauge("kvroute.index.resident_bytes"),
             written_back_early: Metric::gauge("kvroute.index.written_back_early"),
             read_back: Metric::gauge("kvroute.index.read_back"),
             writer_memory_bytes: Metric::gauge("kvroute.index.writer_memory_bytes"),

@@ -30,10 +30,11 @@ const MAX_FLUSH_WRITES: usize = 8192;
 /// buckets at most).
 const FLUSH_BATCH_WRITES: usize = 256;
 
-/// Buckets the singleton's index keeps in memory at most (≈ 9 MB at 4.6 KB
-/// per full bucket): the rest of the index lives only in its published copy
-/// in shared data, read back on a bucket's first write since it was stored.
-const MAX_RESIDENT_BUCKETS: usize = 2048;
+/// Bytes of buckets the singleton's index keeps in memory at most (2,048
+/// full buckets of 4.6 KB; an index of few blocks per bucket stays whole):
+/// the rest lives only in its published copy in shared data, read back on a
+/// bucket's first write since it was stored.
+const MAX_RESIDENT_BYTES: usize = 9 << 20;
 
 /// Learned hashes waiting to be reported; beyond this they are dropped
 /// (the indexer is slow or down, and the queue must stay bounded).
@@ -95,7 +96,7 @@ impl Singleton {
         }
         host::set_tick_period(u64::from(tick_ms(&config)));
         let mut cluster = Cluster::default();
-        cluster.write_through(Rc::new(host::SharedData), MAX_RESIDENT_BUCKETS);
+        cluster.write_through(Rc::new(host::SharedData), MAX_RESIDENT_BYTES);
         cluster.configure_index(&config, now_s);
         Ok(Singleton {
             cluster,
@@ -211,6 +212,7 @@ impl Singleton {
             m.evicted.record(stats.evicted);
             m.dropped.record(stats.dropped);
             m.resident_buckets.record(stats.resident_buckets as u64);
+            m.resident_bytes.record(stats.resident_bytes as u64);
             m.written_back_early.record(stats.written_back_early);
             m.read_back.record(stats.read_back);
             m.unloadable.record(stats.unloadable);

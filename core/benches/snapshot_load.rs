@@ -33,7 +33,7 @@ const BLOCKS_PER_POD: usize = 13_445;
 /// The indexer's default `--feed-max-hashes`.
 const PAGE_HASHES: usize = 1 << 19;
 /// The singleton's bounds (src/singleton.rs).
-const MAX_RESIDENT_BUCKETS: usize = 2048;
+const MAX_RESIDENT_BYTES: usize = 9 << 20;
 const MAX_FLUSH_WRITES: usize = 8192;
 
 fn mix(mut x: u64) -> u64 {
@@ -174,7 +174,7 @@ fn load(pages: &[Vec<u8>], group: usize, write_through: bool) -> (Phases, u64, u
     let store = Rc::new(MapStore::default());
     let mut index = BlockIndex::new(DEFAULT_INDEX_BUDGET_BYTES, 600);
     if write_through {
-        index = index.write_through(store.clone(), MAX_RESIDENT_BUCKETS);
+        index = index.write_through(store.clone(), MAX_RESIDENT_BYTES);
     }
     let pods: Vec<PodId> = (0..PODS)
         .map(|_| index.add_pod().expect("pod id"))

@@ -200,6 +200,8 @@ pub struct IndexStats {
     pub dropped: u64,
     /// Write-through: buckets in memory now (the working set).
     pub resident_buckets: usize,
+    /// Write-through: bytes of those buckets' slots (bounded).
+    pub resident_bytes: usize,
     /// Write-through: buckets stored back before a publication because the
     /// working set reached its bound.
     pub written_back_early: u64,
@@ -569,12 +571,19 @@ enum Refused {
 /// Where a write-through index keeps its buckets, and which are in memory:
 /// the buckets written since the last publication and, up to the bound,
 /// clean ones kept from earlier writes (a repeated prefix is not read again).
+///
+/// The bound counts slots, not buckets: buckets grow with their entries, so
+/// a small index (few blocks per bucket) stays in memory whole, and a full
+/// one keeps as many full buckets as the bytes allow.
 #[derive(Clone)]
 struct WorkingSet {
     store: Rc<dyn KeyStore>,
-    /// Buckets in memory at most: reaching it lets go of the least recently
-    /// used half (storing back those changed since the last publication).
-    max_buckets: usize,
+    /// Slots in memory at most (one bucket beyond it at most): reaching it
+    /// lets go of the least recently used buckets down to half (storing
+    /// back those changed since the last publication).
+    max_slots: usize,
+    /// Slots of the buckets in memory.
+    resident_slots: usize,
     /// Buckets in memory, and a flag per bucket.
     loaded: Vec<u32>,
     is_loaded: Vec<bool>,
@@ -589,7 +598,8 @@ struct WorkingSet {
 impl std::fmt::Debug for WorkingSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkingSet")
-            .field("max_buckets", &self.max_buckets)
+            .field("max_slots", &self.max_slots)
+            .field("resident_slots", &self.resident_slots)
             .field("loaded", &self.loaded.len())
             .finish()
     }
@@ -673,10 +683,14 @@ impl BlockIndex {
 
     /// This index, keeping only its working set in memory: a bucket is read
     /// from `store` (where [`BlockIndex::publish`]'s writes go) on its first
-    /// write since it was stored, and the working set is stored back when it
-    /// reaches `max_buckets`. Only buckets this index wrote are read back:
-    /// another writer's or layout's are overwritten, never loaded.
-    pub fn write_through(mut self, store: Rc<dyn KeyStore>, max_buckets: usize) -> BlockIndex {
+    /// write since it was stored, and the working set is stored back when its
+    /// slots reach `max_resident_bytes`. Only buckets this index wrote are
+    /// read back: another writer's or layout's are overwritten, never loaded.
+    pub fn write_through(
+        mut self,
+        store: Rc<dyn KeyStore>,
+        max_resident_bytes: usize,
+    ) -> BlockIndex {
         // What is in memory now (written or not yet published) stays loaded.
         let loaded: Vec<u32> = (0..self.buckets.len())
             .filter(|&b| !self.buckets[b].slots.is_empty() || self.bucket_dirty[b])
@@ -686,9 +700,14 @@ impl BlockIndex {
         for &b in &loaded {
             is_loaded[b as usize] = true;
         }
+        let resident_slots = loaded
+            .iter()
+            .map(|&b| self.buckets[b as usize].slots.len())
+            .sum();
         self.working_set = Some(WorkingSet {
             store,
-            max_buckets: max_buckets.max(1),
+            max_slots: (max_resident_bytes / SLOT_BYTES).max(1),
+            resident_slots,
             loaded,
             is_loaded,
             last_use: vec![0; self.buckets.len()],
@@ -712,8 +731,8 @@ impl BlockIndex {
         if ws.is_loaded[b] {
             return;
         }
-        if ws.loaded.len() >= ws.max_buckets {
-            self.shrink_working_set();
+        if ws.resident_slots >= ws.max_slots {
+            self.shrink_working_set(None);
         }
         let Some(ws) = &mut self.working_set else {
             return;
@@ -743,6 +762,7 @@ impl BlockIndex {
         }
         ws.is_loaded[b] = true;
         ws.loaded.push(b as u32);
+        ws.resident_slots += self.buckets[b].slots.len();
     }
 
     /// Bucket `b` to read: a write-through index decodes one it does not
@@ -758,11 +778,12 @@ impl BlockIndex {
         }
     }
 
-    /// Lets go of the least recently used half of the working set, storing
-    /// back those changed since the last publication (new sets first, so no
-    /// stored slot names a set its readers cannot find). A bucket whose
-    /// write failed stays in memory, changed, for the next try.
-    fn shrink_working_set(&mut self) {
+    /// Lets go of the least recently used buckets of the working set until
+    /// half its bound is left, except `writing` (the bucket being written),
+    /// storing back those changed since the last publication (new sets
+    /// first, so no stored slot names a set its readers cannot find). A
+    /// bucket whose write failed stays in memory, changed, for the next try.
+    fn shrink_working_set(&mut self, writing: Option<usize>) {
         let Some(store) = self.working_set.as_ref().map(|ws| Rc::clone(&ws.store)) else {
             return;
         };
@@ -785,10 +806,18 @@ impl BlockIndex {
         // Oldest first: ages counted back from now survive the counter's wrap.
         ws.loaded
             .sort_unstable_by_key(|&b| std::cmp::Reverse(uses.wrapping_sub(last_use[b as usize])));
-        let keep = ws.loaded.len() / 2;
-        let kept = ws.loaded.split_off(ws.loaded.len() - keep);
-        for b in std::mem::replace(&mut ws.loaded, kept) {
+        let oldest_first = std::mem::take(&mut ws.loaded);
+        let target = ws.max_slots / 2;
+        for (i, &b) in oldest_first.iter().enumerate() {
+            if ws.resident_slots <= target {
+                ws.loaded.extend_from_slice(&oldest_first[i..]);
+                break;
+            }
             let b = b as usize;
+            if Some(b) == writing {
+                ws.loaded.push(b as u32);
+                continue;
+            }
             if self.bucket_dirty[b] {
                 let bytes = published::encode_bucket(&self.buckets[b]);
                 if !store.write(&published::bucket_key(b), &bytes) {
@@ -799,6 +828,7 @@ impl BlockIndex {
                 self.published[b] = true;
                 ws.written_back_early += 1;
             }
+            ws.resident_slots -= self.buckets[b].slots.len();
             ws.is_loaded[b] = false;
             self.buckets[b] = Bucket::default();
         }
@@ -1207,6 +1237,12 @@ impl BlockIndex {
             let grown = (size * 2).max(MIN_BUCKET_SLOTS);
             self.buckets[b].grow(grown);
             self.bucket_bytes += (grown - size) * SLOT_BYTES;
+            if let Some(ws) = &mut self.working_set {
+                ws.resident_slots += grown - size;
+                if ws.resident_slots > ws.max_slots {
+                    self.shrink_working_set(Some(b));
+                }
+            }
             return;
         }
         // Ranks come from the slot's age and a flag per set, not the sets'
@@ -1297,7 +1333,7 @@ impl BlockIndex {
     pub fn reconfigured(&self, budget_bytes: usize, ttl_seconds: u32, now_s: u32) -> BlockIndex {
         let mut index = BlockIndex::new(budget_bytes, ttl_seconds);
         if let Some(ws) = &self.working_set {
-            index = index.write_through(ws.store.clone(), ws.max_buckets);
+            index = index.write_through(ws.store.clone(), ws.max_slots * SLOT_BYTES);
         }
         index.pods = self.pods.clone();
         index.pods_version = self.pods_version;
@@ -1321,6 +1357,11 @@ impl BlockIndex {
                 .working_set
                 .as_ref()
                 .map_or(self.buckets.len(), |ws| ws.loaded.len()),
+            resident_bytes: SLOT_BYTES
+                * self.working_set.as_ref().map_or_else(
+                    || self.buckets.iter().map(|b| b.slots.len()).sum(),
+                    |ws| ws.resident_slots,
+                ),
             written_back_early: self
                 .working_set
                 .as_ref()
@@ -1505,13 +1546,34 @@ mod tests {
     #[derive(Debug, Clone, Copy)]
     enum Store {
         Resident,
-        /// Over a shared map, with a working set of `WORKING_SET` buckets
+        /// Over a shared map, with a working set of `WORKING_SET` bytes
         /// (chains span far more: they are stored back early).
         WriteThrough,
     }
 
     const STORES: [Store; 2] = [Store::Resident, Store::WriteThrough];
-    const WORKING_SET: usize = 3;
+    /// Three buckets of the smallest size.
+    const WORKING_SET: usize = 3 * MIN_BUCKET_SLOTS * SLOT_BYTES;
+
+    /// The working set's count of slots is right, and within its bound
+    /// (which the bucket written last may exceed).
+    fn assert_working_set_within(index: &BlockIndex, max_bytes: usize) {
+        let Some(ws) = &index.working_set else {
+            return;
+        };
+        let slots: Vec<usize> = ws
+            .loaded
+            .iter()
+            .map(|&b| index.buckets[b as usize].slots.len())
+            .collect();
+        assert_eq!(slots.iter().sum::<usize>(), ws.resident_slots);
+        let largest = slots.iter().copied().max().unwrap_or(0);
+        assert!(
+            index.stats().resident_bytes <= max_bytes + largest * SLOT_BYTES,
+            "{:?}",
+            index.stats()
+        );
+    }
 
     /// An index under test in one store, and the map it writes through.
     struct Under {
@@ -1709,10 +1771,7 @@ mod tests {
                     under.flush();
                 }
                 let index = &under.index;
-                assert!(
-                    index.stats().resident_buckets <= WORKING_SET
-                        || matches!(store, Store::Resident)
-                );
+                assert_working_set_within(index, WORKING_SET);
                 for &h in &universe {
                     let mut got = index.current_members(h, now);
                     got.sort_unstable();
@@ -2161,7 +2220,7 @@ mod tests {
                     under.flush();
                 }
             }
-            assert!(through.index.stats().resident_buckets <= WORKING_SET);
+            assert_working_set_within(&through.index, WORKING_SET);
             assert_eq!(
                 through.index.entries_oldest_first(),
                 resident.index.entries_oldest_first(),
@@ -2176,7 +2235,7 @@ mod tests {
         );
         assert!(b.written_back_early > 0 && b.unloadable == 0, "{b:?}");
         through.flush();
-        assert!(through.index.stats().resident_buckets <= WORKING_SET);
+        assert_working_set_within(&through.index, WORKING_SET);
         let mut out = Vec::new();
         through
             .index
@@ -2192,7 +2251,7 @@ mod tests {
     #[test]
     fn a_write_through_index_keeps_clean_buckets_across_flushes() {
         let shared = Rc::new(SharedMap::default());
-        let bound = 64;
+        let bound = 64 * MIN_BUCKET_SLOTS * SLOT_BYTES;
         let mut index = BlockIndex::new(1 << 20, 600).write_through(shared.clone(), bound);
         let pod = index.add_pod().unwrap();
         let prefix = chain(6, 20);
@@ -2205,10 +2264,8 @@ mod tests {
         index.touch_chain(pod, &chain(7, 300), Tier::Learned, 301);
         shared.flush(&mut index, usize::MAX);
         let before = index.stats();
-        assert!(
-            before.resident_buckets <= bound && before.read_back > 0,
-            "{before:?}"
-        );
+        assert_working_set_within(&index, bound);
+        assert!(before.read_back > 0, "{before:?}");
         index.touch_chain(pod, &prefix, Tier::Learned, 302);
         let after = index.stats();
         assert!(after.read_back > before.read_back, "{after:?}");
@@ -2216,6 +2273,32 @@ mod tests {
         shared.flush(&mut index, usize::MAX);
         let found = shared.lookup(&prefix, 302, &TRUST_ALL);
         assert_eq!(found.first().map(|m| m.blocks), Some(20));
+    }
+
+    /// The bound counts bytes: an index of few blocks per bucket stays in
+    /// memory whole, over far more buckets than full ones would fill, and
+    /// teaching it again reads nothing back.
+    #[test]
+    fn a_small_write_through_index_stays_in_memory_whole() {
+        let shared = Rc::new(SharedMap::default());
+        let bound = 8 * BUCKET_SLOTS * SLOT_BYTES;
+        let mut index = BlockIndex::new(1 << 20, 600).write_through(shared.clone(), bound);
+        let pod = index.add_pod().unwrap();
+        let chains: Vec<_> = (0..4).map(|c| chain(10 + c, 100)).collect();
+        for now in [1, 2, 3] {
+            for c in &chains {
+                index.touch_chain(pod, c, Tier::Learned, now);
+            }
+            shared.flush(&mut index, usize::MAX);
+        }
+        let stats = index.stats();
+        assert!(stats.resident_buckets > 8, "{stats:?}");
+        assert_eq!(
+            (stats.read_back, stats.written_back_early),
+            (0, 0),
+            "{stats:?}"
+        );
+        assert_working_set_within(&index, bound);
     }
 
     /// A write-through writer that starts over reads back only what it
@@ -2250,7 +2333,9 @@ mod tests {
     #[test]
     fn a_write_through_index_refuses_buckets_it_could_not_have_written() {
         let shared = Rc::new(SharedMap::default());
-        let mut index = BlockIndex::new(1 << 20, 60).write_through(shared.clone(), WORKING_SET);
+        // Room for `c`'s buckets while they are read back and written again.
+        let bound = 16 * MIN_BUCKET_SLOTS * SLOT_BYTES;
+        let mut index = BlockIndex::new(1 << 20, 60).write_through(shared.clone(), bound);
         let pod = index.add_pod().unwrap();
         let c = chain(4, 3);
         index.touch_chain(pod, &c, Tier::Gpu, 1);

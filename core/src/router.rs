@@ -416,12 +416,12 @@ impl Cluster {
     pub fn write_through(
         &mut self,
         store: std::rc::Rc<dyn crate::index::published::KeyStore>,
-        max_buckets: usize,
+        max_resident_bytes: usize,
     ) {
         self.index = self
             .index
             .take()
-            .map(|index| index.write_through(store, max_buckets));
+            .map(|index| index.write_through(store, max_resident_bytes));
     }
 
     /// Index budget and TTL from `config` (the pods are left as they are).
