@@ -1,4 +1,4 @@
-"""Run inference-perf unchanged except for one thing: seeded Poisson arrivals.
+"""Run inference-perf with the few patches below; first, seeded Poisson arrivals.
 
 inference-perf 0.7.0 seeds its prompt order (`data.shared_prefix.seed`) but its
 PoissonLoadTimer / ConstantLoadTimer draw inter-arrival gaps from
@@ -7,9 +7,9 @@ same prompts at different instants. The benchmark compares routers on *the
 same* request sequence, so this launcher replaces those two generators with
 ones drawn from `SeedSequence(KVROUTE_BENCH_ARRIVAL_SEED)`, in creation order
 (the timers are created in the main process, one per stage, in stage order, so
-the order is deterministic). Nothing else in inference-perf is touched: the
-workers, the HTTP client, TTFT timing and the report generator are the
-released code.
+the order is deterministic). Beyond the patches this docstring lists,
+inference-perf is the released code: the workers, the HTTP client, TTFT timing
+and the report generator.
 
 Usage: python ipwrap.py -c config.yaml   (same arguments as `inference-perf`)
 The arrival schedule actually produced is written to
@@ -30,6 +30,15 @@ only when all K have finished the previous one (a file per client and stage),
 so the K clients' stages begin together, as one client's would; a client that
 dies leaves the others waiting until the harness's time limit stops them.
 
+Output tokens (`_install_server_output_count`): for a streamed answer whose final
+chunk reports `usage.completion_tokens`, that number is the request's output
+token count; inference-perf 0.7.0 re-tokenizes the whole answer text for it.
+Both give the same count on these pods (every request of a run counted 1,000
+either way), but re-tokenizing was 31 % of a client worker's CPU in the full
+profile, and on a 2-core machine shared with the pods and the router that CPU
+delays the client's dispatches and its reading of first tokens. An answer
+without usage is still re-tokenized.
+
 Multi-turn data (`conversation_replay`): inference-perf 0.7.0 clears its
 sessions between stages and re-primes each with its system prompt as context
 but not as `system_prompt`; with a tokenizer configured, a turn's prompt is
@@ -42,6 +51,7 @@ generator does when it first builds a session.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import os
@@ -170,10 +180,42 @@ def _install_conversation_reprime_fix() -> None:
     crd.ConversationReplayDataGenerator._new_session = new_session  # type: ignore[method-assign]
 
 
+# The answer text `parse_sse_stream` last returned in this task, and the
+# server's count of its tokens.
+_SERVED_OUTPUT: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "served_output", default=None)
+
+
+def _install_server_output_count() -> None:
+    from inference_perf.apis import chat, completion
+    from inference_perf.utils.custom_tokenizer import CustomTokenizer
+
+    for module in (chat, completion):
+        async def parse(response, *args, _orig=module.parse_sse_stream, **kwargs):  # type: ignore[no-untyped-def]
+            parsed = await _orig(response, *args, **kwargs)
+            text, usage = parsed[0], parsed[4]
+            served = (usage or {}).get("completion_tokens")
+            _SERVED_OUTPUT.set((text, served) if isinstance(served, int) else None)
+            return parsed
+
+        module.parse_sse_stream = parse  # type: ignore[attr-defined]
+
+    orig_count = CustomTokenizer.count_tokens
+
+    def count_tokens(self, text, *args, **kwargs):  # type: ignore[no-untyped-def]
+        served = _SERVED_OUTPUT.get()
+        if served is not None and served[0] is text:
+            return served[1]
+        return orig_count(self, text, *args, **kwargs)
+
+    CustomTokenizer.count_tokens = count_tokens  # type: ignore[method-assign]
+
+
 def main() -> None:
     seed = int(os.environ.get("KVROUTE_BENCH_ARRIVAL_SEED", "0"))
     _install_seeded_timers(seed, os.environ.get("KVROUTE_BENCH_SCHEDULE_OUT"))
     _install_conversation_reprime_fix()
+    _install_server_output_count()
     if os.environ.get("KVROUTE_BENCH_CLIENT"):
         k, clients = client_of(os.environ["KVROUTE_BENCH_CLIENT"])
         _install_client_split(k, clients)

@@ -689,7 +689,11 @@ def write(out: str) -> str:
             L.append(f"  - router CPU during the load run: {r['router_cpu_s']} s")
         if r.get("machine_cpu_busy") is not None:
             L.append(f"  - machine CPU busy during this strategy: {100 * r['machine_cpu_busy']:.0f}% of {meta.get('machine', {}).get('nproc', '?')} cores"
-                     + (f" (vllm-sim used {r['sim_cpu_s']} CPU-s)" if r.get("sim_cpu_s") is not None else ""))
+                     + (f", of which stolen by the hypervisor {100 * r['machine_cpu_stolen']:.0f}%"
+                        if r.get("machine_cpu_stolen") is not None else "")
+                     + (f" (vllm-sim used {r['sim_cpu_s']} CPU-s)" if r.get("sim_cpu_s") is not None else "")
+                     + (f" (the load generator used {r['inference_perf']['cpu_s']} CPU-s)"
+                        if (r.get("inference_perf") or {}).get("cpu_s") is not None else ""))
         for w in r.get("warnings", []):
             L.append(f"  - warning: {w}")
         for line in routing_facts(r):

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import signal
@@ -187,12 +188,20 @@ def pods(profile: profiles.Profile, out: str, tokenizer_dir: str, external: Opti
                     fh.write(c.log_text())
 
 
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of all CPUs from /proc/stat."""
+def machine_cpu() -> tuple[float, float, float]:
+    """(busy, stolen, total) jiffies of all CPUs from /proc/stat. Busy includes stolen: time the
+    hypervisor gave to other guests, which this machine's processes waited through."""
     with open("/proc/stat") as fh:
         vals = [float(x) for x in fh.readline().split()[1:]]
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
-    return sum(vals) - idle, sum(vals)
+    stolen = vals[7] if len(vals) > 7 else 0.0
+    return sum(vals) - idle, stolen, sum(vals)
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU of this process's finished children (and their finished children)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def wait_pods_idle(addresses: List[str], timeout: float = 300.0) -> Dict[str, Any]:
@@ -865,10 +874,13 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
                        if profile.sim.restart_pod >= 0 else None)
             with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler, \
                     restart or contextlib.nullcontext():
+                client_cpu0 = children_cpu_seconds()
                 if profile.load.clients > 1:
                     ipres = run_mesh_clients(profile, cfg, sdir, h.base_urls)
                 else:
                     ipres = run_inference_perf(profile, cfg, sdir)
+                # The load generator shares this machine's CPUs with the pods and the router.
+                ipres["cpu_s"] = round(children_cpu_seconds() - client_cpu0, 1)
             if restart:
                 res["restart"] = restart.record
             res["inference_perf"] = ipres
@@ -887,8 +899,9 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         log(f"{strategy.name}: FAILED — {e}")
     res["t_end"] = time.time()
     cpu1 = machine_cpu()
-    if cpu1[1] > cpu0[1]:
-        res["machine_cpu_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
+    if cpu1[2] > cpu0[2]:
+        res["machine_cpu_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[2] - cpu0[2]), 3)
+        res["machine_cpu_stolen"] = round((cpu1[1] - cpu0[1]) / (cpu1[2] - cpu0[2]), 3)
     if sim_cpu0 is not None:
         res["sim_cpu_s"] = round(cluster.cpu_seconds() - sim_cpu0, 1)
     try:

@@ -23,12 +23,14 @@ a synthetic run directory (numbers, the not-run line, and the
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import math
 import os
 import sys
 import tempfile
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -174,6 +176,50 @@ def scenario_restart():
     assert "Pod 0 (`127.0.0.1:9000`) was killed" in text and "10 s into stage 2" in text
     assert "| kvroute approximate | 10.1 s / 5.2 s | 6, 0.300 s / 0.500 s, 1 | 2, 0.900 s / 2.000 s, 0 | 1 | 1 | 11.0 → 1.0 | — → — | — |" in text
     assert [lbl for _, lbl in report.stage_columns(results)] == ["12 QPS (stage 1)", "12 QPS (stage 2)", "12 QPS (stage 3)"]
+
+
+@check
+def output_tokens_from_server_usage():
+    """ipwrap takes a streamed answer's output tokens from the server's usage; re-tokenizes only without it."""
+    import ipwrap
+    from inference_perf.apis.chat import ChatCompletionAPIData
+    from inference_perf.apis.completion import CompletionAPIData
+    from inference_perf.config import APIConfig
+    from inference_perf.utils.custom_tokenizer import CustomTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    class Words:  # a stand-in tokenizer model: one token per word
+        model_max_length = VERY_LARGE_INTEGER
+
+        def __call__(self, text, **_):
+            return types.SimpleNamespace(input_ids=text.split())
+
+    tokenizer = CustomTokenizer.__new__(CustomTokenizer)
+    tokenizer.tokenizer = Words()
+
+    class Body:
+        def __init__(self, events):
+            self.events = events
+
+        async def iter_any(self):
+            for e in self.events:
+                yield f"data: {json.dumps(e)}\n\n".encode() if isinstance(e, dict) else e
+
+    def answer(delta, usage):
+        events = [{"choices": [delta(w)]} for w in ("one ", "two ", "three")]
+        if usage is not None:
+            events.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": usage}})
+        return types.SimpleNamespace(content=Body(events + [b"data: [DONE]\n\n"]))
+
+    ipwrap._install_server_output_count()
+    config = APIConfig(streaming=True)
+    completion = CompletionAPIData(prompt="p")
+    chat = ChatCompletionAPIData(messages=[])
+    for data, delta in ((completion, lambda w: {"text": w}), (chat, lambda w: {"delta": {"content": w}})):
+        for usage, expected in ((7, 7), (None, 3)):
+            info = asyncio.run(data.process_response(answer(delta, usage), config, tokenizer))
+            assert info.response_metrics.output_tokens == expected, (type(data).__name__, usage)
+    assert tokenizer.count_tokens("one two three", add_special_tokens=False) == 3
 
 
 @check
