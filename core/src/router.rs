@@ -44,6 +44,9 @@ struct Pod {
     /// Uncached prompt blocks of requests routed here and not finished.
     active_blocks: u64,
     reported: ReportedLoad,
+    /// `inflight_requests` when `reported` last changed: the requests this
+    /// proxy started or ended there since are not in the report yet.
+    inflight_at_report: u32,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
     /// What each recent client taught this pod's table.
@@ -63,6 +66,7 @@ impl Pod {
             inflight_blocks: 0,
             active_blocks: 0,
             reported: ReportedLoad::default(),
+            inflight_at_report: 0,
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
         }
@@ -78,6 +82,15 @@ impl Pod {
             self.shuffle,
             index,
         )
+    }
+
+    /// Requests running there: the last report, plus those this proxy
+    /// started there since, minus those it saw end. A report is up to a
+    /// scrape interval old; without the correction every request in that
+    /// interval would see the same counts and go to the same pod.
+    fn running_now(&self) -> u32 {
+        let since = i64::from(self.inflight_requests) - i64::from(self.inflight_at_report);
+        (i64::from(self.reported.running) + since).clamp(0, i64::from(u32::MAX)) as u32
     }
 
     fn serves(&self, model: &str) -> bool {
@@ -678,7 +691,7 @@ impl Cluster {
                     inflight_requests: pod.inflight_requests,
                     reported: rules.trust_precise,
                     waiting: pod.reported.waiting,
-                    running: pod.reported.running,
+                    running: pod.running_now(),
                     kv_usage: pod.reported.kv_usage,
                     capacity_blocks: pod.spec.capacity_blocks,
                     speed: pod.spec.speed,
@@ -889,13 +902,19 @@ impl Cluster {
     fn record_reported_load(&mut self, update: &FeedUpdate) {
         for info in &update.pods {
             if let Some(i) = self.by_address.get(&info.address).copied() {
-                self.update_load(i, |pod| {
-                    pod.reported = ReportedLoad {
-                        waiting: info.waiting,
-                        running: info.running,
-                        kv_usage: info.kv_usage,
-                    };
-                });
+                let reported = ReportedLoad {
+                    waiting: info.waiting,
+                    running: info.running,
+                    kv_usage: info.kv_usage,
+                };
+                // An unchanged load is the same report (or one that moved
+                // nothing): what this proxy did since still counts.
+                if self.pods.get(i).is_some_and(|pod| pod.reported != reported) {
+                    self.update_load(i, |pod| {
+                        pod.reported = reported;
+                        pod.inflight_at_report = pod.inflight_requests;
+                    });
+                }
             }
         }
     }
@@ -1448,6 +1467,48 @@ mod tests {
         let d = cluster.decide(&c, &prompt, 11, 0).unwrap();
         assert_eq!((d.signals.capacity_blocks, d.matched_blocks), (1000, 50));
         assert_eq!(cluster.index().map(|i| i.stats().blocks), Some(50));
+    }
+
+    /// A pod's reported running count is a scrape old: the requests this
+    /// proxy started or ended there since count until the next report.
+    #[test]
+    fn requests_routed_since_a_pods_report_count_as_running_there() {
+        let c = config("[]");
+        let mut cluster = Cluster::default();
+        let report = |a_running: u32| FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: false,
+            pods: vec![
+                PodInfo {
+                    running: a_running,
+                    ..fed_pod("a:1", 1000)
+                },
+                PodInfo {
+                    running: 12,
+                    ..fed_pod("b:1", 1000)
+                },
+            ],
+            ops: vec![],
+        };
+        cluster.apply_feed(&report(10), 10, 60);
+        let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
+        let pick = |cluster: &Cluster| cluster.decide(&c, &prompt, 10, 1).unwrap().pod;
+        assert_eq!(pick(&cluster), "a:1");
+        for _ in 0..3 {
+            cluster.record_routed("a:1", 0, &[], 10);
+        }
+        // 10 reported + 3 routed since: b (12) is less busy now.
+        assert_eq!(pick(&cluster), "b:1");
+        // The same load again is no new report: the 3 still count.
+        cluster.apply_feed(&report(10), 10, 60);
+        assert_eq!(pick(&cluster), "b:1");
+        // A report that includes them, then 2 of them end.
+        cluster.apply_feed(&report(13), 10, 60);
+        assert_eq!(pick(&cluster), "b:1");
+        cluster.record_finished("a:1", 0);
+        cluster.record_finished("a:1", 0);
+        assert_eq!(pick(&cluster), "a:1");
     }
 
     fn many_pods(n: usize) -> (Config, Cluster) {

@@ -15,7 +15,8 @@
 //! Dynamo's KV-router form, every term in blocks so weights are unitless;
 //! with every speed 1 (the default) the cost is the block count itself.
 //! Decode pressure (the running and KV terms) comes from the pod while its
-//! reports are fresh (precise mode: `vllm:num_requests_running`,
+//! reports are fresh (precise mode: `vllm:num_requests_running`, corrected by
+//! the requests the proxy started or saw end there since the report, and
 //! `vllm:kv_cache_usage_perc` × capacity) and from the proxy's own count
 //! otherwise (approximate mode: requests in flight, and the uncached prompt
 //! blocks of requests routed there and not finished).
@@ -41,7 +42,8 @@ pub struct PodSignals {
     pub reported: bool,
     /// Requests waiting in the pod's queue (pod-reported; 0 when unknown).
     pub waiting: u32,
-    /// Requests running on the pod (pod-reported; 0 when unknown).
+    /// Requests running on the pod (pod-reported, plus those the proxy
+    /// started there since the report, minus those it saw end; 0 when unknown).
     pub running: u32,
     /// Fraction of the pod's KV cache in use (pod-reported; 0 when unknown).
     pub kv_usage: f32,
