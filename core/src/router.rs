@@ -47,6 +47,8 @@ struct Pod {
     /// `inflight_requests` when `reported` last changed: the requests this
     /// proxy started or ended there since are not in the report yet.
     inflight_at_report: u32,
+    /// `active_blocks` when `reported` last changed (see `kv_usage_now`).
+    active_at_report: u64,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
     /// What each recent client taught this pod's table.
@@ -67,6 +69,7 @@ impl Pod {
             active_blocks: 0,
             reported: ReportedLoad::default(),
             inflight_at_report: 0,
+            active_at_report: 0,
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
         }
@@ -91,6 +94,15 @@ impl Pod {
     fn running_now(&self) -> u32 {
         let since = i64::from(self.inflight_requests) - i64::from(self.inflight_at_report);
         (i64::from(self.reported.running) + since).clamp(0, i64::from(u32::MAX)) as u32
+    }
+
+    /// KV in use there as a fraction of capacity: the last report, plus
+    /// the uncached prompt blocks of requests this proxy routed there since,
+    /// minus those of requests it saw end (as `running_now`).
+    fn kv_usage_now(&self) -> f32 {
+        let since = self.active_blocks as f64 - self.active_at_report as f64;
+        let capacity = f64::from(self.spec.capacity_blocks.max(1));
+        (f64::from(self.reported.kv_usage) + since / capacity).max(0.0) as f32
     }
 
     fn serves(&self, model: &str) -> bool {
@@ -273,6 +285,9 @@ impl Decision {
         // Terms and factors at their defaults stay out, so the header keeps its shape.
         if self.terms.running != 0.0 {
             let _ = write!(out, " running={:.1}", self.terms.running);
+        }
+        if self.terms.kv_pressure != 0.0 {
+            let _ = write!(out, " kv_pressure={:.1}", self.terms.kv_pressure);
         }
         out.push(')');
         if self.signals.speed != 1.0 {
@@ -692,7 +707,7 @@ impl Cluster {
                     reported: rules.trust_precise,
                     waiting: pod.reported.waiting,
                     running: pod.running_now(),
-                    kv_usage: pod.reported.kv_usage,
+                    kv_usage: pod.kv_usage_now(),
                     capacity_blocks: pod.spec.capacity_blocks,
                     speed: pod.spec.speed,
                 }
@@ -913,6 +928,7 @@ impl Cluster {
                     self.update_load(i, |pod| {
                         pod.reported = reported;
                         pod.inflight_at_report = pod.inflight_requests;
+                        pod.active_at_report = pod.active_blocks;
                     });
                 }
             }
@@ -1508,6 +1524,43 @@ mod tests {
         assert_eq!(pick(&cluster), "b:1");
         cluster.record_finished("a:1", 0);
         cluster.record_finished("a:1", 0);
+        assert_eq!(pick(&cluster), "a:1");
+    }
+
+    #[test]
+    fn blocks_routed_since_a_pods_report_count_in_its_kv_usage() {
+        let c = config("[]");
+        let mut cluster = Cluster::default();
+        let report = |a_kv: f32| FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: false,
+            pods: vec![
+                PodInfo {
+                    kv_usage: a_kv,
+                    ..fed_pod("a:1", 1000)
+                },
+                PodInfo {
+                    running: 5,
+                    kv_usage: 0.5,
+                    ..fed_pod("b:1", 1000)
+                },
+            ],
+            ops: vec![],
+        };
+        cluster.apply_feed(&report(0.85), 10, 60);
+        let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
+        let pick = |cluster: &Cluster| cluster.decide(&c, &prompt, 10, 1).unwrap().pod;
+        // b's 5 running sequences cost more than a's KV below the threshold.
+        assert_eq!(pick(&cluster), "a:1");
+        // 100 uncached blocks sent to a since (prefilled, now decoding):
+        // 0.95 of its KV, past `kv_pressure_from` (0.9).
+        cluster.record_routed("a:1", 100, &[], 10);
+        cluster.record_prefill_done("a:1", 100);
+        let d = cluster.decide(&c, &prompt, 10, 1).unwrap();
+        assert_eq!(d.pod, "b:1");
+        // A new report that includes them leaves them out of the correction.
+        cluster.apply_feed(&report(0.86), 10, 60);
         assert_eq!(pick(&cluster), "a:1");
     }
 
