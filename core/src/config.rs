@@ -63,14 +63,6 @@ pub struct Weights {
     pub kv_usage: f64,
     /// Per request running on the pod (pod-reported; else requests in flight).
     pub running: f64,
-    /// Per KV block the pod would hold above `kv_pressure_from` × capacity
-    /// once this request's uncached blocks are in: the pod is about to run
-    /// out of KV, and vLLM then preempts running sequences and recomputes
-    /// them. A hinge, so it adds nothing until a pod nears saturation.
-    pub kv_pressure: f64,
-    /// Not a weight: the fraction of a pod's KV above which `kv_pressure`
-    /// counts (0 < value <= 1).
-    pub kv_pressure_from: f64,
 }
 
 impl Default for Weights {
@@ -89,8 +81,6 @@ impl Default for Weights {
             queue: 0.0,
             kv_usage: 0.0,
             running: 8.0,
-            kv_pressure: 4.0,
-            kv_pressure_from: 0.9,
         }
     }
 }
@@ -517,7 +507,6 @@ impl Config {
             ("queue", w.queue),
             ("kv_usage", w.kv_usage),
             ("running", w.running),
-            ("kv_pressure", w.kv_pressure),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(invalid(
@@ -525,12 +514,6 @@ impl Config {
                     "must be a finite number >= 0",
                 ));
             }
-        }
-        if !(w.kv_pressure_from > 0.0 && w.kv_pressure_from <= 1.0) {
-            return Err(invalid(
-                "weights.kv_pressure_from",
-                "must be a fraction > 0 and <= 1",
-            ));
         }
         for (name, value) in [
             ("cpu", self.tier_discount.cpu),
@@ -815,10 +798,6 @@ mod tests {
         assert_eq!(err(r#"{"wieghts":{}}"#).field, "wieghts");
         assert_eq!(err(r#"{"weights":{"prefil":1}}"#).field, "prefil");
         assert_eq!(err(r#"{"weights":{"decode":-1}}"#).field, "weights.decode");
-        for bad in ["0", "1.5"] {
-            let json = format!(r#"{{"weights":{{"kv_pressure_from":{bad}}}}}"#);
-            assert_eq!(err(&json).field, "weights.kv_pressure_from");
-        }
         assert_eq!(err(r#"{"block_size":0}"#).field, "block_size");
         assert_eq!(
             err(r#"{"tokenizer":{"cluster":"t","memo_bytes":2147483648}}"#).field,

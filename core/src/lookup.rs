@@ -540,8 +540,6 @@ mod tests {
                 queue: 0.0,
                 running: 0.0,
                 kv_usage: 1.0,
-                kv_pressure: 0.0,
-                ..crate::config::Weights::default()
             },
             ..Config::default()
         };

@@ -286,9 +286,6 @@ impl Decision {
         if self.terms.running != 0.0 {
             let _ = write!(out, " running={:.1}", self.terms.running);
         }
-        if self.terms.kv_pressure != 0.0 {
-            let _ = write!(out, " kv_pressure={:.1}", self.terms.kv_pressure);
-        }
         out.push(')');
         if self.signals.speed != 1.0 {
             let _ = write!(out, " at speed {}", self.signals.speed);
@@ -1529,7 +1526,9 @@ mod tests {
 
     #[test]
     fn blocks_routed_since_a_pods_report_count_in_its_kv_usage() {
-        let c = config("[]");
+        let mut c = config("[]");
+        c.weights.kv_usage = 1.0;
+        c.weights.running = 0.0;
         let mut cluster = Cluster::default();
         let report = |a_kv: f32| FeedUpdate {
             epoch: 1,
@@ -1541,26 +1540,28 @@ mod tests {
                     ..fed_pod("a:1", 1000)
                 },
                 PodInfo {
-                    running: 5,
-                    kv_usage: 0.5,
+                    kv_usage: 0.55,
                     ..fed_pod("b:1", 1000)
                 },
             ],
             ops: vec![],
         };
-        cluster.apply_feed(&report(0.85), 10, 60);
+        cluster.apply_feed(&report(0.5), 10, 60);
         let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
         let pick = |cluster: &Cluster| cluster.decide(&c, &prompt, 10, 1).unwrap().pod;
-        // b's 5 running sequences cost more than a's KV below the threshold.
         assert_eq!(pick(&cluster), "a:1");
-        // 100 uncached blocks sent to a since (prefilled, now decoding):
-        // 0.95 of its KV, past `kv_pressure_from` (0.9).
+        // 100 uncached blocks sent to a since (prefilled, now decoding): 0.6.
         cluster.record_routed("a:1", 100, &[], 10);
         cluster.record_prefill_done("a:1", 100);
-        let d = cluster.decide(&c, &prompt, 10, 1).unwrap();
-        assert_eq!(d.pod, "b:1");
+        assert_eq!(pick(&cluster), "b:1");
         // A new report that includes them leaves them out of the correction.
-        cluster.apply_feed(&report(0.86), 10, 60);
+        cluster.apply_feed(&report(0.52), 10, 60);
+        assert_eq!(pick(&cluster), "a:1");
+        // The pod reports more; then the request ends: its blocks leave the
+        // estimate before the next report.
+        cluster.apply_feed(&report(0.62), 10, 60);
+        assert_eq!(pick(&cluster), "b:1");
+        cluster.record_released("a:1", 100);
         assert_eq!(pick(&cluster), "a:1");
     }
 

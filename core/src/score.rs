@@ -10,8 +10,6 @@
 //!         + w_queue   × waiting_requests(p)
 //!         + w_running × running_requests(p)
 //!         + w_kv      × active_kv_blocks(p)
-//!         + w_pressure × max(0, active_kv_blocks(p) + uncached_prompt_blocks(p)
-//!                               − kv_pressure_from × capacity(p))
 //! cost(p) = work(p) / speed(p)
 //! ```
 //! Dynamo's KV-router form, every term in blocks so weights are unitless;
@@ -22,12 +20,6 @@
 //! `vllm:kv_cache_usage_perc` × capacity) and from the proxy's own count
 //! otherwise (approximate mode: requests in flight, and the uncached prompt
 //! blocks of requests routed there and not finished).
-//! The pressure term is a hinge: nothing until the request would fill the
-//! pod's KV past `kv_pressure_from`, then each block above it costs like a
-//! block of prefill. A pod out of KV preempts running sequences and
-//! recomputes them, so a group's cached prefix stops outweighing that pod's
-//! saturation, which a linear KV or running term cannot do without also
-//! moving load between pods with plenty of room.
 //! Ties go to the pod with fewer requests in flight, then to a random one.
 
 use crate::config::Weights;
@@ -98,12 +90,11 @@ pub struct CostTerms {
     pub queue: f64,
     pub running: f64,
     pub kv: f64,
-    pub kv_pressure: f64,
 }
 
 impl CostTerms {
     pub fn total(&self) -> f64 {
-        self.prefill + self.decode + self.queue + self.running + self.kv + self.kv_pressure
+        self.prefill + self.decode + self.queue + self.running + self.kv
     }
 }
 
@@ -111,20 +102,12 @@ pub fn cost(prompt_blocks: usize, pod: &PodSignals, w: &Weights) -> CostTerms {
     let uncached = (prompt_blocks as f64 - pod.cached_credit).max(0.0);
     let per_speed = 1.0 / pod.divisor();
     let waiting = if pod.reported { pod.waiting } else { 0 };
-    let kv_blocks = pod.active_kv_blocks();
-    // An unknown capacity (0) has no known limit to press against.
-    let above = if pod.capacity_blocks == 0 {
-        0.0
-    } else {
-        (kv_blocks + uncached - w.kv_pressure_from * f64::from(pod.capacity_blocks)).max(0.0)
-    };
     CostTerms {
         prefill: w.prefill * uncached * per_speed,
         decode: w.decode * pod.inflight_blocks as f64 * per_speed,
         queue: w.queue * f64::from(waiting) * per_speed,
         running: w.running * f64::from(pod.running_requests()) * per_speed,
-        kv: w.kv_usage * kv_blocks * per_speed,
-        kv_pressure: w.kv_pressure * above * per_speed,
+        kv: w.kv_usage * pod.active_kv_blocks() * per_speed,
     }
 }
 
@@ -281,43 +264,6 @@ mod tests {
         assert_eq!(rank(10, &[idle_slow, fast], &w, 3)[0].0, 0);
         // A speed left at 0 (unset) counts as 1, never as infinite cost.
         assert_eq!(cost(10, &PodSignals { speed: 0.0, ..fast }, &w), f);
-    }
-
-    /// A group's pod nearing KV saturation loses the group's next request
-    /// to a pod with room, although only the first holds its prefix; with
-    /// room on both, the prefix wins whatever the KV difference.
-    #[test]
-    fn kv_pressure_moves_a_prefix_off_a_pod_running_out_of_kv() {
-        let w = Weights::default();
-        let at = |kv_usage: f32, cached: f64| PodSignals {
-            reported: true,
-            kv_usage,
-            capacity_blocks: 19_208,
-            cached_credit: cached,
-            ..Default::default()
-        };
-        let prompt = 450;
-        assert_eq!(
-            rank(prompt, &[at(0.85, 375.0), at(0.30, 0.0)], &w, 1)[0].0,
-            0
-        );
-        let nearly_full = at(0.95, 375.0);
-        let terms = cost(prompt, &nearly_full, &w);
-        let above = 0.95f32 as f64 * 19_208.0 + 75.0 - 0.9 * 19_208.0;
-        assert!((terms.kv_pressure - 4.0 * above).abs() < 1e-6);
-        assert_eq!(rank(prompt, &[nearly_full, at(0.30, 0.0)], &w, 1)[0].0, 1);
-        // Off: the cached prefix keeps the request whatever the KV.
-        let off = Weights {
-            kv_pressure: 0.0,
-            ..w
-        };
-        assert_eq!(rank(prompt, &[nearly_full, at(0.30, 0.0)], &off, 1)[0].0, 0);
-        // An unknown capacity has no limit to press against.
-        let unknown = PodSignals {
-            capacity_blocks: 0,
-            ..nearly_full
-        };
-        assert_eq!(cost(prompt, &unknown, &w).kv_pressure, 0.0);
     }
 
     #[test]
