@@ -24,9 +24,9 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
   snapshot size, idle poll size, delta bytes per second while every pod stores and removes
   200 blocks/s (fewer when that exceeds --max-churn-blocks-s, then extrapolated); then per
-  `--concurrency`: time for a new Envoy to route an 8k-token prompt on the full index (from its
-  start to the first fully matched decision on one of the last pods, which the snapshot's last
-  page brings, or the failure as the result), its RSS,
+  `--concurrency`: time for a new Envoy to route on the full index (from its start until the
+  snapshot is loaded and published, `feed.snapshots` ≥ 1 with nothing deferred, and then an
+  8k-token prompt of a random pod is fully matched on that pod; or the failure as the result), its RSS,
   `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
   CPU per chat request including the tokenizer call-out (every request: `tokenizer.memo_bytes`
   is 0 unless --token-memo-bytes gives the workers a token memo, which then recalls the
@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import http.client
-import itertools
 import json
 import os
 import platform
@@ -718,12 +717,12 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
               "tokenizer": {"timeout_ms": 1000, "memo_bytes": args.token_memo_bytes}}
     config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
     rng = random.Random(concurrency)
-    # The index is complete once the snapshot's last page is applied: pages go in pod order, so
-    # "routes on the full index" is a full match on one of the last pods. Those probes are kept
-    # apart from the measured ones (a probe teaches its own decision locally, so a measured one
-    # is never repeated; a repeated check can only fail, never pass wrongly).
+    # Snapshot pages go by key range, so a full match on one pod can come before the index is
+    # whole: "routes on the full index" waits until the snapshot is loaded and published, then
+    # checks a full match on the right pod, on a pod apart from the measured probes (a probe
+    # teaches its own decision locally, so a measured one is never repeated).
     last = max(2, len(pods) // 25)
-    checks = itertools.cycle([(p, q) for q in range(sequences) for p in range(len(pods) - last, len(pods))])
+    check = (rng.randrange(len(pods) - last, len(pods)), rng.randrange(sequences))
     order = [(rng.randrange(len(pods) - last), rng.randrange(sequences)) for _ in range(args.probes)]
     probes = iter(order)
     t0 = time.monotonic()
@@ -732,34 +731,25 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         if envoy is None:
             return result
         client = Client(envoy.listener_port)
-        tries = 0
 
-        def routed() -> bool:
-            nonlocal tries
-            pod, seq = next(checks)
-            tries += 1
-            status, header = client.post(token_request(sequence_tokens(pod, seq)))
-            d = parse_decision(header)
-            return status == 200 and d["pod"] == pods[pod] and d["matched"] == d["total"] == SEQUENCE_BLOCKS
-
-        ok = wait_for(routed, args.route_timeout, interval=0.05)
-        client.close()
-        result["routes_on_full_index"] = bool(ok)
-        result["time_to_route_s"] = round(time.monotonic() - t0, 2) if ok else None
-        result["main_thread_cpu_s_to_route"] = round(main_thread_cpu_seconds(envoy.pid), 2)
-        result["route_tries"] = tries
-
-        # "Routes on the full index" may come a page before the snapshot's end (the checked pods
-        # span its last two pages): RSS, the probes and the CPU readings wait until it is loaded
-        # and published (no changed key left for the next flush).
         def loaded() -> bool:
             stats = envoy.stats("kvroute.")
             return (stats.get("wasmcustom.kvroute.feed.snapshots", 0) >= 1
                     and stats.get("wasmcustom.kvroute.index.deferred", 1) == 0)
 
+        def routed() -> bool:
+            pod, seq = check
+            status, header = client.post(token_request(sequence_tokens(pod, seq)))
+            d = parse_decision(header)
+            return status == 200 and d["pod"] == pods[pod] and d["matched"] == d["total"] == SEQUENCE_BLOCKS
+
         loaded_at = wait_for(loaded, args.route_timeout, interval=0.05)
         result["snapshot_loaded_s"] = round(time.monotonic() - t0, 2) if loaded_at else None
         result["main_thread_cpu_s_to_load"] = round(main_thread_cpu_seconds(envoy.pid), 2)
+        ok = bool(loaded_at) and routed()
+        client.close()
+        result["routes_on_full_index"] = ok
+        result["time_to_route_s"] = round(time.monotonic() - t0, 2) if ok else None
         feed = envoy.stats("kvroute.feed")
         result["feed"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
         result["rss_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
