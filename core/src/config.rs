@@ -71,16 +71,20 @@ impl Default for Weights {
         // request's own uncached work: a copy on a second pod costs the
         // cluster that prefill and splits the group's later requests
         // (bench: a cold 150-group burst got 40% prefix hits at prefill = 1,
-        // 56% at 4 and at 8). `running` = 8 brings work back to a pod that
+        // 56% at 4 and at 8). `running` brings work back to a pod that
         // restarted empty, which the prefix terms keep away (restart bench:
-        // precise TTFT p90 after the kill 15.4 s at 0, 4.5 s at 8), and is
-        // no worse elsewhere (mixed fleet and oversubscribed KV sweeps).
+        // precise TTFT p90 after the kill 15.4 s at 0, 4.5 s at 8). At 32 a
+        // group's request leaves its prefix's pod once that pod runs ~47
+        // more sequences than another (4 × 375-block prefix = 32 × 47); at 8
+        // it took ~190, so the pods that drew the busier groups ran out of
+        // KV (full profile, precise: TTFT p90 0.379 / 0.318 s, 173 / 35
+        // preemptions at 32; 0.329 / 1.259 s, 3 / 616 at 8).
         Weights {
             prefill: 4.0,
             decode: 1.0,
             queue: 0.0,
             kv_usage: 0.0,
-            running: 8.0,
+            running: 32.0,
         }
     }
 }
