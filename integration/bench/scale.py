@@ -841,6 +841,9 @@ def verify(results: dict) -> dict[str, Any]:
                 if not c.startswith("c") or not isinstance(r, dict):
                     continue
                 where = f"{mode} N={n} {c}"
+                checks.append((f"{where}: Envoy started", r.get("started") is True))
+                if mode == "precise" and r.get("started"):
+                    checks.append((f"{where}: routed on the full index", r.get("routes_on_full_index") is True))
                 d = r.get("decision")
                 if d:
                     checks.append((f"{where}: every probe fully matched on its pod", d["fully_matched"] == d["probes"]))

@@ -80,18 +80,25 @@ def test_failure_cause_joins_the_vm_message_pieces():
                         "has been exceeded, draining data"]).startswith("the buffer size limit")
 
 
-def test_verify_flags_a_decision_that_did_not_match_and_a_short_fill():
+def test_verify_flags_a_failed_start_a_decision_that_did_not_match_and_a_short_fill():
     decision = {"probes": 2, "fully_matched": 2, "samples": 2, "blocks_matched_header": 1024,
                 "blocks_matched_counter": 1024}
     results = {"fleets": {"8": {
-        "approximate": {"c2": {"decision": dict(decision), "cpu": {"30KB": {"ok": 5, "failed": 0}}}},
-        "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10}, "c2": {"decision": dict(decision)}}}}}
-    assert scale.verify(results) == {"made": 8, "failed": []}
+        "approximate": {"c2": {"started": True, "decision": dict(decision),
+                               "cpu": {"30KB": {"ok": 5, "failed": 0}}}},
+        "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10},
+                    "c2": {"started": True, "routes_on_full_index": True, "decision": dict(decision)},
+                    "c8": {"started": False}}}}}
+    assert scale.verify(results)["failed"] == ["precise N=8 c8: Envoy started"]
+    results["fleets"]["8"]["precise"]["c8"] = {"started": True, "routes_on_full_index": True}
+    assert scale.verify(results) == {"made": 13, "failed": []}
     results["fleets"]["8"]["approximate"]["c2"]["decision"].update(fully_matched=1, blocks_matched_counter=0)
     results["fleets"]["8"]["precise"]["fill"]["indexed_entries"] = 9
+    results["fleets"]["8"]["precise"]["c8"]["routes_on_full_index"] = False
     assert scale.verify(results)["failed"] == [
         "approximate N=8 c2: every probe fully matched on its pod",
         "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
+        "precise N=8 c8: routed on the full index",
         "precise N=8: indexer holds every entry sent"]
 
 
