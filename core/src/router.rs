@@ -996,6 +996,17 @@ mod tests {
         }
     }
 
+    /// A feed answer carrying only the pods' load (no block operations).
+    fn load_report(pods: Vec<PodInfo>) -> FeedUpdate {
+        FeedUpdate {
+            epoch: 1,
+            cursor: 1,
+            snapshot: false,
+            pods,
+            ops: vec![],
+        }
+    }
+
     fn chat(system: &str, question: &str) -> PromptRequest {
         let body = format!(
             r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{question}"}}]}}"#
@@ -1490,11 +1501,8 @@ mod tests {
     fn requests_routed_since_a_pods_report_count_as_running_there() {
         let c = config("[]");
         let mut cluster = Cluster::default();
-        let report = |a_running: u32| FeedUpdate {
-            epoch: 1,
-            cursor: 1,
-            snapshot: false,
-            pods: vec![
+        let report = |a_running: u32| {
+            load_report(vec![
                 PodInfo {
                     running: a_running,
                     ..fed_pod("a:1", 1000)
@@ -1503,8 +1511,7 @@ mod tests {
                     running: 12,
                     ..fed_pod("b:1", 1000)
                 },
-            ],
-            ops: vec![],
+            ])
         };
         cluster.apply_feed(&report(10), 10, 60);
         let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
@@ -1532,11 +1539,8 @@ mod tests {
         c.weights.kv_usage = 1.0;
         c.weights.running = 0.0;
         let mut cluster = Cluster::default();
-        let report = |a_kv: f32| FeedUpdate {
-            epoch: 1,
-            cursor: 1,
-            snapshot: false,
-            pods: vec![
+        let report = |a_kv: f32| {
+            load_report(vec![
                 PodInfo {
                     kv_usage: a_kv,
                     ..fed_pod("a:1", 1000)
@@ -1545,8 +1549,7 @@ mod tests {
                     kv_usage: 0.55,
                     ..fed_pod("b:1", 1000)
                 },
-            ],
-            ops: vec![],
+            ])
         };
         cluster.apply_feed(&report(0.5), 10, 60);
         let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
