@@ -63,6 +63,10 @@ pub struct Weights {
     pub kv_usage: f64,
     /// Per request running on the pod (pod-reported; else requests in flight).
     pub running: f64,
+    /// Per request running on the pod and per block of this request's
+    /// prompt (at least one): the load term grows with the prefix terms it
+    /// balances.
+    pub running_per_block: f64,
 }
 
 impl Default for Weights {
@@ -71,20 +75,24 @@ impl Default for Weights {
         // request's own uncached work: a copy on a second pod costs the
         // cluster that prefill and splits the group's later requests
         // (bench: a cold 150-group burst got 40% prefix hits at prefill = 1,
-        // 56% at 4 and at 8). `running` brings work back to a pod that
-        // restarted empty, which the prefix terms keep away (restart bench:
-        // precise TTFT p90 after the kill 15.4 s at 0, 4.5 s at 8). At 32 a
-        // group's request leaves its prefix's pod once that pod runs ~47
-        // more sequences than another (4 × 375-block prefix = 32 × 47); at 8
-        // it took ~190, so the pods that drew the busier groups ran out of
-        // KV (full profile, precise: TTFT p90 0.379 / 0.318 s, 173 / 35
-        // preemptions at 32; 0.329 / 1.259 s, 3 / 616 at 8).
+        // 56% at 4 and at 8). The running term brings work back to a pod
+        // that restarted empty, which the prefix terms keep away, and keeps
+        // the pods that drew the busier groups from running out of KV. It
+        // scales with the prompt, as the prefix terms do, so a group leaves
+        // its prefix's pod at the same running gap whatever its prompt's
+        // length: 4 / 0.07 × uncached share, ~47 sequences for a 5:1
+        // prefix:question prompt. A flat weight cannot do both: 450-block
+        // prompts (full profile) measured best at 32 per request (TTFT p90
+        // 0.379 / 0.318 s against 0.329 / 1.259 s at 8), 112-block ones
+        // (restart profile) at 8 (2.288 s after the restart against 9.673 /
+        // 10.0 s at 32), and both are this gap.
         Weights {
             prefill: 4.0,
             decode: 1.0,
             queue: 0.0,
             kv_usage: 0.0,
-            running: 32.0,
+            running: 0.0,
+            running_per_block: 0.07,
         }
     }
 }
@@ -511,6 +519,7 @@ impl Config {
             ("queue", w.queue),
             ("kv_usage", w.kv_usage),
             ("running", w.running),
+            ("running_per_block", w.running_per_block),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(invalid(

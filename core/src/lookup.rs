@@ -539,6 +539,7 @@ mod tests {
                 decode: 0.0,
                 queue: 0.0,
                 running: 0.0,
+                running_per_block: 0.0,
                 kv_usage: 1.0,
             },
             ..Config::default()

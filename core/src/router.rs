@@ -1126,7 +1126,7 @@ mod tests {
     fn a_refused_request_takes_back_only_the_blocks_it_taught() {
         let (mut c, mut cluster) = four_pods();
         // About learned blocks only: the two requests' load stays out of it.
-        c.weights.running = 0.0;
+        c.weights.running_per_block = 0.0;
         let system = "t".repeat(1280);
         let first = route(&c, &mut cluster, &chat(&system, "first"), 1);
         let attack = hash_prompt(&c, &chat(&system, &"x".repeat(6400)));
@@ -1198,7 +1198,9 @@ mod tests {
         // offers, and the request counts as running there.
         assert_eq!(
             decide(&cluster).terms.total(),
-            d.total_blocks as f64 + c.weights.running
+            d.total_blocks as f64
+                + c.weights.running
+                + c.weights.running_per_block * d.total_blocks as f64
         );
         cluster.record_prefill_done(&d.pod, d.total_blocks as u32);
         let again = decide(&cluster);
@@ -1537,7 +1539,7 @@ mod tests {
     fn blocks_routed_since_a_pods_report_count_in_its_kv_usage() {
         let mut c = config("[]");
         c.weights.kv_usage = 1.0;
-        c.weights.running = 0.0;
+        c.weights.running_per_block = 0.0;
         let mut cluster = Cluster::default();
         let report = |a_kv: f32| {
             load_report(vec![

@@ -8,7 +8,8 @@
 //! work(p) = w_prefill × uncached_prompt_blocks(p)
 //!         + w_decode  × pending_prefill_blocks(p)
 //!         + w_queue   × waiting_requests(p)
-//!         + w_running × running_requests(p)
+//!         + (w_running + w_running_per_block × max(prompt_blocks, 1))
+//!               × running_requests(p)
 //!         + w_kv      × active_kv_blocks(p)
 //! cost(p) = work(p) / speed(p)
 //! ```
@@ -102,11 +103,15 @@ pub fn cost(prompt_blocks: usize, pod: &PodSignals, w: &Weights) -> CostTerms {
     let uncached = (prompt_blocks as f64 - pod.cached_credit).max(0.0);
     let per_speed = 1.0 / pod.divisor();
     let waiting = if pod.reported { pod.waiting } else { 0 };
+    // A prompt shorter than a block still occupies one: load still counts.
+    let load_blocks = prompt_blocks.max(1) as f64;
     CostTerms {
         prefill: w.prefill * uncached * per_speed,
         decode: w.decode * pod.inflight_blocks as f64 * per_speed,
         queue: w.queue * f64::from(waiting) * per_speed,
-        running: w.running * f64::from(pod.running_requests()) * per_speed,
+        running: (w.running + w.running_per_block * load_blocks)
+            * f64::from(pod.running_requests())
+            * per_speed,
         kv: w.kv_usage * pod.active_kv_blocks() * per_speed,
     }
 }
@@ -204,6 +209,7 @@ mod tests {
         let w = only(Weights {
             queue: 2.0,
             running: 0.5,
+            running_per_block: 0.25,
             kv_usage: 1.0,
             ..Weights::default()
         });
@@ -218,7 +224,8 @@ mod tests {
             ..Default::default()
         };
         let terms = cost(10, &p, &w);
-        assert_eq!((terms.queue, terms.running, terms.kv), (6.0, 4.0, 50.0));
+        // Running: 8 × (0.5 + 0.25 per block of the 10-block prompt).
+        assert_eq!((terms.queue, terms.running, terms.kv), (6.0, 24.0, 50.0));
         let clamped = PodSignals { kv_usage: 7.0, ..p };
         assert_eq!(cost(10, &clamped, &w).kv, 100.0);
         // Stale or absent reports: the proxy's own counts stand in.
@@ -232,8 +239,37 @@ mod tests {
         );
         assert_eq!(
             (estimated.queue, estimated.running, estimated.kv),
-            (0.0, 0.5, 7.0)
+            (0.0, 3.0, 7.0)
         );
+    }
+
+    #[test]
+    fn a_group_leaves_its_prefix_pod_at_the_same_running_gap_whatever_its_prompt_length() {
+        let w = Weights::default();
+        let empty = PodSignals {
+            reported: true,
+            speed: 1.0,
+            ..Default::default()
+        };
+        for prompt_blocks in [112, 450, 2_000] {
+            // A 5:1 prefix:question prompt whose prefix one pod holds.
+            let holder = |running| PodSignals {
+                cached_credit: prompt_blocks as f64 * 5.0 / 6.0,
+                running,
+                ..empty
+            };
+            let chosen = |running| rank(prompt_blocks, &[holder(running), empty], &w, 1)[0].0;
+            assert_eq!(
+                chosen(40),
+                0,
+                "{prompt_blocks} blocks: 40 more running stay"
+            );
+            assert_eq!(
+                chosen(55),
+                1,
+                "{prompt_blocks} blocks: 55 more running leave"
+            );
+        }
     }
 
     #[test]

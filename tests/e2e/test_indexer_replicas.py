@@ -44,10 +44,7 @@ def stack(tmp_path):
             for r in replicas:
                 wait_for("a replica subscribed to every pod",
                          lambda r=r: r.log_text().count("zmq SUB connected") == PODS)
-            # The test judges routing on the index (every answer from the pod holding its prompt):
-            # the four clients' own load must not outweigh a 20-block prefix, which at the default
-            # `weights.running` (32) three more sequences on a pod do (96 > 4 x 20).
-            plugin = {"default_capacity_blocks": CAPACITY, "weights": {"running": 0.0}}
+            plugin = {"default_capacity_blocks": CAPACITY}
             config = render_gateway(sims.addresses, plugin,
                                     template=GATEWAY_PRECISE, indexer=[r.address for r in replicas])
             with EnvoyProcess(config) as envoy:
