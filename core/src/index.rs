@@ -1102,6 +1102,7 @@ impl BlockIndex {
         // One bucket's blocks at a time, as (operation, index in it).
         let mut run: Vec<(usize, usize)> = Vec::new();
         let mut new_keys: Vec<u64> = Vec::new();
+        let mut seen: Vec<u64> = Vec::new();
         let mut at = 0;
         while at < blocks.len() {
             let b = (blocks[at] >> 32) as usize;
@@ -1118,7 +1119,7 @@ impl BlockIndex {
                     new_keys.push(key_of(hashes[i]));
                 }
             }
-            self.reserve(b, &mut new_keys);
+            self.reserve(b, &new_keys, &mut seen);
             for &(o, i) in &run {
                 match ops[o] {
                     IndexOp::Stored(_, _, hashes) => {
@@ -1246,21 +1247,31 @@ impl BlockIndex {
     }
 
     /// Grows bucket `b` once to the size that takes `keys` (the keys about
-    /// to be stored in it, duplicates allowed; left sorted) without filling
-    /// up, instead of doubling as they come: a snapshot page fills each of
-    /// its buckets from empty in one run, and every doubling re-seats the
-    /// bucket (bench snapshot_load: apply 2.2-2.7 s -> 1.3-1.5 s). Only keys it does
-    /// not hold count, so no bucket grows past what its entries need.
-    fn reserve(&mut self, b: usize, keys: &mut Vec<u64>) {
+    /// to be stored in it, duplicates allowed) without filling up, instead
+    /// of doubling as they come: a snapshot page fills each of its buckets
+    /// from empty in one run, and every doubling re-seats the bucket (bench
+    /// snapshot_load times it). Only distinct keys it does not hold count,
+    /// so no bucket grows past what its entries need. `seen` is scratch.
+    fn reserve(&mut self, b: usize, keys: &[u64], seen: &mut Vec<u64>) {
         self.load(b);
         let bucket = &self.buckets[b];
         let fits = |entries: usize, slots: usize| entries * 8 <= slots * 7;
         if fits(bucket.len + keys.len(), bucket.slots.len()) {
             return;
         }
-        keys.sort_unstable();
-        keys.dedup();
-        let new = keys.iter().filter(|&&k| bucket.find(k).is_err()).count();
+        // The keys it does not hold, as slots of a set at most half full.
+        seen.clear();
+        seen.resize((keys.len() * 2).next_power_of_two(), EMPTY);
+        let mut new = 0;
+        for &key in keys {
+            if bucket.find(key).is_ok() {
+                continue;
+            }
+            if let Err(Some(i)) = probe_slots(seen.len(), key, |i| seen[i]) {
+                seen[i] = key << REF_BITS;
+                new += 1;
+            }
+        }
         let mut size = bucket.slots.len().max(MIN_BUCKET_SLOTS);
         while size < BUCKET_SLOTS && !fits(bucket.len + new, size) {
             size *= 2;
