@@ -1082,8 +1082,7 @@ impl BlockIndex {
                 }
             }
         }
-        // (bucket, position): a block's operations stay in order.
-        blocks.sort_unstable();
+        self.sort_by_bucket(ops, blocks);
         let epoch = self.epoch(now_s);
         if ops.iter().any(|op| matches!(op, IndexOp::Stored(..))) {
             self.latest_epoch = epoch;
@@ -1134,6 +1133,41 @@ impl BlockIndex {
         }
         for last in &mut transitions {
             self.forget_transition(last);
+        }
+    }
+
+    /// Orders `blocks` ((bucket, position) of each block of `ops`, in
+    /// position order) by bucket, a bucket's blocks in position order so a
+    /// block's operations stay in order. A snapshot page's blocks fill a
+    /// narrow run of buckets (pages are key ranges): a counting sort over
+    /// that run takes two passes instead of a comparison sort's log n.
+    fn sort_by_bucket(&self, ops: &[IndexOp<'_>], blocks: &mut [u64]) {
+        let bucket = |block: u64| (block >> 32) as usize;
+        let (lo, hi) = blocks.iter().fold((usize::MAX, 0), |(lo, hi), &block| {
+            (lo.min(bucket(block)), hi.max(bucket(block)))
+        });
+        let span = hi.saturating_add(1).saturating_sub(lo);
+        if blocks.len() < span {
+            blocks.sort_unstable();
+            return;
+        }
+        // Where each bucket's blocks start, then the next free place in it.
+        let mut next = vec![0u32; span + 1];
+        for &block in blocks.iter() {
+            next[bucket(block) - lo + 1] += 1;
+        }
+        for i in 1..next.len() {
+            next[i] += next[i - 1];
+        }
+        let keys = ops.iter().flat_map(|op| match *op {
+            IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) => hashes,
+            IndexOp::Cleared(_) => &[][..],
+        });
+        for (position, &h) in (0u64..).zip(keys) {
+            let b = self.bucket_of(key_of(h));
+            let at = &mut next[b - lo];
+            blocks[*at as usize] = ((b as u64) << 32) | position;
+            *at += 1;
         }
     }
 
