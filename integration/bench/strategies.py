@@ -48,7 +48,7 @@ STRATEGIES: List[Strategy] = [
     Strategy("envoy-least-request", "Envoy least request", "envoy_lb", {"policy": "least_request"}, None,
              "Envoy LEAST_REQUEST LB (P2C), no kvroute"),
     Strategy("kvroute-load", "kvroute load-only", "kvroute", {"mode": "load"}, "load",
-             "kvroute with weights.prefill = 0: cost = in-flight prompt blocks per pod"),
+             "kvroute with weights.prefill = 0: cost = in-flight prompt blocks and the running term per pod"),
     Strategy("kvroute-approx", "kvroute approximate", "kvroute", {"mode": "approximate"}, "approximate",
              "kvroute default config: learns block locations from its own decisions"),
     Strategy("kvroute-precise", "kvroute precise", "kvroute", {"mode": "precise"}, "precise",
