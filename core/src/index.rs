@@ -557,6 +557,16 @@ pub enum IndexOp<'a> {
     Cleared(PodId),
 }
 
+impl<'a> IndexOp<'a> {
+    /// The keys the operation names (none for `Cleared`).
+    fn keys(&self) -> &'a [IndexKey] {
+        match *self {
+            IndexOp::Stored(_, _, keys) | IndexOp::Removed(_, keys) => keys,
+            IndexOp::Cleared(_) => &[],
+        }
+    }
+}
+
 /// A cached set change of one writer: (old set, new set), holding a
 /// reference to each (see [`BlockIndex::touch_block`]).
 type Transition = Option<(Option<u32>, u32)>;
@@ -1054,10 +1064,7 @@ impl BlockIndex {
     /// `ops` (no `Cleared` among them) block by block, in bucket order.
     /// `blocks` is scratch space: 8 bytes per block.
     fn apply_in_bucket_order(&mut self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>, now_s: u32) {
-        let hashes_of = |op: &IndexOp<'_>| match *op {
-            IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) => hashes.len(),
-            IndexOp::Cleared(_) => 0,
-        };
+        let hashes_of = |op: &IndexOp<'_>| op.keys().len();
         // Block positions are numbered across the operations in 32 bits: a
         // longer run (never a feed answer's) is taken in parts.
         let mut total = 0usize;
@@ -1075,11 +1082,9 @@ impl BlockIndex {
         let mut position = 0u64;
         for op in ops {
             starts.push(position);
-            if let IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) = op {
-                for &h in hashes.iter() {
-                    blocks.push(((self.bucket_of(key_of(h)) as u64) << 32) | position);
-                    position += 1;
-                }
+            for &h in op.keys() {
+                blocks.push(((self.bucket_of(key_of(h)) as u64) << 32) | position);
+                position += 1;
             }
         }
         self.sort_by_bucket(ops, blocks);
@@ -1159,11 +1164,7 @@ impl BlockIndex {
         for i in 1..next.len() {
             next[i] += next[i - 1];
         }
-        let keys = ops.iter().flat_map(|op| match *op {
-            IndexOp::Stored(_, _, hashes) | IndexOp::Removed(_, hashes) => hashes,
-            IndexOp::Cleared(_) => &[][..],
-        });
-        for (position, &h) in (0u64..).zip(keys) {
+        for (position, &h) in (0u64..).zip(ops.iter().flat_map(IndexOp::keys)) {
             let b = self.bucket_of(key_of(h));
             let at = &mut next[b - lo];
             blocks[*at as usize] = ((b as u64) << 32) | position;
@@ -1290,7 +1291,8 @@ impl BlockIndex {
         self.load(b);
         let bucket = &self.buckets[b];
         let fits = |entries: usize, slots: usize| entries * 8 <= slots * 7;
-        if fits(bucket.len + keys.len(), bucket.slots.len()) {
+        // At its full size a bucket makes room by evicting (`make_room`).
+        if bucket.slots.len() >= BUCKET_SLOTS || fits(bucket.len + keys.len(), bucket.slots.len()) {
             return;
         }
         // The keys it does not hold, as slots of a set at most half full.
@@ -2284,9 +2286,9 @@ mod tests {
         }
     }
 
-    /// A run of stores grows its bucket once, to what the keys it does not
-    /// hold yet need: keys stored by several pods, or held already, do not
-    /// make it larger.
+    /// A run of stores grows its bucket to what the keys it does not hold
+    /// yet need: keys stored by several pods, or held already, do not make
+    /// it larger.
     #[test]
     fn a_bucket_grows_to_what_its_new_keys_need() {
         let mut index = BlockIndex::new(BlockIndex::min_budget_bytes(), 60);

@@ -44,8 +44,7 @@ def stack(tmp_path):
             for r in replicas:
                 wait_for("a replica subscribed to every pod",
                          lambda r=r: r.log_text().count("zmq SUB connected") == PODS)
-            plugin = {"default_capacity_blocks": CAPACITY}
-            config = render_gateway(sims.addresses, plugin,
+            config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY},
                                     template=GATEWAY_PRECISE, indexer=[r.address for r in replicas])
             with EnvoyProcess(config) as envoy:
                 envoy.wait_for_peers()
