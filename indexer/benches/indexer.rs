@@ -293,7 +293,7 @@ struct Snapshot {
 
 /// Pages through the snapshot from a fresh consumer; returns the request
 /// that polls for deltas after it, and what the pages cost.
-fn page_snapshot(ix: &Index) -> (FeedRequest, Snapshot) {
+fn page_snapshot(ix: &mut Index) -> (FeedRequest, Snapshot) {
     let mut snap = Snapshot {
         pages: 0,
         bytes: 0,
@@ -400,7 +400,7 @@ fn scale(entries: usize, pods: usize, share: usize, growth: Growth) {
         live as f64 / total as f64,
         ix.memory_bytes() as f64 / total as f64
     );
-    let (_, snap) = page_snapshot(&ix);
+    let (_, snap) = page_snapshot(&mut ix);
     println!(
         "scale: feed snapshot {:.1} MB in {} pages (largest {:.2} MB), paged in {:.2} s ({:.2} s on-CPU)",
         snap.bytes as f64 / 1e6,
@@ -598,7 +598,7 @@ fn main() {
     }
 
     // 3. Feed sizes: the snapshot of the working set in pages, and one 100 ms tick of churn.
-    let (mut request, snap) = page_snapshot(&ix);
+    let (mut request, snap) = page_snapshot(&mut ix);
     println!(
         "feed snapshot at the working set: {:.2} MB in {} pages (largest {:.2} MB; {:.2} bytes per (block, pod))",
         snap.bytes as f64 / 1e6,

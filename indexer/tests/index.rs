@@ -131,7 +131,7 @@ impl Consumer {
     }
 
     /// One answer through the wire format and the client.
-    fn exchange(&mut self, ix: &Index, request: FeedRequest) -> Received {
+    fn exchange(&mut self, ix: &mut Index, request: FeedRequest) -> Received {
         let body = feed::encode_message(&ix.feed(&request));
         let got = self
             .client
@@ -143,7 +143,7 @@ impl Consumer {
 
     /// One poll; a snapshot is followed page by page to its end, and
     /// returned as one update.
-    fn poll(&mut self, ix: &Index) -> FeedUpdate {
+    fn poll(&mut self, ix: &mut Index) -> FeedUpdate {
         self.now_ms += 1000;
         let request = self.client.on_tick(self.now_ms).expect("a request is due");
         let mut got = self.exchange(ix, request);
@@ -189,7 +189,7 @@ fn asking(epoch: u64, cursor: u64) -> FeedRequest {
     }
 }
 
-fn fresh(ix: &Index) -> Consumer {
+fn fresh(ix: &mut Index) -> Consumer {
     let mut c = Consumer::default();
     let u = c.poll(ix);
     assert!(u.snapshot);
@@ -199,7 +199,7 @@ fn fresh(ix: &Index) -> Consumer {
 #[test]
 fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
     let mut ix = index();
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     let toks = tokens(0, 4);
     ix.handle(
         &msg(
@@ -220,14 +220,14 @@ fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
         ),
         2,
     );
-    let u = c.poll(&ix);
+    let u = c.poll(&mut ix);
     assert!(!u.snapshot);
     let want: HashMap<IndexKey, Tier> = kv_chain(&toks)
         .into_iter()
         .map(|h| (h.index_key(), Tier::Gpu))
         .collect();
     assert_eq!(c.of(POD), want);
-    assert_eq!(fresh(&ix).of(POD), want);
+    assert_eq!(fresh(&mut ix).of(POD), want);
     assert_eq!(u.pods[0].models, vec![MODEL.to_string()]);
 
     // Removal by vLLM hash removes the mapped kvroute hash.
@@ -235,7 +235,7 @@ fn stored_blocks_are_rehashed_with_the_kvroute_chain() {
         &msg(POD, 2, &batch(vec![removed(&[14], Some(Medium::Gpu))], 0)),
         3,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 3);
     assert!(!c.of(POD).contains_key(&kv_chain(&toks)[3].index_key()));
     assert_eq!(ix.metrics().counter_value("events", "BlockStored"), 2);
@@ -258,7 +258,7 @@ fn lora_name_scopes_the_chain() {
         0,
     );
     let root = root_hash(Domain::Tokens, MODEL, Some("sql"));
-    let c = fresh(&ix);
+    let c = fresh(&mut ix);
     assert_eq!(
         c.of(POD).keys().copied().collect::<Vec<_>>(),
         keys(token_block_hashes(root, &toks, 16, 1))
@@ -275,7 +275,7 @@ fn lora_name_scopes_the_chain() {
         &msg(POD, 0, &batch(vec![KvEvent::BlockStored(by_id)], 1)),
         0,
     );
-    let got = fresh(&ix).of(POD);
+    let got = fresh(&mut ix).of(POD);
     assert_eq!(got.len(), 2);
     assert!(!got.contains_key(&kv_chain(&toks)[0].index_key()));
     // Block size other than configured: not indexed, counted.
@@ -283,13 +283,13 @@ fn lora_name_scopes_the_chain() {
     e.block_hashes = vec![2, 3];
     ix.handle(&msg(POD, 1, &batch(vec![KvEvent::BlockStored(e)], 0)), 0);
     assert_eq!(ix.metrics().stored_block_size_mismatch.get(), 1);
-    assert_eq!(fresh(&ix).of(POD).len(), 2);
+    assert_eq!(fresh(&mut ix).of(POD).len(), 2);
 }
 
 #[test]
 fn restart_drops_stale_entries() {
     let mut ix = index();
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     for seq in 0..5u64 {
         let t = tokens(seq as u32 * 1000, 1);
         ix.handle(
@@ -301,7 +301,7 @@ fn restart_drops_stale_entries() {
             0,
         );
     }
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 5);
     // The pod restarts: seq back to 0 with a new block.
     let t = tokens(77_000, 1);
@@ -313,20 +313,20 @@ fn restart_drops_stale_entries() {
         ),
         0,
     );
-    let u = c.poll(&ix);
+    let u = c.poll(&mut ix);
     assert!(u.ops.iter().any(|o| matches!(o, BlockOp::Cleared { .. })));
     assert_eq!(
         c.of(POD).keys().copied().collect::<Vec<_>>(),
         keys(kv_chain(&t))
     );
     assert_eq!(ix.metrics().restarts.get(), 1);
-    assert_eq!(fresh(&ix).of(POD), c.of(POD));
+    assert_eq!(fresh(&mut ix).of(POD), c.of(POD));
 }
 
 #[test]
 fn all_blocks_cleared_drops_the_pod_entries_and_learned() {
     let mut ix = index();
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     ix.handle(
         &msg(
             POD,
@@ -341,10 +341,10 @@ fn all_blocks_cleared_drops_the_pod_entries_and_learned() {
         },
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 3);
     ix.handle(&msg(POD, 1, &batch(vec![KvEvent::AllBlocksCleared], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert!(c.of(POD).is_empty());
     assert_eq!(ix.blocks(), 0);
 }
@@ -355,7 +355,7 @@ fn unknown_publishers_are_rejected_unless_enabled() {
     let b = batch(vec![stored(&[1], None, tokens(0, 1), None)], 0);
     ix.handle(&msg("10.6.6.6:8000", 0, &b), 0);
     assert_eq!(ix.metrics().counter_value("rejected", "unknown_pod"), 1);
-    assert_eq!(fresh(&ix).entries.len(), 0);
+    assert_eq!(fresh(&mut ix).entries.len(), 0);
     assert_eq!(ix.pod_addresses().len(), 1);
     // No identity at all (vLLM's default empty topic).
     let mut m = msg(POD, 0, &b);
@@ -365,7 +365,7 @@ fn unknown_publishers_are_rejected_unless_enabled() {
     // Identity from configuration wins over the topic.
     m.identity = Some((POD.into(), MODEL.into()));
     ix.handle(&m, 0);
-    assert_eq!(fresh(&ix).of(POD).len(), 1);
+    assert_eq!(fresh(&mut ix).of(POD).len(), 1);
 
     let mut open = Index::new(
         IndexConfig {
@@ -376,7 +376,7 @@ fn unknown_publishers_are_rejected_unless_enabled() {
         1,
     );
     open.handle(&msg("10.6.6.6:8000", 0, &b), 0);
-    assert_eq!(fresh(&open).of("10.6.6.6:8000").len(), 1);
+    assert_eq!(fresh(&mut open).of("10.6.6.6:8000").len(), 1);
 }
 
 #[test]
@@ -402,7 +402,7 @@ fn garbage_is_counted_and_the_stream_goes_on() {
     );
     let b2 = batch(vec![stored(&[2], Some(1), tokens(16, 1), None)], 0);
     ix.handle(&msg(POD, 1, &b2), 0);
-    assert_eq!(fresh(&ix).of(POD).len(), 2);
+    assert_eq!(fresh(&mut ix).of(POD).len(), 2);
     assert_eq!(ix.metrics().seq_gaps.get(), 0);
 }
 
@@ -445,7 +445,7 @@ fn gaps_are_filled_from_the_replay_socket_in_order() {
     let req = ix.handle(&msg(POD, 3, &ev(3)), 0).expect("replay request");
     assert_eq!(req.endpoint, "tcp://10.0.0.1:5600");
     assert_eq!(req.from_seq, 1);
-    assert_eq!(fresh(&ix).of(POD).len(), 1);
+    assert_eq!(fresh(&mut ix).of(POD).len(), 1);
     // The replay returns 1..=3 (3 overlaps the buffered live message).
     let replayed = (1..=3)
         .map(|i| {
@@ -456,7 +456,7 @@ fn gaps_are_filled_from_the_replay_socket_in_order() {
         })
         .collect();
     ix.finish_replay(&req, Ok(replayed), 0);
-    let got = fresh(&ix).of(POD);
+    let got = fresh(&mut ix).of(POD);
     let want: HashMap<IndexKey, Tier> = kv_chain(&toks)
         .into_iter()
         .map(|h| (h.index_key(), Tier::Gpu))
@@ -507,24 +507,24 @@ fn data_parallel_ranks_count_as_one_server() {
         ),
         0,
     );
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     assert_eq!(c.of(POD).len(), 2);
     assert_eq!(ix.blocks(), 4);
     // Rank 1 restarts: rank 0 still holds the blocks.
     ix.handle(&msg(POD, 0, &batch(vec![], 1)), 0);
     ix.handle(&msg(POD, 1, &batch(vec![], 1)), 0);
     ix.handle(&msg(POD, 0, &batch(vec![KvEvent::AllBlocksCleared], 1)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 2);
     ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], None)], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 1);
 }
 
 #[test]
 fn tiers_follow_the_best_medium() {
     let mut ix = index();
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     let t = tokens(0, 1);
     let kv = kv_chain(&t)[0];
     ix.handle(
@@ -535,7 +535,7 @@ fn tiers_follow_the_best_medium() {
         ),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD)[&kv.index_key()], Tier::Cpu);
     ix.handle(
         &msg(
@@ -545,13 +545,13 @@ fn tiers_follow_the_best_medium() {
         ),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD)[&kv.index_key()], Tier::Gpu);
     ix.handle(
         &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Gpu))], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD)[&kv.index_key()], Tier::Cpu);
     ix.apply_learned(
         &LearnedBatch {
@@ -563,16 +563,16 @@ fn tiers_follow_the_best_medium() {
         &msg(POD, 3, &batch(vec![removed(&[1], Some(Medium::Cpu))], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD)[&kv.index_key()], Tier::Learned);
     let disk = Some(Medium::Other("DISK".into()));
     ix.handle(
         &msg(POD, 4, &batch(vec![stored(&[1], None, t, disk)], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD)[&kv.index_key()], Tier::Disk);
-    assert_eq!(fresh(&ix).of(POD), c.of(POD));
+    assert_eq!(fresh(&mut ix).of(POD), c.of(POD));
 }
 
 #[test]
@@ -583,7 +583,7 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
         pod_timeout_ms: 0,
         ..IndexConfig::default()
     });
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     let (ok, bad) = ix.apply_learned(
         &LearnedBatch {
             entries: vec![
@@ -594,7 +594,7 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
         0,
     );
     assert_eq!((ok, bad), (2, 1));
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(
         c.of(POD),
         HashMap::from([
@@ -609,15 +609,15 @@ fn learned_entries_expire_and_unknown_pods_are_refused() {
         },
         500,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 3);
     assert!(!c.of(POD).contains_key(&IndexKey::new(2)));
     assert_eq!(ix.metrics().learned_evicted.get(), 1);
     ix.expire(1200);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).len(), 3, "refreshed at 500, due at 1500");
     ix.expire(1600);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert!(c.of(POD).is_empty());
 }
 
@@ -665,7 +665,7 @@ fn silent_pods_are_dropped() {
     let b = batch(vec![stored(&[1], None, tokens(0, 1), None)], 0);
     ix.handle(&msg(POD, 0, &b), 0);
     ix.handle(&msg("10.0.0.2:8000", 0, &b), 0);
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     assert_eq!(c.entries.len(), 2);
     ix.set_load(
         POD,
@@ -678,12 +678,12 @@ fn silent_pods_are_dropped() {
         900,
     );
     ix.expire(1500);
-    let u = c.poll(&ix);
+    let u = c.poll(&mut ix);
     assert_eq!(u.pods.len(), 1, "the events-discovered pod is gone");
     assert_eq!(u.pods[0].waiting, 2);
     assert_eq!(c.entries.len(), 1);
     ix.expire(2000);
-    let u = c.poll(&ix);
+    let u = c.poll(&mut ix);
     assert_eq!(u.pods.len(), 1, "a static pod stays listed");
     assert!(c.entries.is_empty(), "but its entries are dropped");
     assert_eq!(ix.metrics().pods_expired.get(), 2);
@@ -696,7 +696,7 @@ fn delta_log_cursor_rules() {
         feed_max_hashes: 4,
         ..IndexConfig::default()
     });
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     // Wrong epoch → snapshot.
     assert!(is_snapshot(&ix.feed(&asking(ix.epoch() + 1, 0))));
     for seq in 0..3u64 {
@@ -708,14 +708,14 @@ fn delta_log_cursor_rules() {
         );
     }
     // 9 hashes in 3 ops; responses carry at most 4 hashes (but at least one op).
-    let u = c.poll(&ix);
+    let u = c.poll(&mut ix);
     assert!(!u.snapshot);
     assert_eq!(u.ops.len(), 1);
-    c.poll(&ix);
-    c.poll(&ix);
+    c.poll(&mut ix);
+    c.poll(&mut ix);
     assert_eq!(c.cursor, ix.cursor());
-    assert_eq!(c.of(POD), fresh(&ix).of(POD));
-    assert!(c.poll(&ix).ops.is_empty());
+    assert_eq!(c.of(POD), fresh(&mut ix).of(POD));
+    assert!(c.poll(&mut ix).ops.is_empty());
     // A cursor older than the retained log → snapshot.
     let stale = c.cursor;
     for seq in 3..8u64 {
@@ -759,7 +759,7 @@ fn snapshots_come_in_bounded_pages_and_deltas_replay_over_them() {
     }
     let mut c = Consumer::default();
     let request = c.client.on_tick(1).unwrap();
-    let mut got = c.exchange(&ix, request);
+    let mut got = c.exchange(&mut ix, request);
     assert!(got.update.snapshot);
     let mut pages = 1;
     let mut seq = 1;
@@ -775,7 +775,7 @@ fn snapshots_come_in_bounded_pages_and_deltas_replay_over_them() {
         seq += 1;
         let request = c.client.follow_up(1).expect("the next page at once");
         assert_eq!(request.page.map(|(n, _)| n as usize), Some(pages));
-        got = c.exchange(&ix, request);
+        got = c.exchange(&mut ix, request);
         assert!(!got.update.snapshot, "later pages extend the state");
         assert_eq!(got.update.pods.len(), 3, "the client keeps the pod list");
         pages += 1;
@@ -791,9 +791,90 @@ fn snapshots_come_in_bounded_pages_and_deltas_replay_over_them() {
     );
     // Deltas from the first page's cursor bring everything up to date.
     while c.cursor < ix.cursor() {
-        c.poll(&ix);
+        c.poll(&mut ix);
     }
-    assert_eq!(c.entries, fresh(&ix).entries);
+    assert_eq!(c.entries, fresh(&mut ix).entries);
+}
+
+/// Two consumers page through snapshots begun at different moments, pages
+/// interleaved, while pods store and remove blocks: a few per page (the
+/// second snapshot must not read through the first one's older picture of
+/// the table), and many, so that the block table grows under the pages
+/// (renumbering the records they are read through). Each consumer ends,
+/// after its deltas, with the state a fresh snapshot has.
+#[test]
+fn interleaved_snapshots_survive_changes_and_table_growth_between_pages() {
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+    for per_page in [5, 60] {
+        let mut ix = Index::new(
+            IndexConfig {
+                feed_max_hashes: 40,
+                grow_on_demand: true,
+                ..IndexConfig::default()
+            },
+            Metrics::new(),
+            3,
+        );
+        let mut seqs = [0u64; 3];
+        let mut send = |ix: &mut Index, p: usize, event: KvEvent| {
+            ix.handle(&msg(pods[p], seqs[p], &batch(vec![event], 0)), 0);
+            seqs[p] += 1;
+        };
+        let store = |first: u64, n: usize| {
+            let hs: Vec<u64> = (first..first + n as u64).collect();
+            stored(&hs, None, tokens(first as u32 * 16, n), None)
+        };
+        for (p, pod) in pods.iter().enumerate() {
+            ix.add_pod(pod, Some(MODEL), origin::STATIC, 0);
+            // Pods 0 and 1 share their 150 blocks.
+            send(&mut ix, p, store(if p < 2 { 1 } else { 5_000 }, 150));
+        }
+        let before = ix.memory_bytes();
+        let mut a = Consumer::default();
+        let mut b = Consumer::default();
+        let first = a.client.on_tick(1).unwrap();
+        let mut a_done = a.exchange(&mut ix, first).snapshot_complete;
+        let mut b_done: Option<bool> = None; // B begins its snapshot two steps later
+        let mut step = 0u64;
+        while !a_done || b_done != Some(true) {
+            step += 1;
+            let p = (step % 3) as usize;
+            send(&mut ix, p, store(10_000 + step * 100, per_page));
+            if step % 2 == 0 {
+                send(&mut ix, p, removed(&[1 + step * 7 % 150], None));
+            }
+            if !a_done {
+                let request = a.client.follow_up(1).expect("A's next page");
+                a_done = a.exchange(&mut ix, request).snapshot_complete;
+            }
+            b_done = match b_done {
+                None if step == 2 => {
+                    let first = b.client.on_tick(1).unwrap();
+                    Some(b.exchange(&mut ix, first).snapshot_complete)
+                }
+                Some(false) => {
+                    let request = b.client.follow_up(1).expect("B's next page");
+                    Some(b.exchange(&mut ix, request).snapshot_complete)
+                }
+                done => done,
+            };
+        }
+        for c in [&mut a, &mut b] {
+            while c.cursor < ix.cursor() {
+                c.poll(&mut ix);
+            }
+        }
+        let now = fresh(&mut ix).entries;
+        assert!(now.len() > 400, "{} entries", now.len());
+        assert_eq!(a.entries, now, "A, {per_page} blocks a page");
+        assert_eq!(b.entries, now, "B, {per_page} blocks a page");
+        if per_page == 60 {
+            assert!(
+                ix.memory_bytes() > 2 * before,
+                "the block table grew while paging"
+            );
+        }
+    }
 }
 
 /// Pages are ascending, disjoint ranges of the index key: paged at 7 hashes,
@@ -839,13 +920,13 @@ fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
         );
         ix
     };
-    let whole = fresh(&filled(1 << 20));
+    let whole = fresh(&mut filled(1 << 20));
     let entries = whole.entries.len();
     assert_eq!(entries, 10 + 20 + 30 + 25 + 3 + 1);
-    let ix = filled(7);
+    let mut ix = filled(7);
     let mut c = Consumer::default();
     let request = c.client.on_tick(1).unwrap();
-    let mut got = c.exchange(&ix, request);
+    let mut got = c.exchange(&mut ix, request);
     let mut pages = 1;
     let mut below = 0u64; // every key of a page is above every key of the pages before
     loop {
@@ -864,7 +945,7 @@ fn a_snapshot_paged_by_key_range_rebuilds_the_unpaged_one() {
             break;
         }
         let request = c.client.follow_up(1).expect("the next page at once");
-        got = c.exchange(&ix, request);
+        got = c.exchange(&mut ix, request);
         pages += 1;
     }
     assert!(
@@ -893,7 +974,7 @@ fn a_key_held_by_more_pods_than_a_page_holds_comes_whole_in_one_page() {
     }
     let mut c = Consumer::default();
     let request = c.client.on_tick(1).unwrap();
-    let mut got = c.exchange(&ix, request);
+    let mut got = c.exchange(&mut ix, request);
     let mut keys_sent = Vec::new();
     loop {
         let mut keys: Vec<IndexKey> = got
@@ -913,7 +994,7 @@ fn a_key_held_by_more_pods_than_a_page_holds_comes_whole_in_one_page() {
             break;
         }
         let request = c.client.follow_up(1).expect("the next page at once");
-        got = c.exchange(&ix, request);
+        got = c.exchange(&mut ix, request);
     }
     assert_eq!(keys_sent.len(), 4);
     assert!(keys_sent.windows(2).all(|w| w[0] < w[1]), "{keys_sent:?}");
@@ -929,10 +1010,10 @@ fn a_pod_list_change_while_paging_restarts_the_snapshot() {
     store_blocks(&mut ix, POD, 0, 1, 5);
     let mut c = Consumer::default();
     let request = c.client.on_tick(1).unwrap();
-    assert!(!c.exchange(&ix, request).snapshot_complete);
+    assert!(!c.exchange(&mut ix, request).snapshot_complete);
     ix.add_pod("10.0.0.9:8000", None, origin::STATIC, 0);
     let request = c.client.follow_up(1).unwrap();
-    let again = c.exchange(&ix, request);
+    let again = c.exchange(&mut ix, request);
     assert!(again.update.snapshot, "a new first page, with the new list");
     assert_eq!(again.page, Some(0));
     assert_eq!(again.update.pods.len(), 2);
@@ -942,8 +1023,8 @@ fn a_pod_list_change_while_paging_restarts_the_snapshot() {
 fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
     let mut ix = index();
     store_blocks(&mut ix, POD, 0, 1, 2);
-    let mut c = fresh(&ix);
-    let poll = |c: &mut Consumer, ix: &Index| {
+    let mut c = fresh(&mut ix);
+    let poll = |c: &mut Consumer, ix: &mut Index| {
         let request = c.client.on_tick(c.now_ms).unwrap();
         c.now_ms += 1000;
         let m = ix.feed(&request);
@@ -954,7 +1035,7 @@ fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
             .unwrap();
         (m, bytes, got.update)
     };
-    let (m, bytes, update) = poll(&mut c, &ix);
+    let (m, bytes, update) = poll(&mut c, &mut ix);
     assert_eq!(
         (m.pods.is_none(), m.load.is_none(), bytes),
         (true, true, 41)
@@ -968,23 +1049,23 @@ fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
         },
         0,
     );
-    let (m, _, update) = poll(&mut c, &ix);
+    let (m, _, update) = poll(&mut c, &mut ix);
     assert!(m.pods.is_none());
     assert_eq!(m.load.map(|l| l.len()), Some(1));
     assert_eq!(update.pods[0].waiting, 3);
-    assert_eq!(poll(&mut c, &ix).1, 41, "the load is current again");
+    assert_eq!(poll(&mut c, &mut ix).1, 41, "the load is current again");
     ix.add_pod("10.0.0.9:8000", None, origin::STATIC, 0);
-    let (m, _, update) = poll(&mut c, &ix);
+    let (m, _, update) = poll(&mut c, &mut ix);
     assert_eq!(m.pods.map(|p| p.len()), Some(2));
     assert_eq!(update.pods.len(), 2);
     // A pod's speed travels with the pod list: 0 until a source states one,
     // and a change sends the list again.
     assert_eq!(update.pods[1].speed, 0.0);
     ix.set_speed("10.0.0.9:8000", 0.5);
-    let (m, _, update) = poll(&mut c, &ix);
+    let (m, _, update) = poll(&mut c, &mut ix);
     assert!(m.pods.is_some(), "a new speed is a new pod list");
     assert_eq!((update.pods[0].speed, update.pods[1].speed), (0.0, 0.5));
-    assert_eq!(poll(&mut c, &ix).1, 41);
+    assert_eq!(poll(&mut c, &mut ix).1, 41);
     let debug = ix.debug_pods(0);
     assert_eq!((debug[0].speed, debug[1].speed), (None, Some(0.5)));
 }
@@ -1065,7 +1146,7 @@ fn randomized_deltas_equal_snapshots() {
         for p in pods {
             ix.add_pod(p, Some(MODEL), origin::STATIC, 0);
         }
-        let mut c = fresh(&ix);
+        let mut c = fresh(&mut ix);
         let mut seqs = [[0u64; 2]; 3];
         let mut held: Vec<Vec<u64>> = vec![Vec::new(); 6];
         for step in 0..400u64 {
@@ -1120,14 +1201,18 @@ fn randomized_deltas_equal_snapshots() {
                 ix.expire(step);
             }
             if next(4) == 0 {
-                c.poll(&ix);
+                c.poll(&mut ix);
                 while c.cursor < ix.cursor() && c.epoch == ix.epoch() {
-                    let u = c.poll(&ix);
+                    let u = c.poll(&mut ix);
                     if u.snapshot {
                         break;
                     }
                 }
-                assert_eq!(c.entries, fresh(&ix).entries, "round {round} step {step}");
+                assert_eq!(
+                    c.entries,
+                    fresh(&mut ix).entries,
+                    "round {round} step {step}"
+                );
             }
         }
     }
@@ -1162,7 +1247,7 @@ fn golden_capture_sequence_applies() {
             ix.handle(&m, 0);
             if i == 0 {
                 // 4 blocks of tokens 0..63 from the root.
-                let got = fresh(&ix).of(pod);
+                let got = fresh(&mut ix).of(pod);
                 let want: HashMap<IndexKey, Tier> = kv_chain(&tokens(0, 4))
                     .into_iter()
                     .map(|h| (h.index_key(), Tier::Gpu))
@@ -1171,7 +1256,7 @@ fn golden_capture_sequence_applies() {
             }
         }
         assert!(
-            fresh(&ix).of(pod).is_empty(),
+            fresh(&mut ix).of(pod).is_empty(),
             "06 ends with AllBlocksCleared"
         );
     }
@@ -1203,7 +1288,7 @@ fn joining_a_running_publisher_replays_its_buffer_from_zero() {
     assert!(ix.handle(&msg(POD, 2, &ev(0)), 0).is_none());
     assert_eq!(ix.metrics().joined_midstream.get(), 1);
     assert_eq!(ix.metrics().seq_gaps_unrecovered.get(), 0);
-    assert_eq!(fresh(&ix).of(POD).len(), 1);
+    assert_eq!(fresh(&mut ix).of(POD).len(), 1);
 
     // With one: the history is fetched from seq 0 first.
     let mut ix = index_with(IndexConfig {
@@ -1225,7 +1310,7 @@ fn joining_a_running_publisher_replays_its_buffer_from_zero() {
         .into_iter()
         .map(|h| (h.index_key(), Tier::Gpu))
         .collect();
-    assert_eq!(fresh(&ix).of(POD), want);
+    assert_eq!(fresh(&mut ix).of(POD), want);
     assert_eq!(ix.metrics().stored_unknown_parent.get(), 0);
 }
 
@@ -1239,7 +1324,7 @@ fn configured_identity_takes_its_model_from_the_topic_when_it_names_none() {
     );
     m.identity = Some((POD.into(), String::new()));
     ix.handle(&m, 0);
-    let c = fresh(&ix);
+    let c = fresh(&mut ix);
     assert_eq!(
         c.of(POD).keys().copied().collect::<Vec<_>>(),
         keys(kv_chain(&tokens(0, 1)))
@@ -1285,20 +1370,20 @@ fn offload_placeholders_mark_known_blocks_cpu_resident_and_poison_nothing() {
     assert_eq!(m.counter_value("placeholder_blocks", "applied"), 1);
     assert_eq!(m.counter_value("placeholder_blocks", "unknown"), 1);
     assert_eq!(m.blocks_stored.get(), 3);
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     // The GPU copy goes; the CPU copy the placeholder announced stays.
     ix.handle(
         &msg(POD, 1, &batch(vec![removed(&[1], Some(Medium::Gpu))], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).get(&kv[0].index_key()), Some(&Tier::Cpu));
     ix.handle(
         &msg(POD, 2, &batch(vec![removed(&[1], Some(Medium::Cpu))], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD).get(&kv[0].index_key()), None);
     assert_eq!(ix.metrics().joined_midstream.get(), 0);
     assert_eq!(ix.metrics().seq_gaps.get(), 0);
@@ -1340,7 +1425,7 @@ fn an_invalid_event_is_skipped_and_its_batch_applies() {
     ix.handle(&m, 0);
     assert_eq!(ix.metrics().counter_value("events_skipped", "invalid"), 1);
     assert_eq!(ix.metrics().counter_value("decode_errors", "invalid"), 0);
-    assert_eq!(fresh(&ix).of(POD), gpu(&kv_chain(&toks)));
+    assert_eq!(fresh(&mut ix).of(POD), gpu(&kv_chain(&toks)));
     ix.handle(&msg(POD, 1, &batch(vec![], 0)), 0);
     assert_eq!(ix.metrics().seq_gaps.get(), 0);
 }
@@ -1363,7 +1448,7 @@ fn extra_keys_scope_the_rehash() {
             ..BlockStored::default()
         });
         ix.handle(&msg(POD, 0, &batch(vec![e], 0)), 0);
-        let mut got: Vec<IndexKey> = fresh(&ix).of(POD).into_keys().collect();
+        let mut got: Vec<IndexKey> = fresh(&mut ix).of(POD).into_keys().collect();
         got.sort();
         got
     };
@@ -1452,27 +1537,27 @@ fn hybrid_groups_are_keyed_apart_and_only_full_attention_is_routed() {
         ),
         0,
     );
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     assert_eq!(ix.metrics().blocks_not_routed.get(), 4);
     // The window slides: group 1 evicts block 1, full attention keeps it.
     ix.handle(&msg(POD, 1, &batch(vec![removed_in(1, &[1])], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     assert_eq!(ix.metrics().removed_unknown.get(), 0);
     // One of two full-attention groups evicts: the other still holds it.
     ix.handle(&msg(POD, 2, &batch(vec![removed_in(0, &[2])], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     ix.handle(&msg(POD, 3, &batch(vec![removed_in(3, &[2])], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv[..1]));
     // Restarted with another model whose group 1 is full attention: routed again.
     ix.handle(&msg(POD, 0, &batch(vec![group(1, "full_attention")], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     ix.handle(&msg(POD, 1, &batch(vec![removed_in(1, &[2])], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv[..1]));
     assert_eq!(ix.metrics().blocks_not_routed.get(), 5);
 }
@@ -1508,11 +1593,11 @@ fn blocks_of_a_multiple_size_are_split_and_others_counted() {
         ),
         0,
     );
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv));
     assert_eq!(ix.metrics().stored_block_size_mismatch.get(), 1);
     ix.handle(&msg(POD, 1, &batch(vec![removed(&[2], None)], 0)), 0);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(POD), gpu(&kv[..2]));
 }
 
@@ -1535,7 +1620,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
     ix.handle(&msg(pods[2], 1, &batch(vec![ev], 0)), 0);
     assert_eq!(ix.pod_blocks(), 12);
     assert_eq!(ix.distinct_blocks(), 4);
-    let mut c = fresh(&ix);
+    let mut c = fresh(&mut ix);
     for p in pods {
         assert_eq!(c.of(p), gpu(&kvs));
     }
@@ -1550,7 +1635,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
         &msg(pods[2], 2, &batch(vec![removed(&chain[..2], None)], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert_eq!(c.of(pods[0]), gpu(&kvs[..2]));
     assert_eq!(c.of(pods[1]), gpu(&kvs));
     let mut third = gpu(&kvs[2..]);
@@ -1560,7 +1645,7 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
 
     // The second pod leaves: its entries go, the others' stay.
     ix.remove_origin(pods[1], origin::STATIC);
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert!(c.of(pods[1]).is_empty());
     assert_eq!(c.of(pods[0]), gpu(&kvs[..2]));
     assert_eq!(c.of(pods[2]), third);
@@ -1578,14 +1663,14 @@ fn a_block_held_by_several_pods_is_stored_once_and_each_hold_is_its_own() {
         &msg(pods[2], 3, &batch(vec![KvEvent::AllBlocksCleared], 0)),
         0,
     );
-    c.poll(&ix);
+    c.poll(&mut ix);
     assert!(c.of(pods[2]).is_empty());
     let mut first = gpu(&kvs[..2]);
     first.insert(kvs[3].index_key(), Tier::Learned);
     assert_eq!(c.of(pods[0]), first);
     assert_eq!(ix.distinct_blocks(), 3);
     assert!(!ix.reported_by_a_pod(kvs[3]));
-    assert_eq!(c.entries, fresh(&ix).entries);
+    assert_eq!(c.entries, fresh(&mut ix).entries);
 }
 
 #[test]
@@ -1596,7 +1681,7 @@ fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
         ..IndexConfig::default()
     });
     ix.add_pod(other, Some(MODEL), origin::STATIC, 0);
-    let mut by_deltas = fresh(&ix);
+    let mut by_deltas = fresh(&mut ix);
     let t = tokens(0, 3);
     let kv = kv_chain(&t);
     // Two ranks, two tiers, and a learned entry on a block the pod stores: one entry each.
@@ -1641,7 +1726,7 @@ fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
     want.insert(kv[2].index_key(), Tier::Gpu);
     want.insert(learned_only.index_key(), Tier::Learned);
     let mut snapshot = Consumer::default();
-    let u = snapshot.poll(&ix);
+    let u = snapshot.poll(&mut ix);
     let sent: usize = u
         .ops
         .iter()
@@ -1652,7 +1737,7 @@ fn a_snapshot_page_lists_each_entry_of_a_pod_once_whatever_refers_to_it() {
     assert_eq!(snapshot.of(POD), want);
     assert_eq!(snapshot.of(other).len(), 1);
     while by_deltas.cursor < ix.cursor() {
-        by_deltas.poll(&ix);
+        by_deltas.poll(&mut ix);
     }
     assert_eq!(by_deltas.entries, snapshot.entries);
 }

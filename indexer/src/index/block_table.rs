@@ -194,6 +194,15 @@ impl BlockTable {
             .unwrap_or_default()
     }
 
+    /// Starts loading the record `id` (see [`super::prefetch`]).
+    pub(super) fn prefetch_record(&self, id: BlockId) {
+        let record = match (id as usize).checked_sub(self.slots.len()) {
+            None => self.slots.get(id as usize),
+            Some(o) => BlockId::try_from(o).ok().and_then(|o| self.overflow.get(o)),
+        };
+        prefetch(record.map(std::slice::from_ref).unwrap_or_default());
+    }
+
     /// Starts loading the buckets of `key` (see [`super::prefetch`]).
     pub(super) fn prefetch(&self, key: IndexKey) {
         for b in homes(key, self.buckets()) {
@@ -298,22 +307,13 @@ impl BlockTable {
         }
     }
 
-    /// Every slot's record, free ones too (their `set` is `FREE`): the
-    /// array, then the overflow. The snapshot's pass over all blocks.
-    pub(super) fn all_slots(&self) -> impl Iterator<Item = &Record> + '_ {
-        let overflow = self.overflow.chunks.iter().flat_map(|c| c.iter());
-        self.slots
-            .iter()
-            .chain(overflow.take(self.overflow.allocated))
-    }
-
-    /// Every live record with its id: the array, then the overflow.
-    #[cfg(test)]
-    fn iter(&self) -> impl Iterator<Item = (BlockId, Record)> + '_ {
+    /// Every live record with its id: the array, then the overflow (the
+    /// pass a snapshot takes over all blocks).
+    pub(super) fn ids_and_records(&self) -> impl Iterator<Item = (BlockId, &Record)> + '_ {
         let base = self.slots.len() as BlockId;
         (0..)
-            .zip(self.slots.iter().copied())
-            .chain(self.overflow.records().map(move |(o, r)| (base + o, *r)))
+            .zip(self.slots.iter())
+            .chain(self.overflow.records().map(move |(o, r)| (base + o, r)))
             .filter(|(_, r)| !r.is_free())
     }
 
@@ -456,13 +456,13 @@ mod tests {
 
     fn check(table: &BlockTable, model: &HashMap<IndexKey, (BlockId, BlockHash, SetId)>) {
         assert_eq!(table.len(), model.len());
-        assert_eq!(table.iter().count(), model.len());
+        assert_eq!(table.ids_and_records().count(), model.len());
         for (&key, &(id, kv, set)) in model {
             assert_eq!(table.find(key), Some(id));
             let r = table.get(id).unwrap();
             assert_eq!(({ r.kv }, { r.set }), (kv, set));
         }
-        for (id, r) in table.iter() {
+        for (id, r) in table.ids_and_records() {
             assert_eq!(model[&{ r.kv }.index_key()].0, id);
         }
     }

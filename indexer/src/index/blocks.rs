@@ -12,7 +12,11 @@ use kvroute_core::feed::Tier;
 use super::block_table::{BlockTable, Record};
 use super::feed_log::Sink;
 use super::hashing::table_bytes;
+use super::key_ranges::KeyRanges;
 use super::keys::{BlockHash, PodKey};
+
+/// Records a snapshot page announces ahead of the one it reads.
+const READ_AHEAD: usize = 16;
 
 /// Id of a block record (stable while some pod holds the block).
 pub(super) type BlockId = u32;
@@ -204,6 +208,9 @@ pub(super) struct Blocks {
     /// Records by index key; a record's id is stable until the table grows.
     records: BlockTable,
     sets: PodSets,
+    /// The records' ids by key range for snapshot pages, with the stamp
+    /// (log cursor) they were taken at; dropped when the table grows.
+    by_key_range: Option<(u64, KeyRanges)>,
 }
 
 impl Default for Blocks {
@@ -211,6 +218,7 @@ impl Default for Blocks {
         Blocks {
             records: BlockTable::default(),
             sets: PodSets::new(),
+            by_key_range: None,
         }
     }
 }
@@ -234,9 +242,11 @@ impl Blocks {
         &mut self,
         expected: impl FnOnce() -> usize,
     ) -> Option<Vec<BlockId>> {
-        self.records
-            .needs_growth()
-            .then(|| self.records.grow(expected()))
+        if !self.records.needs_growth() {
+            return None;
+        }
+        self.by_key_range = None;
+        Some(self.records.grow(expected()))
     }
 
     /// The record of `kv`. Blocks are keyed by their index key, as routing
@@ -377,22 +387,61 @@ impl Blocks {
             .filter_map(|h| Some((h.pod, h.counts.best()?)))
     }
 
-    /// Every block whose index key lies in `keys`, with its holder set: one
-    /// pass over the block table, in table order (a snapshot page's range).
-    pub(super) fn in_key_range(&self, keys: Range<u64>) -> impl Iterator<Item = (u64, SetId)> + '_ {
-        self.records
-            .all_slots()
-            .filter_map(move |&Record { kv, set }| {
-                // One compare for the range first: most records fall outside it.
+    /// Every block whose index key lies in `keys`, with its holder set (a
+    /// snapshot page's range). Reads the records through their ids grouped
+    /// by key range, taken at stamp `now` unless a grouping taken at
+    /// `taken_since` or later is kept; so every block held at `taken_since`
+    /// and still held is found, and blocks stored since may be.
+    pub(super) fn in_key_range(
+        &mut self,
+        keys: Range<u64>,
+        taken_since: u64,
+        now: u64,
+    ) -> Vec<(u64, SetId)> {
+        let ranges = match self.by_key_range.take() {
+            Some((stamp, ranges)) if stamp >= taken_since => (stamp, ranges),
+            _ => {
+                let table = &self.records;
+                let live = || {
+                    table
+                        .ids_and_records()
+                        .filter(|(_, r)| r.set != EMPTY_SET)
+                        .map(|(id, r)| (id, { r.kv }.index_key().get()))
+                };
+                (now, KeyRanges::take(live))
+            }
+        };
+        // The ids of a range are spread over the whole table, so each record
+        // read misses the cache: the reads ahead are announced.
+        let ids = ranges.1.ids_in(keys.clone());
+        let mut found = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            if let Some(&ahead) = ids.get(i + READ_AHEAD) {
+                self.records.prefetch_record(ahead);
+            }
+            if let Some(&Record { kv, set }) = self.records.get(id) {
                 let key = kv.index_key().get();
-                let inside = key.wrapping_sub(keys.start) < keys.end.wrapping_sub(keys.start);
-                (inside && set != FREE && set != EMPTY_SET).then_some((key, set))
-            })
+                if keys.contains(&key) && set != EMPTY_SET {
+                    found.push((key, set));
+                }
+            }
+        }
+        self.by_key_range = Some(ranges);
+        found
     }
 
-    /// Bytes held: the block table and the interned sets.
+    /// Drops the grouping of ids by key range (a snapshot's last page went out).
+    pub(super) fn forget_key_ranges(&mut self) {
+        self.by_key_range = None;
+    }
+
+    /// Bytes held: the block table, the interned sets and the ids by key range.
     pub(super) fn memory_bytes(&self) -> usize {
-        self.records.memory_bytes() + self.sets.memory_bytes()
+        let ranges = self
+            .by_key_range
+            .as_ref()
+            .map_or(0, |(_, r)| r.memory_bytes());
+        self.records.memory_bytes() + self.sets.memory_bytes() + ranges
     }
 }
 

@@ -7,11 +7,14 @@
 //! page token holds the first key of the next range. A consumer's index puts
 //! a key's bucket by the key's top bits, so a range lands on a contiguous run
 //! of its buckets: each bucket is touched by one page (pages by pod touched
-//! nearly every bucket on every page). A page costs one pass over the block
-//! slab and a sort of the range's blocks. Pages are read from the live state,
-//! each at its own moment: the consumer then replays the deltas from the
-//! cursor of the first page, which brings every (pod, key) to its latest
-//! state whatever page it came in.
+//! nearly every bucket on every page). A snapshot costs one pass over the
+//! block table, which groups the records' ids by key range (`key_ranges.rs`),
+//! and each page a visit of its range's records and a sort of its blocks.
+//! Pages are read from the live state, each at its own moment: the consumer
+//! then replays the deltas from the cursor of the first page, which brings
+//! every (pod, key) to its latest state whatever page it came in. So a page
+//! may read through a grouping taken at that cursor or later (a block stored
+//! after the grouping comes in those deltas), not one taken before it.
 
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::FeedRequest;
@@ -47,7 +50,7 @@ impl Index {
     /// is paging; else deltas after its cursor when that is in the retained
     /// log of this epoch; else the first page of a new snapshot (also when
     /// the pod list changed while paging: page numbers index into one list).
-    pub fn feed(&self, request: &FeedRequest) -> FeedMessage {
+    pub fn feed(&mut self, request: &FeedRequest) -> FeedMessage {
         let (infos, idx) = self.pod_infos();
         let pods_version = feed::pods_version(&infos);
         let load_version = feed::load_version(&infos);
@@ -60,7 +63,7 @@ impl Index {
                 if number > 0 && in_log && request.pods_version == pods_version =>
             {
                 self.metrics.feed_request("snapshot_page");
-                let (ops, next) = self.snapshot_page(Some(token), &idx);
+                let (ops, next) = self.snapshot_page(Some(token), request.cursor, &idx);
                 (FeedKind::Page { number, next }, request.cursor, ops)
             }
             None if in_log => {
@@ -73,7 +76,7 @@ impl Index {
             }
             _ => {
                 self.metrics.feed_request("snapshot");
-                let (ops, next) = self.snapshot_page(None, &idx);
+                let (ops, next) = self.snapshot_page(None, head, &idx);
                 (FeedKind::Page { number: 0, next }, head, ops)
             }
         };
@@ -140,9 +143,11 @@ impl Index {
     /// holds more is cut after the last key that fits, and the next page
     /// starts at the first key left. A key is never split: a page carries at
     /// least one key, even when its holders outnumber `feed_max_hashes`.
+    /// `since`: the cursor of the snapshot's first page.
     fn snapshot_page(
-        &self,
+        &mut self,
         from: Option<PageToken>,
+        since: u64,
         idx: &Map<PodKey, u32>,
     ) -> (Vec<BlockOp>, Option<PageToken>) {
         let room = self.cfg.feed_max_hashes.max(1);
@@ -156,7 +161,8 @@ impl Index {
             }
         };
         let end = start.saturating_add(width).min(KEY_END);
-        let found: Vec<(u64, SetId)> = self.blocks.in_key_range(start..end).collect();
+        let head = self.cursor();
+        let found = self.blocks.in_key_range(start..end, since, head);
         // Per pod (index into the pod list) and tier, the range's keys.
         let mut runs: Vec<[Vec<u64>; 4]> = vec![Default::default(); idx.len()];
         let holders = |set: SetId| {
@@ -200,6 +206,9 @@ impl Index {
                     ops.push(BlockOp::Stored { pod, tier, hashes });
                 }
             }
+        }
+        if next.is_none() {
+            self.blocks.forget_key_ranges();
         }
         let next = next.map(|start| PageToken { start, after: None });
         (ops, next)

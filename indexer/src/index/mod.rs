@@ -6,7 +6,8 @@
 //! One concern per file: `pods` (discovery, load, liveness), `sequence`
 //! (per-publisher ordering and replay), `sources` (a publisher's blocks and
 //! the events applied to them), `source_table` (a group's vLLM-hash table),
-//! `block_table` (the block records by kvroute hash), `blocks` (the block → pod map), `learned`
+//! `block_table` (the block records by kvroute hash), `blocks` (the block → pod map),
+//! `key_ranges` (the records' ids by key range, for snapshot pages), `learned`
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
@@ -20,6 +21,7 @@ mod feed;
 mod feed_log;
 mod hashing;
 mod held;
+mod key_ranges;
 mod keys;
 mod learned;
 mod least_loaded;
