@@ -12,7 +12,7 @@ use kvroute_core::feed::Tier;
 use super::block_table::{BlockTable, Record};
 use super::feed_log::Sink;
 use super::hashing::table_bytes;
-use super::key_ranges::KeyRanges;
+use super::key_ranges::{KeyRanges, GROUPED_IDS};
 use super::keys::{BlockHash, PodKey};
 
 /// Records a snapshot page announces ahead of the one it reads.
@@ -211,6 +211,8 @@ pub(super) struct Blocks {
     /// The records' ids by key range for snapshot pages, with the stamp
     /// (log cursor) they were taken at; dropped when the table grows.
     by_key_range: Option<(u64, KeyRanges)>,
+    /// Ids a grouping holds, about ([`GROUPED_IDS`]; tests make it small).
+    grouped_ids: usize,
 }
 
 impl Default for Blocks {
@@ -219,6 +221,7 @@ impl Default for Blocks {
             records: BlockTable::default(),
             sets: PodSets::new(),
             by_key_range: None,
+            grouped_ids: GROUPED_IDS,
         }
     }
 }
@@ -390,8 +393,10 @@ impl Blocks {
     /// Every block whose index key lies in `keys`, with its holder set (a
     /// snapshot page's range). Reads the records through their ids grouped
     /// by key range, taken at stamp `now` unless a grouping taken at
-    /// `taken_since` or later is kept; so every block held at `taken_since`
-    /// and still held is found, and blocks stored since may be.
+    /// `taken_since` or later that covers `keys` is kept; so every block held
+    /// at `taken_since` and still held is found, and blocks stored since may
+    /// be. Pages asked in ascending order share a grouping until one passes
+    /// its window.
     pub(super) fn in_key_range(
         &mut self,
         keys: Range<u64>,
@@ -399,7 +404,9 @@ impl Blocks {
         now: u64,
     ) -> Vec<(u64, SetId)> {
         let ranges = match self.by_key_range.take() {
-            Some((stamp, ranges)) if stamp >= taken_since => (stamp, ranges),
+            Some((stamp, ranges)) if stamp >= taken_since && ranges.covers(&keys) => {
+                (stamp, ranges)
+            }
             _ => {
                 let table = &self.records;
                 let live = || {
@@ -408,7 +415,11 @@ impl Blocks {
                         .filter(|(_, r)| r.set != EMPTY_SET)
                         .map(|(id, r)| (id, { r.kv }.index_key().get()))
                 };
-                (now, KeyRanges::take(live))
+                let total = table.len();
+                (
+                    now,
+                    KeyRanges::take(keys.clone(), total, self.grouped_ids, live),
+                )
             }
         };
         // The ids of a range are spread over the whole table, so each record
@@ -467,6 +478,51 @@ pub(super) fn adjust_block(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages through the key space as a snapshot does, with groupings of
+    /// about 64 ids: every block comes once, and no grouping holds much more
+    /// than its share, however many blocks there are.
+    #[test]
+    fn pages_through_small_groupings_find_every_block_once() {
+        let mut blocks = Blocks {
+            grouped_ids: 64,
+            ..Blocks::default()
+        };
+        let (mut sink, mut held) = (Sink::default(), Held::default());
+        let pod = PodKey::new(1);
+        let mut all: Vec<u64> = (1..=2_000u64)
+            .map(|i| {
+                let kv = BlockHash::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                blocks.adjust_kv(&mut sink, &mut held, pod, kv, Tier::Gpu, true);
+                kv.index_key().get()
+            })
+            .collect();
+        all.sort_unstable();
+        let key_end = 1u64 << kvroute_core::hash::INDEX_KEY_BITS;
+        let page = key_end / 100; // ~20 blocks a page
+        let mut seen = Vec::new();
+        let mut start = 0;
+        while start < key_end {
+            let end = (start + page).min(key_end);
+            seen.extend(
+                blocks
+                    .in_key_range(start..end, 0, 0)
+                    .into_iter()
+                    .map(|(k, _)| k),
+            );
+            let held_ids = blocks
+                .by_key_range
+                .as_ref()
+                .map_or(0, |(_, r)| r.memory_bytes() / 4);
+            assert!(
+                held_ids <= 4_097 + 128,
+                "{held_ids} ids and row starts held"
+            );
+            start = end;
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, all);
+    }
 
     #[test]
     fn a_block_leaves_with_its_last_holder() {
