@@ -172,12 +172,16 @@ impl BlockTable {
         self.slots.len() / BUCKET
     }
 
-    pub(super) fn get(&self, id: BlockId) -> Option<&Record> {
+    /// The slot of record `id`, free or not: in the array, else the overflow.
+    fn slot(&self, id: BlockId) -> Option<&Record> {
         match (id as usize).checked_sub(self.slots.len()) {
             None => self.slots.get(id as usize),
             Some(o) => self.overflow.get(BlockId::try_from(o).ok()?),
         }
-        .filter(|r| !r.is_free())
+    }
+
+    pub(super) fn get(&self, id: BlockId) -> Option<&Record> {
+        self.slot(id).filter(|r| !r.is_free())
     }
 
     pub(super) fn get_mut(&mut self, id: BlockId) -> Option<&mut Record> {
@@ -196,11 +200,8 @@ impl BlockTable {
 
     /// Starts loading the record `id` (see [`super::prefetch`]).
     pub(super) fn prefetch_record(&self, id: BlockId) {
-        let record = match (id as usize).checked_sub(self.slots.len()) {
-            None => self.slots.get(id as usize),
-            Some(o) => BlockId::try_from(o).ok().and_then(|o| self.overflow.get(o)),
-        };
-        prefetch(record.map(std::slice::from_ref).unwrap_or_default());
+        // The slot's address only: reading it (as `get` does) would wait for it.
+        prefetch(self.slot(id).map(std::slice::from_ref).unwrap_or_default());
     }
 
     /// Starts loading the buckets of `key` (see [`super::prefetch`]).

@@ -7,9 +7,10 @@
 //! page token holds the first key of the next range. A consumer's index puts
 //! a key's bucket by the key's top bits, so a range lands on a contiguous run
 //! of its buckets: each bucket is touched by one page (pages by pod touched
-//! nearly every bucket on every page). A snapshot costs one pass over the
-//! block table, which groups the records' ids by key range (`key_ranges.rs`),
-//! and each page a visit of its range's records and a sort of its blocks.
+//! nearly every bucket on every page). The records' ids are grouped by key
+//! range over a window of keys (`key_ranges.rs`: two passes over the block
+//! table per window, one window for a 1,000-pod snapshot), and each page
+//! costs a visit of its range's records and a sort of its blocks.
 //! Pages are read from the live state, each at its own moment: the consumer
 //! then replays the deltas from the cursor of the first page, which brings
 //! every (pod, key) to its latest state whatever page it came in. So a page
