@@ -16,7 +16,7 @@ mod common;
 use common::fleet_config;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::config::Config;
-use kvroute_core::hash::BlockHash;
+use kvroute_core::hash::{splitmix64, BlockHash};
 use kvroute_core::request::parse_request;
 use kvroute_core::router::{hash_prompt, Cluster, LEAST_LOADED_CANDIDATES};
 use std::time::Instant;
@@ -63,11 +63,9 @@ fn token_body(tokens: usize, seed: u32) -> Vec<u8> {
 
 /// A deterministic stream of hash-like numbers (SplitMix64): filler chains.
 fn splitmix(state: &mut u64) -> u64 {
+    let out = splitmix64(*state);
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    out
 }
 
 /// Simulated seconds of learning before the decisions are timed.

@@ -12,7 +12,7 @@
 #![allow(clippy::expect_used)]
 
 use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
-use kvroute_core::hash::BlockHash;
+use kvroute_core::hash::{splitmix64, BlockHash};
 use kvroute_core::index::{BlockIndex, MatchRules, PodId, PodMatch, Tier};
 use std::time::Instant;
 
@@ -22,18 +22,11 @@ const CHAIN: usize = 32;
 const CHAINS_PER_POD: usize = 19_208 * 7 / 10 / CHAIN;
 const SAMPLES: usize = 20_000;
 
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 /// Chain `c` of pod `p` (or of nobody, for `p` ≥ PODS).
 fn chain(p: usize, c: usize) -> Vec<BlockHash> {
-    let seed = mix(((p as u64) << 32) | c as u64);
+    let seed = splitmix64(((p as u64) << 32) | c as u64);
     (0..CHAIN as u64)
-        .map(|i| BlockHash::new(mix(seed ^ i)))
+        .map(|i| BlockHash::new(splitmix64(seed ^ i)))
         .collect()
 }
 
@@ -66,8 +59,8 @@ fn main() {
         let mut out: Vec<PodMatch> = Vec::new();
         let (mut matched, mut whole) = (0usize, 0usize);
         for s in 0..SAMPLES {
-            let p = mix(s as u64) as usize % PODS;
-            let c = mix(!(s as u64)) as usize % CHAINS_PER_POD;
+            let p = splitmix64(s as u64) as usize % PODS;
+            let c = splitmix64(!(s as u64)) as usize % CHAINS_PER_POD;
             index.match_lengths(&chain(p, c), 1, &rules, &mut out);
             let blocks = out
                 .iter()

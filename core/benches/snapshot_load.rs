@@ -19,7 +19,7 @@
 
 use kvroute_core::config::DEFAULT_INDEX_BUDGET_BYTES;
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
-use kvroute_core::hash::{BlockHash, IndexKey, INDEX_KEY_BITS};
+use kvroute_core::hash::{splitmix64, BlockHash, IndexKey, INDEX_KEY_BITS};
 use kvroute_core::index::published::{KeyReader, KeyStore};
 use kvroute_core::index::{BlockIndex, IndexOp, MatchRules, PodId, PodMatch};
 use std::cell::{Cell, RefCell};
@@ -35,13 +35,6 @@ const PAGE_HASHES: usize = 1 << 19;
 /// The singleton's bounds (src/singleton.rs).
 const MAX_RESIDENT_BYTES: usize = 9 << 20;
 const MAX_FLUSH_WRITES: usize = 8192;
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 /// Shared data as a map, counting reads and writes.
 #[derive(Default)]
@@ -90,7 +83,7 @@ fn pages(paging: Paging) -> Vec<Vec<u8>> {
         })
         .collect();
     let pod_hashes = |p: usize| {
-        (0..BLOCKS_PER_POD).map(move |i| BlockHash::new(mix(((p as u64) << 32) | i as u64)))
+        (0..BLOCKS_PER_POD).map(move |i| BlockHash::new(splitmix64(((p as u64) << 32) | i as u64)))
     };
     let mut pages_ops: Vec<Vec<BlockOp>> = Vec::new();
     match paging {
@@ -239,7 +232,8 @@ fn main() {
             // It measured a complete load: every pod's first and last block matches.
             let mut out: Vec<PodMatch> = Vec::new();
             for p in [0, PODS / 2, PODS - 1] {
-                let last = BlockHash::new(mix(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64));
+                let last =
+                    BlockHash::new(splitmix64(((p as u64) << 32) | (BLOCKS_PER_POD - 1) as u64));
                 index.match_lengths(&[last], 1, &rules, &mut out);
                 assert_eq!(out.len(), 1, "pod {p}: {out:?}");
             }

@@ -300,6 +300,16 @@ pub fn keyed_byte_chunk_hashes(
         .collect()
 }
 
+/// SplitMix64's output for state `x` (advance by the golden gamma, then
+/// finalise): a bijection of u64 that spreads any input over all bits. For
+/// shuffles, tie-breaks and set hashes, not for block identity.
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
 /// Block hashes of these bits, for tests that pick them by hand.
 #[cfg(test)]
 pub(crate) fn hashes(bits: &[u64]) -> Vec<BlockHash> {

@@ -58,132 +58,35 @@
 //! at most `index.max_learn_share` of a pod's capacity); ages are per slot and
 //! per epoch, so a full bucket may evict a prompt's middle block before its
 //! tail (the lookup then counts the prefix up to the probes it made).
+//!
+//! Submodules: `member` (pods, set members, generations, the learned-age
+//! clock), `bucket` (slots and their probing), `pod_sets` (interning),
+//! `chain_match` (the lookup), [`published`] (the shared-data copy).
 
 use crate::hash::IndexKey;
-use hashbrown::HashTable;
+use bucket::{
+    bucket_of, key_of, probe_slots, slot_key, slot_of, slot_set, Bucket, BUCKET_OVERHEAD, EMPTY,
+    EVICT_BATCH, FULL_BUCKET_BYTES, MIN_BUCKET_SLOTS, SLOT_BYTES,
+};
+use member::{generation_of, is_precise, EPOCHS_PER_TTL};
+use pod_sets::PodSets;
 use published::KeyStore;
 use std::borrow::Cow;
 use std::rc::Rc;
 
+mod bucket;
+mod chain_match;
+mod member;
+mod pod_sets;
 pub mod published;
 
 pub use crate::feed::Tier;
+pub use bucket::BUCKET_SLOTS;
+pub use chain_match::{match_lengths, IndexSource, LookupCost, MatchRules, PodMatch};
+pub use member::{epoch_start_s, Clock, Member, PodId, PodState, MAX_PODS};
 
-/// A pod's handle in the index, stable while the pod is in the pod set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PodId(u32);
-
-impl PodId {
-    /// A pod id of a cluster that holds no index (never looked up in one).
-    pub fn local(n: u32) -> PodId {
-        PodId(n)
-    }
-
-    /// The id's position in dense per-pod tables.
-    pub fn slot(self) -> usize {
-        self.0 as usize
-    }
-}
-
-/// Slots of a bucket at its full size (4 KiB of keys and references).
-pub const BUCKET_SLOTS: usize = 512;
-/// Bytes a slot costs: key and reference, and its age.
-const SLOT_BYTES: usize = 9;
-/// A bucket's fixed cost besides its slots (two vector headers and its length).
-const BUCKET_OVERHEAD: usize = 2 * std::mem::size_of::<Vec<u8>>() + std::mem::size_of::<usize>();
-/// Bytes of one bucket at its full size.
-const FULL_BUCKET_BYTES: usize = BUCKET_SLOTS * SLOT_BYTES + BUCKET_OVERHEAD;
-const MIN_BUCKET_SLOTS: usize = 8;
-/// Slots one sweep of a full bucket frees.
-const EVICT_BATCH: usize = BUCKET_SLOTS / 16;
 /// The interned pod sets may take this fraction of the budget.
 const SET_BUDGET_DIVISOR: usize = 16;
-/// Accounted bytes of one interned set besides its members (its entry in the
-/// member, reference and lookup tables).
-const SET_OVERHEAD: usize = std::mem::size_of::<Box<[Member]>>() + 1 + 4 + 8;
-/// Learned ages are kept in epochs of a sixteenth of the TTL.
-const EPOCHS_PER_TTL: u32 = 16;
-
-const REF_BITS: u32 = 24;
-const REF_MASK: u64 = (1 << REF_BITS) - 1;
-const EMPTY: u64 = 0;
-
-const POD_BITS: u32 = 20;
-/// Pods the index can tell apart at once.
-pub const MAX_PODS: usize = 1 << POD_BITS;
-const GEN_BITS: u32 = 26;
-const GEN_MASK: u32 = (1 << GEN_BITS) - 1;
-
-/// One pod in a block's set: pod (top bits, so sets sort by pod), the pod's
-/// generation when written, tier, and the epoch a learned entry was taught.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Member(u64);
-
-impl Member {
-    fn new(pod: PodId, generation: u32, tier: Tier, epoch: u16) -> Member {
-        Member(
-            (u64::from(pod.0) << (64 - POD_BITS))
-                | (u64::from(generation & GEN_MASK) << 18)
-                | (u64::from(tier.code()) << 16)
-                | u64::from(epoch),
-        )
-    }
-
-    fn pod(self) -> PodId {
-        PodId((self.0 >> (64 - POD_BITS)) as u32)
-    }
-
-    fn generation(self) -> u32 {
-        (self.0 >> 18) as u32 & GEN_MASK
-    }
-
-    fn tier(self) -> Tier {
-        Tier::from_code((self.0 >> 16) as u8 & 3).unwrap_or(Tier::Learned)
-    }
-
-    fn epoch(self) -> u16 {
-        self.0 as u16
-    }
-}
-
-/// Precise tiers are facts reported by the pod; only `Learned` ages by TTL.
-fn is_precise(tier: Tier) -> bool {
-    tier != Tier::Learned
-}
-
-/// What a lookup may trust.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MatchRules {
-    /// False while the indexer feed is stale: precise entries are then ignored.
-    pub trust_precise: bool,
-    /// Credit of a CPU-tier block relative to GPU.
-    pub cpu_credit: f64,
-    /// Credit of a disk-tier block relative to GPU.
-    pub disk_credit: f64,
-}
-
-/// One pod's longest cached prefix of a prompt.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PodMatch {
-    pub pod: PodId,
-    /// Leading blocks held in any trusted tier.
-    pub blocks: usize,
-    /// Those blocks weighted by tier credit (== `blocks` when all are GPU or learned).
-    pub credit: f64,
-    /// Leading blocks the pod was taught (learned) in the current epoch:
-    /// teaching them again would change nothing (same pod set, same age),
-    /// so a routed prompt need not send them to the writer.
-    pub taught_this_epoch: usize,
-}
-
-/// What one lookup did, for benchmarks and tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct LookupCost {
-    /// Blocks probed (slot searches).
-    pub probes: usize,
-    /// Runs of equal pod set found along the chain.
-    pub runs: usize,
-}
 
 /// Counters of what the budget refused or pushed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -211,339 +114,6 @@ pub struct IndexStats {
     /// Write-through: buckets that could not be read back (absent or not a
     /// bucket) and started empty: their entries are lost.
     pub unloadable: u64,
-}
-
-/// A pod's generations: a member counts only while it carries its pod's
-/// current generation for its kind (learned or precise).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PodState {
-    learned_generation: u32,
-    precise_generation: u32,
-}
-
-/// How a reader turns seconds into learned ages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Clock {
-    epoch_seconds: u32,
-    ttl_epochs: u16,
-}
-
-/// The second the learned epoch holding `now_s` began, for entries that
-/// live `ttl_seconds` (see the module documentation).
-pub fn epoch_start_s(ttl_seconds: u32, now_s: u32) -> u32 {
-    let epoch_seconds = ttl_seconds.div_ceil(EPOCHS_PER_TTL).max(1);
-    now_s - now_s % epoch_seconds
-}
-
-impl Clock {
-    fn epoch(self, now_s: u32) -> u16 {
-        (now_s / self.epoch_seconds.max(1)) as u16
-    }
-
-    /// True when `member` still says something about its pod (`state`): its
-    /// generation is current and, if learned, it has not expired at `epoch`.
-    fn is_current(self, state: Option<PodState>, member: Member, epoch: u16) -> bool {
-        let Some(state) = state else {
-            return false;
-        };
-        let tier = member.tier();
-        member.generation() == generation_of(&state, tier)
-            && (is_precise(tier) || epoch.wrapping_sub(member.epoch()) <= self.ttl_epochs)
-    }
-}
-
-/// Where a lookup reads the index: the writer's own buckets, or the copy
-/// the singleton publishes in shared data ([`published`]). One lookup
-/// ([`match_lengths`]) runs over either.
-pub trait IndexSource {
-    /// The set reference of the slot holding `key`, if the block is indexed.
-    fn set_of(&self, key: u64) -> Option<u32>;
-    /// The members of set `id`, sorted by pod (empty when unknown).
-    fn members(&self, id: u32) -> std::borrow::Cow<'_, [Member]>;
-    /// The generations of `pod`; `None` for a pod the index does not know.
-    fn pod_state(&self, pod: PodId) -> Option<PodState>;
-    fn clock(&self) -> Clock;
-}
-
-/// Probes open-addressed slots (`len` a power of two) for `key`: `Ok(slot)`
-/// holding it, or `Err(empty slot)` where it would go; `Err(None)` when
-/// there are no slots or none is empty (a bucket read from shared data may
-/// be anything: the walk is bounded by its length).
-fn probe_slots(
-    len: usize,
-    key: u64,
-    slot_at: impl Fn(usize) -> u64,
-) -> Result<usize, Option<usize>> {
-    if len == 0 || !len.is_power_of_two() {
-        return Err(None);
-    }
-    let mask = len - 1;
-    let mut i = key as usize & mask;
-    for _ in 0..len {
-        let slot = slot_at(i);
-        if slot == EMPTY {
-            return Err(Some(i));
-        }
-        if slot_key(slot) == key {
-            return Ok(i);
-        }
-        i = (i + 1) & mask;
-    }
-    Err(None)
-}
-
-/// The generation a member of `tier` must carry to count for `pod`.
-fn generation_of(state: &PodState, tier: Tier) -> u32 {
-    if is_precise(tier) {
-        state.precise_generation
-    } else {
-        state.learned_generation
-    }
-}
-
-/// Interned pod sets (members sorted by pod, one member per pod).
-#[derive(Debug, Clone, Default)]
-struct PodSets {
-    members: Vec<Box<[Member]>>,
-    /// Per set: some member is a pod's own report (eviction spares it longer).
-    precise: Vec<bool>,
-    refs: Vec<u32>,
-    lookup: HashTable<u32>,
-    free: Vec<u32>,
-    bytes: usize,
-    budget: usize,
-    /// Sets interned since the last publication (a set id is written once
-    /// when interned: its members never change; a released id is rewritten
-    /// when reused).
-    fresh: Vec<u32>,
-}
-
-fn hash_members(members: &[Member]) -> u64 {
-    members
-        .iter()
-        .fold(0x243f_6a88_85a3_08d3, |h, m| mix(h ^ m.0))
-}
-
-/// SplitMix64 finaliser.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-fn set_cost(members: usize) -> usize {
-    SET_OVERHEAD + members * std::mem::size_of::<Member>()
-}
-
-impl PodSets {
-    fn get(&self, id: u32) -> &[Member] {
-        self.members.get(id as usize).map_or(&[], |m| m)
-    }
-
-    /// A reference to the set `members` (non-empty, sorted by pod), or `None`
-    /// when it would take the sets past their budget.
-    fn intern(&mut self, members: &[Member]) -> Option<u32> {
-        let hash = hash_members(members);
-        let all = &self.members;
-        if let Some(&id) = self.lookup.find(hash, |&id| *all[id as usize] == *members) {
-            self.refs[id as usize] += 1;
-            return Some(id);
-        }
-        let cost = set_cost(members.len());
-        if self.bytes + cost > self.budget {
-            return None;
-        }
-        let precise = members.iter().any(|m| is_precise(m.tier()));
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.members[id as usize] = members.into();
-                self.precise[id as usize] = precise;
-                self.refs[id as usize] = 1;
-                id
-            }
-            None => {
-                if self.members.len() > REF_MASK as usize {
-                    return None;
-                }
-                self.members.push(members.into());
-                self.precise.push(precise);
-                self.refs.push(1);
-                (self.members.len() - 1) as u32
-            }
-        };
-        self.bytes += cost;
-        self.fresh.push(id);
-        let all = &self.members;
-        self.lookup
-            .insert_unique(hash, id, |&i| hash_members(&all[i as usize]));
-        Some(id)
-    }
-
-    /// The chunks of the sets interned since the last publication, each once.
-    fn fresh_chunks(&mut self) -> Vec<u32> {
-        let mut chunks: Vec<u32> = self
-            .fresh
-            .drain(..)
-            .map(|id| id / published::SETS_PER_CHUNK)
-            .collect();
-        chunks.sort_unstable();
-        chunks.dedup();
-        chunks
-    }
-
-    /// True when `id` names an interned set (some slot holds a reference).
-    fn is_live(&self, id: u32) -> bool {
-        self.refs.get(id as usize).is_some_and(|&refs| refs > 0)
-    }
-
-    fn has_precise(&self, id: u32) -> bool {
-        self.precise.get(id as usize).copied().unwrap_or(false)
-    }
-
-    fn retain(&mut self, id: u32) {
-        self.refs[id as usize] += 1;
-    }
-
-    /// Drops one reference; true when the set is gone (its id may be reused).
-    fn release(&mut self, id: u32) -> bool {
-        let refs = &mut self.refs[id as usize];
-        *refs -= 1;
-        if *refs > 0 {
-            return false;
-        }
-        let members = std::mem::take(&mut self.members[id as usize]);
-        let hash = hash_members(&members);
-        if let Ok(entry) = self.lookup.find_entry(hash, |&i| i == id) {
-            entry.remove();
-        }
-        self.bytes -= set_cost(members.len());
-        self.free.push(id);
-        true
-    }
-
-    fn memory_bytes(&self) -> usize {
-        self.bytes
-    }
-
-    fn len(&self) -> usize {
-        self.members.len() - self.free.len()
-    }
-}
-
-/// One bucket: open addressing over `slots` (key << 24 | set reference).
-#[derive(Debug, Clone, Default)]
-struct Bucket {
-    slots: Vec<u64>,
-    ages: Vec<u8>,
-    len: usize,
-}
-
-fn slot_key(slot: u64) -> u64 {
-    slot >> REF_BITS
-}
-
-fn slot_set(slot: u64) -> u32 {
-    (slot & REF_MASK) as u32
-}
-
-impl Bucket {
-    fn home(&self, key: u64) -> usize {
-        key as usize & (self.slots.len() - 1)
-    }
-
-    /// `Ok(slot)` holding `key`, or `Err(empty slot)` where it would go;
-    /// `Err(None)` when the bucket has no slots yet.
-    fn find(&self, key: u64) -> Result<usize, Option<usize>> {
-        probe_slots(self.slots.len(), key, |i| self.slots[i])
-    }
-
-    fn is_full(&self) -> bool {
-        (self.len + 1) * 8 > self.slots.len() * 7
-    }
-
-    fn place(&mut self, slot: u64, age: u8) {
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(slot_key(slot));
-        while self.slots[i] != EMPTY {
-            i = (i + 1) & mask;
-        }
-        self.slots[i] = slot;
-        self.ages[i] = age;
-        self.len += 1;
-    }
-
-    /// Re-seats every entry in `size` slots.
-    fn grow(&mut self, size: usize) {
-        let slots = std::mem::replace(&mut self.slots, vec![EMPTY; size]);
-        let ages = std::mem::replace(&mut self.ages, vec![0; size]);
-        self.len = 0;
-        for (slot, age) in slots.into_iter().zip(ages) {
-            if slot != EMPTY {
-                self.place(slot, age);
-            }
-        }
-    }
-
-    /// After deletions, re-inserts every entry in probe order from just past
-    /// `start`, a slot that was empty before them (so no probe chain crosses
-    /// it): each entry moves only towards its home, one pass restores every
-    /// probe chain.
-    fn reseat_from(&mut self, start: usize) {
-        let mask = self.slots.len() - 1;
-        let mut i = start;
-        for _ in 0..self.slots.len() {
-            i = (i + 1) & mask;
-            let slot = self.slots[i];
-            if slot != EMPTY {
-                self.slots[i] = EMPTY;
-                self.len -= 1;
-                self.place(slot, self.ages[i]);
-            }
-        }
-    }
-
-    /// Backward-shift deletion keeps probe chains intact without tombstones.
-    fn delete_at(&mut self, mut hole: usize) {
-        let mask = self.slots.len() - 1;
-        self.slots[hole] = EMPTY;
-        self.len -= 1;
-        let mut i = hole;
-        loop {
-            i = (i + 1) & mask;
-            let slot = self.slots[i];
-            if slot == EMPTY {
-                return;
-            }
-            let home = self.home(slot_key(slot));
-            let stays = if hole <= i {
-                hole < home && home <= i
-            } else {
-                hole < home || home <= i
-            };
-            if !stays {
-                self.slots[hole] = slot;
-                self.ages[hole] = self.ages[i];
-                self.slots[i] = EMPTY;
-                hole = i;
-            }
-        }
-    }
-}
-
-/// The bucket of slot key `key` among `buckets`: a multiply-shift of the
-/// key's top 32 bits (of 40), no modulo, no 128-bit product (wasm32 would
-/// emulate either).
-fn bucket_of(key: u64, buckets: usize) -> usize {
-    ((((key >> 8) & 0xffff_ffff) * buckets as u64) >> 32) as usize
-}
-
-/// The slot key of an index key: the key, with the empty marker moved aside.
-fn key_of(key: IndexKey) -> u64 {
-    match key.get() {
-        0 => 1,
-        key => key,
-    }
 }
 
 /// One operation of a feed answer on the index.
@@ -663,10 +233,7 @@ impl BlockIndex {
             buckets: vec![Bucket::default(); buckets],
             working_set: None,
             bucket_bytes: buckets * BUCKET_OVERHEAD,
-            sets: PodSets {
-                budget: set_budget,
-                ..PodSets::default()
-            },
+            sets: PodSets::with_budget(set_budget),
             pods: Vec::new(),
             free_pods: Vec::new(),
             live_pods: 0,
@@ -802,9 +369,7 @@ impl BlockIndex {
             let first = chunk * published::SETS_PER_CHUNK;
             if !store.write(&published::set_chunk_key(first), &self.encode_chunk(chunk)) {
                 // Re-queued: no bucket goes out before its sets.
-                self.sets
-                    .fresh
-                    .extend(chunks[i..].iter().map(|c| c * published::SETS_PER_CHUNK));
+                self.sets.requeue_chunks(&chunks[i..]);
                 return;
             }
         }
@@ -882,8 +447,7 @@ impl BlockIndex {
     pub fn clear(&mut self, pod: PodId) {
         self.pods_dirty = true;
         if let Some(state) = self.pods.get_mut(pod.slot()) {
-            state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
-            state.precise_generation = state.precise_generation.wrapping_add(1) & GEN_MASK;
+            state.clear();
         }
     }
 
@@ -892,7 +456,7 @@ impl BlockIndex {
     pub fn clear_learned(&mut self, pod: PodId) {
         self.pods_dirty = true;
         if let Some(state) = self.pods.get_mut(pod.slot()) {
-            state.learned_generation = state.learned_generation.wrapping_add(1) & GEN_MASK;
+            state.clear_learned();
         }
     }
 
@@ -1020,7 +584,7 @@ impl BlockIndex {
                 }
                 if old != to {
                     self.sets.retain(to);
-                    self.buckets[b].slots[i] = (key << REF_BITS) | u64::from(to);
+                    self.buckets[b].slots[i] = slot_of(key, to);
                     self.sets.release(old);
                     self.touched(b);
                 }
@@ -1249,7 +813,7 @@ impl BlockIndex {
             match self.sets.intern(&rest) {
                 Some(new) => {
                     let bucket = &mut self.buckets[b];
-                    bucket.slots[i] = (key << REF_BITS) | u64::from(new);
+                    bucket.slots[i] = slot_of(key, new);
                     self.sets.release(old);
                 }
                 // No room for the smaller set: forget the block for every pod
@@ -1275,7 +839,7 @@ impl BlockIndex {
             self.sets.release(set);
             return Err(Refused::BucketFull);
         }
-        bucket.place((key << REF_BITS) | u64::from(set), epoch as u8);
+        bucket.place(slot_of(key, set), epoch as u8);
         self.blocks += 1;
         self.touched(b);
         Ok(())
@@ -1304,7 +868,7 @@ impl BlockIndex {
                 continue;
             }
             if let Err(Some(i)) = probe_slots(seen.len(), key, |i| seen[i]) {
-                seen[i] = key << REF_BITS;
+                seen[i] = slot_of(key, 0);
                 new += 1;
             }
         }
@@ -1494,117 +1058,10 @@ impl IndexSource for BlockIndex {
     }
 }
 
-/// Every pod's longest cached prefix of `hashes` (pods with none left out,
-/// in pod order) into `out`, and what the lookup cost, read from `source`.
-pub fn match_lengths<S: IndexSource + ?Sized, K: Copy + Into<IndexKey>>(
-    source: &S,
-    hashes: &[K],
-    now_s: u32,
-    rules: &MatchRules,
-    out: &mut Vec<PodMatch>,
-) -> LookupCost {
-    out.clear();
-    let mut cost = LookupCost::default();
-    let n = hashes.len();
-    if n == 0 {
-        return cost;
-    }
-    let mut probe = |i: usize| {
-        cost.probes += 1;
-        source.set_of(key_of(hashes[i].into()))
-    };
-    let first = probe(0);
-    if first.is_none() {
-        return cost;
-    }
-    let last = probe(n - 1);
-    // Runs of blocks with one set, as (last block of the run, its set):
-    // bisect only where the sets at two probes differ.
-    let mut runs: Vec<(usize, Option<u32>)> = Vec::new();
-    let mut pending = vec![(0usize, first, n - 1, last)];
-    while let Some((lo, s_lo, hi, s_hi)) = pending.pop() {
-        if s_lo == s_hi {
-            continue;
-        }
-        if hi - lo == 1 {
-            runs.push((lo, s_lo));
-            continue;
-        }
-        let mid = lo + (hi - lo) / 2;
-        let s_mid = probe(mid);
-        pending.push((mid, s_mid, hi, s_hi));
-        pending.push((lo, s_lo, mid, s_mid));
-    }
-    runs.push((n - 1, last));
-    runs.sort_unstable_by_key(|&(end, _)| end);
-    cost.runs = runs.len();
-
-    let clock = source.clock();
-    let epoch = clock.epoch(now_s);
-    let usable = |m: &Member| {
-        clock.is_current(source.pod_state(m.pod()), *m, epoch)
-            && (rules.trust_precise || !is_precise(m.tier()))
-    };
-    let credit_of = |tier: Tier| match tier {
-        Tier::Gpu | Tier::Learned => 1.0,
-        Tier::Cpu => rules.cpu_credit,
-        Tier::Disk => rules.disk_credit,
-    };
-    let taught_now = |m: &Member| m.tier() == Tier::Learned && m.epoch() == epoch;
-    // Pods still matching at the current run, in pod order.
-    let mut active: Vec<PodMatch> = Vec::new();
-    let mut next: Vec<PodMatch> = Vec::new();
-    let mut start = 0;
-    for (k, &(end, set)) in runs.iter().enumerate() {
-        let len = (end + 1 - start) as f64;
-        let set_members = set.map(|id| source.members(id));
-        let mut members = set_members
-            .as_deref()
-            .unwrap_or(&[])
-            .iter()
-            .filter(|m| usable(m))
-            .peekable();
-        if k == 0 {
-            next.extend(members.map(|m| PodMatch {
-                pod: m.pod(),
-                blocks: end + 1,
-                credit: len * credit_of(m.tier()),
-                taught_this_epoch: if taught_now(m) { end + 1 } else { 0 },
-            }));
-        } else {
-            for matched in active.drain(..) {
-                while members.next_if(|m| m.pod() < matched.pod).is_some() {}
-                match members.peek() {
-                    Some(m) if m.pod() == matched.pod => next.push(PodMatch {
-                        blocks: end + 1,
-                        credit: matched.credit + len * credit_of(m.tier()),
-                        taught_this_epoch: if matched.taught_this_epoch == start && taught_now(m) {
-                            end + 1
-                        } else {
-                            matched.taught_this_epoch
-                        },
-                        ..matched
-                    }),
-                    _ => out.push(matched),
-                }
-            }
-        }
-        std::mem::swap(&mut active, &mut next);
-        next.clear();
-        start = end + 1;
-        if active.is_empty() {
-            break;
-        }
-    }
-    out.extend(active);
-    out.sort_unstable_by_key(|m| m.pod);
-    cost
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::BlockHash;
+    use crate::hash::{splitmix64, BlockHash};
     use std::cell::RefCell;
     use std::collections::HashMap;
 
@@ -1617,7 +1074,7 @@ mod tests {
     /// A deterministic stream of hash-like numbers (SplitMix64).
     fn next(state: &mut u64) -> u64 {
         *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(*state)
+        splitmix64(*state)
     }
 
     fn chain(seed: u64, n: usize) -> Vec<BlockHash> {
@@ -2495,7 +1952,7 @@ mod tests {
                 let at = 2 + i * 8;
                 let slot = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
                 if slot != EMPTY {
-                    let slot = (slot & !REF_MASK) | 999;
+                    let slot = slot_of(slot_key(slot), 999);
                     bytes[at..at + 8].copy_from_slice(&slot.to_le_bytes());
                 }
             }

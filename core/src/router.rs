@@ -7,7 +7,8 @@ use crate::budget::{ClientBudgets, ClientKey};
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
 use crate::hash::{
-    keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, BlockHash, Domain,
+    keyed_byte_chunk_hashes, keyed_token_block_hashes, root_hash, salt_digest, splitmix64,
+    BlockHash, Domain,
 };
 use crate::index::published::Publication;
 use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch};
@@ -61,7 +62,7 @@ struct Pod {
 impl Pod {
     fn new(spec: PodSpec, id: PodId) -> Pod {
         Pod {
-            shuffle: mix(id.slot() as u64),
+            shuffle: splitmix64(id.slot() as u64),
             spec,
             id,
             inflight_requests: 0,
@@ -128,14 +129,6 @@ type LoadKey = (u64, u32, u32, u64, usize);
 /// loaded ones serving the model (besides every pod the lookup matched).
 /// Enough for a new prefix to find an idle pod and for the fallbacks.
 pub const LEAST_LOADED_CANDIDATES: usize = 16;
-
-/// SplitMix64 finaliser.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 /// What the configuration says about learning and failures.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -860,7 +853,7 @@ impl Cluster {
         };
         self.load_order.remove(&pod.load_key(i));
         change(pod);
-        pod.shuffle = mix(pod.shuffle);
+        pod.shuffle = splitmix64(pod.shuffle);
         self.load_order.insert(pod.load_key(i));
     }
 

@@ -24,6 +24,7 @@
 //! Ties go to the pod with fewer requests in flight, then to a random one.
 
 use crate::config::Weights;
+use crate::hash::splitmix64;
 
 /// What the router knows about one candidate pod for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -129,7 +130,7 @@ pub fn rank(
         .enumerate()
         .map(|(i, pod)| {
             let terms = cost(prompt_blocks, pod, w);
-            (i, terms, terms.total(), mix(tie_seed ^ i as u64))
+            (i, terms, terms.total(), splitmix64(tie_seed ^ i as u64))
         })
         .collect();
     ranked.sort_by(|a, b| {
@@ -145,14 +146,6 @@ pub fn rank(
         .into_iter()
         .map(|(i, terms, _, _)| (i, terms))
         .collect()
-}
-
-/// SplitMix64 finaliser: a well-mixed tie-break key per candidate.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 #[cfg(test)]

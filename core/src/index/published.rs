@@ -17,10 +17,9 @@
 //! never meets a slot whose set is not written yet. Every decoder here takes
 //! any bytes without panicking: what does not decode is a miss, counted.
 
-use super::{
-    bucket_of, probe_slots, slot_set, BlockIndex, Bucket, Clock, IndexSource, Member, PodId,
-    PodState, BUCKET_SLOTS, EMPTY,
-};
+use super::bucket::{bucket_of, probe_slots, slot_set, Bucket, BUCKET_SLOTS, EMPTY};
+use super::member::{Clock, Member, PodId, PodState};
+use super::{BlockIndex, IndexSource};
 use crate::codec::{put_u16, put_u32, put_u64, CodecError, Reader};
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -201,7 +200,10 @@ pub fn find_in_chunk(bytes: &[u8], id: u32) -> Result<Option<Vec<Member>>, Codec
         let n = usize::from(r.u16("member count")?);
         if at == id {
             return Ok(Some(
-                r.u64s(n, "members")?.into_iter().map(Member).collect(),
+                r.u64s(n, "members")?
+                    .into_iter()
+                    .map(Member::from_bits)
+                    .collect(),
             ));
         }
         r.take(n.saturating_mul(8), "members")?;
@@ -251,9 +253,7 @@ impl BlockIndex {
         if chunks.len() > room {
             // Re-queued as one id per chunk: the chunk is rewritten whole.
             let left = &chunks[room..];
-            self.sets
-                .fresh
-                .extend(left.iter().map(|c| c * SETS_PER_CHUNK));
+            self.sets.requeue_chunks(left);
             out.deferred = left.len() + self.dirty_buckets.len() + self.unpublished.len();
         } else {
             let room = max_writes.saturating_sub(out.writes.len());
@@ -322,7 +322,7 @@ impl BlockIndex {
             put_u32(&mut out, id);
             put_u16(&mut out, members.len() as u16);
             for m in members {
-                put_u64(&mut out, m.0);
+                put_u64(&mut out, m.bits());
             }
         }
         out
