@@ -478,6 +478,7 @@ pub(super) fn adjust_block(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::keys::KEY_END;
 
     /// Pages through the key space as a snapshot does, with groupings of
     /// about 64 ids: every block comes once, and no grouping holds much more
@@ -498,12 +499,11 @@ mod tests {
             })
             .collect();
         all.sort_unstable();
-        let key_end = 1u64 << kvroute_core::hash::INDEX_KEY_BITS;
-        let page = key_end / 100; // ~20 blocks a page
+        let page = KEY_END / 100; // ~20 blocks a page
         let mut seen = Vec::new();
         let mut start = 0;
-        while start < key_end {
-            let end = (start + page).min(key_end);
+        while start < KEY_END {
+            let end = (start + page).min(KEY_END);
             seen.extend(
                 blocks
                     .in_key_range(start..end, 0, 0)

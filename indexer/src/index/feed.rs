@@ -20,12 +20,12 @@
 use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PageToken, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::FeedRequest;
 
-use kvroute_core::hash::{IndexKey, INDEX_KEY_BITS};
+use kvroute_core::hash::IndexKey;
 
 use super::blocks::SetId;
 use super::feed_log::Op;
 use super::hashing::Map;
-use super::keys::{BlockHash, PodKey};
+use super::keys::{BlockHash, PodKey, KEY_END};
 use super::Index;
 
 impl Index {
@@ -215,9 +215,6 @@ impl Index {
         (ops, next)
     }
 }
-
-/// One past the largest index key: the key space pages cut into ranges.
-const KEY_END: u64 = 1 << INDEX_KEY_BITS;
 
 /// The feed carries the index keys of kvroute hashes.
 fn wire_hashes(hashes: &[BlockHash]) -> Vec<IndexKey> {

@@ -19,6 +19,7 @@ use std::ops::Range;
 use kvroute_core::hash::INDEX_KEY_BITS;
 
 use super::blocks::BlockId;
+use super::keys::KEY_END;
 
 /// Ids a grouping holds, about (the window's width is a power of two).
 pub(super) const GROUPED_IDS: usize = 1 << 24;
@@ -27,7 +28,6 @@ pub(super) const GROUPED_IDS: usize = 1 << 24;
 /// so the ids outside a page's range that it reads are about one percent.
 const RANGE_BITS: u32 = 12;
 const RANGES: usize = 1 << RANGE_BITS;
-const KEY_END: u64 = 1 << INDEX_KEY_BITS;
 
 /// Record ids by range of their index key within a window of keys, in id
 /// order within a range (compressed rows: `ids[starts[r]..starts[r + 1]]`).

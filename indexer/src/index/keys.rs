@@ -8,6 +8,10 @@
 //! Conversions happen at the edges only: where a decoded event or a core
 //! feed type (which carries u64 on the wire) enters or leaves the index.
 
+/// One past the largest index key: the key space snapshot pages cut into
+/// ranges.
+pub(super) const KEY_END: u64 = 1 << kvroute_core::hash::INDEX_KEY_BITS;
+
 /// The index's key of a pod: assigned when the pod becomes known, stable
 /// while it stays known, never reused within a run. Pod keys order the feed's
 /// snapshot pages and break ties in the least-loaded order.
