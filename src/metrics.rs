@@ -80,6 +80,10 @@ pub struct FilterMetrics {
     pub index_unpublished: Metric,
     /// Published buckets or set chunks that did not decode (each a miss).
     pub index_unreadable: Metric,
+    /// Published buckets and set chunks the lookups read from shared data,
+    /// and those the VM's copies (kept until the next flush) answered.
+    pub index_lookup_reads: Metric,
+    pub index_lookup_reused: Metric,
     pub peers: Metric,
     pub peer_errors: Metric,
     pub tokenizer_ok: Metric,
@@ -111,6 +115,8 @@ impl FilterMetrics {
             decision_us: Metric::histogram("kvroute.decision_us"),
             index_unpublished: Metric::counter("kvroute.index.unpublished"),
             index_unreadable: Metric::counter("kvroute.index.unreadable"),
+            index_lookup_reads: Metric::counter("kvroute.index.lookup_reads"),
+            index_lookup_reused: Metric::counter("kvroute.index.lookup_reused"),
             peers: Metric::gauge("kvroute.peers"),
             peer_errors: Metric::counter("kvroute.peer.errors"),
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),

@@ -207,7 +207,17 @@ impl Worker {
             let rules = self.cluster.match_rules(config, now_s);
             let mut found: Vec<PodMatch> = Vec::new();
             lookup = match_lengths(&source, hashes, now_s, &rules, &mut found);
-            self.metrics.index_unreadable.add(source.unreadable());
+            let m = &self.metrics;
+            let (reads, reused) = source.reads();
+            for (metric, n) in [
+                (m.index_unreadable, source.unreadable()),
+                (m.index_lookup_reads, reads),
+                (m.index_lookup_reused, reused),
+            ] {
+                if n > 0 {
+                    metric.add(n);
+                }
+            }
             for m in &found {
                 let Some(&Some(pod)) = self.positions.get(m.pod.slot()) else {
                     continue;

@@ -221,6 +221,8 @@ pub struct BlockIndex {
     pods_dirty: bool,
     /// Publications of the pod table so far.
     pods_version: u64,
+    /// Publications so far (each head names its own).
+    publications: u64,
 }
 
 impl BlockIndex {
@@ -250,6 +252,7 @@ impl BlockIndex {
             published: vec![false; buckets],
             pods_dirty: true,
             pods_version: 0,
+            publications: 0,
         }
     }
 
@@ -998,6 +1001,7 @@ impl BlockIndex {
         }
         index.pods = self.pods.clone();
         index.pods_version = self.pods_version;
+        index.publications = self.publications;
         index.free_pods = self.free_pods.clone();
         index.live_pods = self.live_pods;
         for (pod, key, tier) in self.entries_oldest_first() {
@@ -1477,23 +1481,42 @@ mod tests {
         }
 
         fn lookup(&self, hashes: &[BlockHash], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
-            let mut view = published::PublishedView::default();
+            self.lookup_in(
+                &mut published::PublishedView::default(),
+                hashes,
+                now_s,
+                rules,
+            )
+            .0
+        }
+
+        /// A lookup through `view` (refreshed first), and its reads: from
+        /// the store, and answered by the view's copies.
+        fn lookup_in(
+            &self,
+            view: &mut published::PublishedView,
+            hashes: &[BlockHash],
+            now_s: u32,
+            rules: &MatchRules,
+        ) -> (Vec<PodMatch>, (u64, u64)) {
             view.refresh(self, 1_000, 5_000).unwrap();
             let source = view.source(self).unwrap();
             let mut out = Vec::new();
             match_lengths(&source, hashes, now_s, rules, &mut out);
             assert_eq!(source.unreadable(), 0);
-            out
+            (out, source.reads())
         }
     }
 
     /// The published copy answers every lookup as the writer's own index
-    /// does, after any operations and a flush; a flush bounded per tick
+    /// does, after any operations and a flush, through a new reader or one
+    /// that kept what it read before the flush; a flush bounded per tick
     /// catches up within a few ticks.
     #[test]
     fn the_published_index_answers_as_the_writer_does() {
         for (seed, store) in (0..4u64).flat_map(|seed| STORES.map(|store| (seed, store))) {
             let Under { mut index, shared } = Under::new(store, 1 << 20, 30);
+            let mut kept = published::PublishedView::default();
             let pods: Vec<PodId> = (0..8).filter_map(|_| index.add_pod()).collect();
             let chains: Vec<Vec<BlockHash>> = (0..4).map(|c| chain(seed * 16 + c, 100)).collect();
             let mut rng = seed;
@@ -1524,9 +1547,56 @@ mod tests {
                         own,
                         "{store:?} seed {seed} step {step}"
                     );
+                    assert_eq!(
+                        shared.lookup_in(&mut kept, c, now, &TRUST_ALL).0,
+                        own,
+                        "{store:?} seed {seed} step {step}, kept reader"
+                    );
                 }
             }
         }
+    }
+
+    /// A reader keeps the buckets and chunks it read until the next
+    /// publication: the same lookup again reads nothing from the store.
+    #[test]
+    fn a_reader_reuses_what_it_read_until_the_next_publication() {
+        let shared = SharedMap::default();
+        let mut index = BlockIndex::new(1 << 20, 60);
+        let (a, b) = (index.add_pod().unwrap(), index.add_pod().unwrap());
+        let c = chain(3, 40);
+        index.touch_chain(a, &c, Tier::Gpu, 1);
+        while shared.flush(&mut index, usize::MAX) > 0 {}
+        let mut view = published::PublishedView::default();
+        let (first, (reads, reused)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(first.len(), 1);
+        assert!(reads >= 3, "two probes and a set: {reads}");
+        assert_eq!(reused, 0);
+        let (again, (reads_again, reused_again)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(again, first);
+        assert_eq!((reads_again, reused_again), (0, reads));
+        // The same heartbeat, but a new publication: read again, and seen.
+        index.touch_chain(b, &c[..20], Tier::Gpu, 1);
+        while shared.flush(&mut index, usize::MAX) > 0 {}
+        let (after, (reads_after, _)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(after.len(), 2);
+        assert!(reads_after > 0);
+        // Keys stored before their head (a writer storing back early): a set
+        // the kept chunk lacks is read again, not taken for a miss.
+        let d = chain(4, 10);
+        index.touch_chain(a, &d, Tier::Cpu, 1);
+        let early = index.publish(usize::MAX, 7, 1_000, &|id| {
+            Some(format!("pod-{}", id.slot()))
+        });
+        for (key, value) in early.writes {
+            if key != published::HEAD_KEY {
+                shared.write(&key, &value);
+            }
+        }
+        let mut own = Vec::new();
+        index.match_lengths(&d, 1, &TRUST_ALL, &mut own);
+        assert_eq!(shared.lookup_in(&mut view, &d, 1, &TRUST_ALL).0, own);
+        assert_eq!(own.len(), 1);
     }
 
     /// A writer that starts over (a new singleton) rewrites every bucket and

@@ -5,8 +5,9 @@
 //! the key set is bounded by the budget: one key per bucket, one per
 //! [`SETS_PER_CHUNK`] set ids, and two more):
 //! - `head`: the format, the writer (drawn at its start), its heartbeat, the
-//!   pod table's version, the bucket count and the learned-age clock.
-//!   Written at every flush.
+//!   publication's number, the pod table's version, the bucket count and the
+//!   learned-age clock. Written last by every publication, so a reader's
+//!   copies of buckets and chunks last until the head changes.
 //! - `pods`: per index pod id, its generations and address.
 //! - `b/<bucket>`: the bucket's slots and their ages (written once by each
 //!   new writer or layout, then when they change). A write-through writer
@@ -21,8 +22,9 @@ use super::bucket::{bucket_of, probe_slots, slot_set, Bucket, BUCKET_SLOTS, EMPT
 use super::member::{Clock, Member, PodId, PodState};
 use super::{BlockIndex, IndexSource};
 use crate::codec::{put_u16, put_u32, put_u64, CodecError, Reader};
+use hashbrown::HashMap;
 use std::borrow::Cow;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 /// The head key: what a reader needs to read the rest.
 pub const HEAD_KEY: &str = "kvroute/index/v1/head";
@@ -30,8 +32,9 @@ pub const HEAD_KEY: &str = "kvroute/index/v1/head";
 pub const PODS_KEY: &str = "kvroute/index/v1/pods";
 /// Interned sets per shared-data key.
 pub const SETS_PER_CHUNK: u32 = 16;
-/// The head's format byte (2: buckets carry their slots' ages).
-const FORMAT: u8 = 2;
+/// The head's format byte (2: buckets carry their slots' ages; 3: the head
+/// numbers its publication).
+const FORMAT: u8 = 3;
 
 /// The key of bucket `b`.
 pub fn bucket_key(b: usize) -> String {
@@ -51,6 +54,9 @@ pub struct Head {
     pub writer: u64,
     /// When the writer last flushed (ms since the epoch).
     pub heartbeat_ms: u64,
+    /// The writer's publications so far: one flush publishes in batches
+    /// within a millisecond, and each batch's head must differ.
+    pub publication: u64,
     /// Bumped whenever the pod table is rewritten.
     pub pods_version: u64,
     pub buckets: u32,
@@ -59,10 +65,11 @@ pub struct Head {
 
 impl Head {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(35);
+        let mut out = Vec::with_capacity(43);
         out.push(FORMAT);
         put_u64(&mut out, self.writer);
         put_u64(&mut out, self.heartbeat_ms);
+        put_u64(&mut out, self.publication);
         put_u64(&mut out, self.pods_version);
         put_u32(&mut out, self.buckets);
         put_u32(&mut out, self.clock.epoch_seconds);
@@ -80,6 +87,7 @@ impl Head {
         let head = Head {
             writer: r.u64("writer")?,
             heartbeat_ms: r.u64("heartbeat")?,
+            publication: r.u64("publication")?,
             pods_version: r.u64("pods version")?,
             buckets: r.u32("bucket count")?,
             clock: Clock {
@@ -279,9 +287,11 @@ impl BlockIndex {
             }
             out.deferred = self.dirty_buckets.len() + self.unpublished.len();
         }
+        self.publications += 1;
         let head = Head {
             writer,
             heartbeat_ms,
+            publication: self.publications,
             pods_version: self.pods_version,
             buckets: self.buckets.len() as u32,
             clock: self.clock(),
@@ -362,12 +372,52 @@ impl Unpublished {
     }
 }
 
+/// Bytes of buckets and chunks a worker keeps between its decisions.
+pub const READ_CACHE_BYTES: usize = 1 << 20;
+
 /// A worker's view of the published index: the head and the pod table,
-/// re-read when the writer changes them.
+/// re-read when the writer changes them, and the buckets and chunks its
+/// lookups read since the head last changed.
 #[derive(Debug, Default)]
 pub struct PublishedView {
     head: Option<Head>,
+    /// The head as last read: the writer rewrites it at every flush, after
+    /// the flush's buckets and chunks.
+    head_bytes: Vec<u8>,
     pods: PodTable,
+    cache: RefCell<ReadCache>,
+}
+
+/// Published values read under one head. Every flush writes a new head (its
+/// heartbeat moves), so a value is reused for at most one flush period:
+/// the staleness a reader of the last flush has anyway. Bounded by
+/// [`READ_CACHE_BYTES`]; emptied when full.
+#[derive(Debug, Default)]
+struct ReadCache {
+    buckets: HashMap<u32, Vec<u8>>,
+    chunks: HashMap<u32, Vec<u8>>,
+    bytes: usize,
+}
+
+impl ReadCache {
+    fn clear(&mut self) {
+        self.buckets.clear();
+        self.chunks.clear();
+        self.bytes = 0;
+    }
+
+    /// Makes room for `len` more bytes (emptying the cache when full);
+    /// false when a value of that size is never kept.
+    fn room_for(&mut self, len: usize) -> bool {
+        if len > READ_CACHE_BYTES / 4 {
+            return false;
+        }
+        if self.bytes + len > READ_CACHE_BYTES {
+            self.clear();
+        }
+        self.bytes += len;
+        true
+    }
 }
 
 impl PublishedView {
@@ -386,6 +436,10 @@ impl PublishedView {
         let head = Head::decode(&bytes).map_err(|_| Unpublished::Unreadable)?;
         if now_ms.saturating_sub(head.heartbeat_ms) > stale_after_ms {
             return Err(Unpublished::Stale);
+        }
+        if bytes != self.head_bytes {
+            self.cache.get_mut().clear();
+            self.head_bytes = bytes;
         }
         if self.pods_version() != Some((head.writer, head.pods_version)) {
             let table = reader.read(PODS_KEY).ok_or(Unpublished::Unreadable)?;
@@ -411,18 +465,24 @@ impl PublishedView {
             reader,
             head: self.head?,
             pods: &self.pods,
+            cache: &self.cache,
             unreadable: Cell::new(0),
+            reads: Cell::new(0),
+            reused: Cell::new(0),
         })
     }
 }
 
 /// The published index as a lookup source: every probe reads one bucket key,
-/// every set met one chunk key.
+/// every set met one chunk key, unless the view read it under this head.
 pub struct PublishedIndex<'a> {
     reader: &'a dyn KeyReader,
     head: Head,
     pods: &'a PodTable,
+    cache: &'a RefCell<ReadCache>,
     unreadable: Cell<u64>,
+    reads: Cell<u64>,
+    reused: Cell<u64>,
 }
 
 impl PublishedIndex<'_> {
@@ -431,26 +491,77 @@ impl PublishedIndex<'_> {
         self.unreadable.get()
     }
 
+    /// Buckets and chunks read from the store, and those the view already held.
+    pub fn reads(&self) -> (u64, u64) {
+        (self.reads.get(), self.reused.get())
+    }
+
     fn count_unreadable(&self) {
         self.unreadable.set(self.unreadable.get() + 1);
+    }
+
+    /// `answer` applied to the value of `key` (number `n` of its kind in
+    /// `kind`), from the cache or read and kept. `fresh` reads the store
+    /// even when the cache holds the key.
+    fn with_value<T>(
+        &self,
+        kind: fn(&mut ReadCache) -> &mut HashMap<u32, Vec<u8>>,
+        n: u32,
+        key: impl FnOnce() -> String,
+        fresh: bool,
+        answer: impl Fn(&[u8]) -> T,
+    ) -> Option<T> {
+        let mut cache = self.cache.borrow_mut();
+        if !fresh {
+            if let Some(bytes) = kind(&mut cache).get(&n) {
+                self.reused.set(self.reused.get() + 1);
+                return Some(answer(bytes));
+            }
+        }
+        self.reads.set(self.reads.get() + 1);
+        let bytes = self.reader.read(&key())?;
+        let found = answer(&bytes);
+        if cache.room_for(bytes.len()) {
+            if let Some(old) = kind(&mut cache).insert(n, bytes) {
+                cache.bytes = cache.bytes.saturating_sub(old.len());
+            }
+        }
+        Some(found)
     }
 }
 
 impl IndexSource for PublishedIndex<'_> {
     fn set_of(&self, key: u64) -> Option<u32> {
         let b = bucket_of(key, self.head.buckets as usize);
-        let bytes = self.reader.read(&bucket_key(b))?;
-        find_in_bucket(&bytes, key).unwrap_or_else(|_| {
+        let found = self.with_value(
+            |c| &mut c.buckets,
+            b as u32,
+            || bucket_key(b),
+            false,
+            |bytes| find_in_bucket(bytes, key),
+        )?;
+        found.unwrap_or_else(|_| {
             self.count_unreadable();
             None
         })
     }
 
     fn members(&self, id: u32) -> Cow<'_, [Member]> {
-        let found = self
-            .reader
-            .read(&set_chunk_key(id))
-            .map(|bytes| find_in_chunk(&bytes, id));
+        let chunk = id / SETS_PER_CHUNK;
+        let read = |fresh| {
+            self.with_value(
+                |c| &mut c.chunks,
+                chunk,
+                || set_chunk_key(id),
+                fresh,
+                |bytes| find_in_chunk(bytes, id),
+            )
+        };
+        // A set interned after the kept chunk was read is read again.
+        let found = match read(false) {
+            Some(Ok(None)) => read(true),
+            other => other,
+        };
         match found {
             Some(Ok(Some(members))) => Cow::Owned(members),
             Some(Err(_)) => {
