@@ -388,9 +388,9 @@ pub struct PublishedView {
     cache: RefCell<ReadCache>,
 }
 
-/// Published values read under one head. Every flush writes a new head (its
-/// heartbeat moves), so a value is reused for at most one flush period:
-/// the staleness a reader of the last flush has anyway. Bounded by
+/// Published values read under one head. Every publication writes a new
+/// head (its number moves), so a value is reused for at most one flush
+/// period: the staleness a reader of the last flush has anyway. Bounded by
 /// [`READ_CACHE_BYTES`]; emptied when full.
 #[derive(Debug, Default)]
 struct ReadCache {
