@@ -250,6 +250,9 @@ def mixed() -> Profile:
     # serves ~6 fast pods' worth: at SCENARIO_SPEED one fast pod sustains ~5 QPS of this workload
     # (overload calibration: 4 pods, 20 QPS), so ~30 QPS; a router blind to speed gives each slow
     # pod 1/8 of the load and saturates them from ~20 QPS. Stages just below that and near ~30.
+    # The warm-up (12 QPS x 40 s: 480 requests) sends nearly every group (96 x e^-5 < 1 unseen), as
+    # the other profiles' warm-ups do. At 15 s (180 requests) ~15 groups went unseen, and the first
+    # measured stage's p90 was their cold prefills: docs/results/2026-12-02-mixed-warm40-6318206.
     fast, slow = 3072, 2304
     return Profile(
         name="mixed",
@@ -260,12 +263,12 @@ def mixed() -> Profile:
                     pod_speeds=[SCENARIO_SPEED] * 4 + [SCENARIO_SPEED / 2] * 4),
         workload=WorkloadSpec(groups=96, prompts_per_group=5, system_prompt_len=1500, question_len=300, output_len=100),
         load=LoadSpec(
-            warmup=(12.0, 15),
+            warmup=(12.0, 40),
             stages=[(18.0, 15), (28.0, 15)],
             num_workers=1,
             worker_max_concurrency=320,
             # Cache-blind routers fall far behind at 1/8 speed; the timeout bounds their drain so
-            # nine strategies fit in ~30 minutes. A timed-out request is a counted error.
+            # nine strategies fit in ~40 minutes. A timed-out request is a counted error.
             request_timeout=60.0,
             stage_teardown_grace_seconds=30.0,
         ),
