@@ -85,15 +85,17 @@ def baseline(endpoints: List[str], policy: str, access_log: Optional[str] = None
 
 
 def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None,
-            access_log: Optional[str] = None) -> str:
+            access_log: Optional[str] = None, wasm: Optional[str] = None) -> str:
     """kvroute gateway (envoy/gateway.yaml); with indexer_address the precise one (envoy/gateway-precise.yaml:
     singleton feed poller, kvroute_indexer cluster, vllm_tokenizer cluster = the pods' /tokenize).
-    `plugin["indexer"]` (e.g. a scaled poll_ms) also reaches the singleton's own configuration."""
+    `plugin["indexer"]` (e.g. a scaled poll_ms) also reaches the singleton's own configuration.
+    `wasm`: a kvroute.wasm other than the work tree's release build (overhead.py --wasm-variant)."""
     ctl = _envoyctl()
+    module = wasm or ctl.WASM
     if indexer_address:
-        text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address)
+        text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address, wasm=module)
     else:
-        text = ctl.render_gateway(endpoints, plugin)
+        text = ctl.render_gateway(endpoints, plugin, wasm=module)
     cfg = overlay(yaml.safe_load(text), access_log)
     if "indexer" in plugin:
         for extension in cfg.get("bootstrap_extensions", []):

@@ -16,6 +16,9 @@ fallback tokenizer):
                   first call-outs nearly all are recalled; the counters below say how many
                   of each). No KV events here: the cost of the tokens and the feed, not
                   routing quality
+  envoy+kvroute@NAME  as envoy+kvroute, with the kvroute.wasm given by --wasm-variant NAME=PATH
+                  (repeatable): builds of the filter compared in one interleaved run; the
+                  report adds each one's CPU per request minus envoy+kvroute's, paired by round
   sglang-router   sglang-router launch --policy cache_aware
   vllm-router     vllm-router --policy cache_aware
 Bodies: OpenAI chat JSON of 4 KiB and 30 KiB (overhead/body.lua, 16 variants,
@@ -109,6 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="upstream pods (default 1: `direct` can only reach one pod, so more would favour the routers)")
     ap.add_argument("--time-scale", type=float, default=0.001, help="vllm-sim --time-scale for the upstream pods")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
+    ap.add_argument("--wasm-variant", action="append", default=[], metavar="NAME=PATH",
+                    help="also measure kvroute (approximate) built as PATH, as target envoy+kvroute@NAME (repeatable)")
     ap.add_argument("--out")
     ap.add_argument("--results-dir", help="copy overhead.md and overhead.json here")
     args = ap.parse_args(argv)
@@ -119,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(out, exist_ok=True)
     sizes = [int(x) for x in args.sizes.split(",")]
     wanted = args.targets.split(",")
+    variants = wasm_variants(args.wasm_variant)
+    wanted += list(variants)
     prof = profiles.quick()
     model = prof.sim.served_model_name
     simcluster = strategies._import_integration("simcluster")
@@ -132,6 +139,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta["git"] = bench_run.git_rev()
     meta["artifacts"] = bench_run.artifacts()
+    meta["wasm_variants"] = {name: {"path": path, "sha256": bench_run.sha256_prefix(path)}
+                             for name, path in variants.items()}
     targets: Dict[str, Dict[str, Any]] = {}
     notes: Dict[str, str] = {}
     with contextlib.ExitStack() as stack:
@@ -149,7 +158,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                           {"mode": "precise", "require_events": False}), {}),
             ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
             ("vllm-router", strategies.Strategy("ovh-vllm-router", "vllm-router", "vllm_router", {"policy": "cache_aware"}), {}),
-        ):
+        ) + tuple((name, strategies.Strategy("ovh-" + name, name, "kvroute", {"mode": "approximate", "wasm": path}), {})
+                  for name, path in variants.items()):
             if name not in wanted:
                 continue
             why = strategies.missing_prerequisite(strat, cluster)
@@ -213,6 +223,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def wasm_variants(specs: List[str]) -> Dict[str, str]:
+    """--wasm-variant NAME=PATH values → {target name: absolute path}; refused unless PATH exists."""
+    out: Dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--wasm-variant {spec!r}: expected NAME=PATH")
+        if not os.path.isfile(path):
+            raise SystemExit(f"--wasm-variant {spec!r}: {path} is not a file")
+        out[f"envoy+kvroute@{name}"] = os.path.abspath(path)
+    return out
+
+
+def baseline_of(target: str) -> Optional[str]:
+    return "envoy" if target.startswith("envoy+kvroute@") else BASELINE.get(target)
+
+
 BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "envoy+kvroute-precise": "envoy",
             "sglang-router": "direct", "vllm-router": "direct"}
 
@@ -259,13 +286,20 @@ def render(data: Dict[str, Any]) -> str:
          "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for size in sizes:
         for n in names:
-            base = BASELINE.get(n)
+            base = baseline_of(n)
             cpu = med(n, size, "cpu_us_per_req")
             non = sum(r.get("non2xx", 0) + r.get("socket_errors", 0) for r in runs if r["target"] == n and r["size"] == size)
             L.append(f"| {n} | {size} B | {ms(med(n, size, 'p50'))} | {ms(med(n, size, 'p99'))} | "
                      f"{sms(paired(n, base, size, 'p50')) if base in names else '—'} | "
                      f"{sms(paired(n, base, size, 'p99')) if base in names else '—'} | {base or '—'} | "
                      f"{(med(n, size, 'rps') or 0):,.0f} | {'—' if cpu is None else f'{cpu:.0f} µs'} | {non} |")
+    L.append("")
+    for n, v in (meta.get("wasm_variants") or {}).items():
+        L.append(f"- {n}: `{v['path']}` (sha256 {v['sha256']}…)")
+        for size in sizes:
+            d = paired(n, "envoy+kvroute", size, "cpu_us_per_req") if "envoy+kvroute" in names else None
+            if d is not None:
+                L.append(f"  - {size} B: CPU per request minus envoy+kvroute's in the same round, median {d:+.0f} µs")
     L.append("")
     for n, why in data.get("notes", {}).items():
         L.append(f"- {n}: {why}")

@@ -105,6 +105,12 @@ def git_rev() -> Dict[str, Any]:
     return {"commit": g("rev-parse", "HEAD"), "dirty": bool(g("status", "--porcelain", "--untracked-files=no"))}
 
 
+def sha256_prefix(path: str) -> str:
+    """The first 16 hex digits of a file's sha256: enough to tell builds apart in a report."""
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()[:16]
+
+
 def artifacts() -> Dict[str, Any]:
     """sha256 (first 16 hex) and mtime of the binaries under test, so a result names exactly what ran."""
     out: Dict[str, Any] = {}
@@ -113,8 +119,7 @@ def artifacts() -> Dict[str, Any]:
                       ("kvroute-indexer", "target/release/kvroute-indexer")):
         p = os.path.join(REPO, rel)
         if os.path.exists(p):
-            h = hashlib.sha256(open(p, "rb").read()).hexdigest()[:16]
-            out[name] = {"sha256": h, "mtime_utc": dt.datetime.fromtimestamp(os.path.getmtime(p), dt.timezone.utc)
+            out[name] = {"sha256": sha256_prefix(p), "mtime_utc": dt.datetime.fromtimestamp(os.path.getmtime(p), dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ")}
     return out
 

@@ -281,6 +281,31 @@ Requests/sec:   1846.50
 
 
 @check
+def overhead_wasm_variants():
+    import overhead
+
+    with tempfile.NamedTemporaryFile(suffix=".wasm") as f:
+        assert overhead.wasm_variants([f"simd={f.name}"]) == {"envoy+kvroute@simd": os.path.abspath(f.name)}
+    for bad in ("simd", "=x.wasm", "simd=/nonexistent/kvroute.wasm"):
+        try:
+            overhead.wasm_variants([bad])
+        except SystemExit:
+            continue
+        raise AssertionError(f"--wasm-variant {bad!r} must be refused")
+    cpu = {"envoy": (150, 170), "envoy+kvroute": (300, 330), "envoy+kvroute@simd": (290, 300)}
+    runs = [{"target": t, "size": 30720, "round": k, "cpu_us_per_req": c[k], "p50": 1e-3, "p99": 2e-3, "rps": 1000,
+             "non2xx": 0} for t, c in cpu.items() for k in (0, 1)]
+    meta = {"started_utc": "T", "command": "overhead.py", "wrk": ["4.2"], "pods": ["127.0.0.1:1"], "nproc": 2,
+            "args": {"connections": 4, "duration": 6, "rounds": 2, "time_scale": 0.001},
+            "loadavg_start": "0", "loadavg_end": "0", "versions": {},
+            "wasm_variants": {"envoy+kvroute@simd": {"path": "/x/simd.wasm", "sha256": "ab"}}}
+    md = overhead.render({"meta": meta, "targets": {t: {} for t in cpu}, "notes": {}, "runs": runs})
+    assert "| envoy+kvroute@simd | 30720 B | 1.000 ms | 2.000 ms | +0.000 ms | +0.000 ms | envoy |" in md, md
+    # Paired by round: 290 - 300 and 300 - 330, median -20.
+    assert "30720 B: CPU per request minus envoy+kvroute's in the same round, median -20 µs" in md, md
+
+
+@check
 def seeded_arrivals():
     import importlib
 

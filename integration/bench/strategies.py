@@ -294,7 +294,8 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         for k in range(clients):
             # Rendered one at a time: each render picks free ports, taken once its Envoy is up.
             text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"] if idx else None,
-                                       access_log=os.path.join(workdir, envoy_access_log_name(k)))
+                                       access_log=os.path.join(workdir, envoy_access_log_name(k)),
+                                       wasm=strategy.params.get("wasm"))
             ep = stack.enter_context(envoyctl.EnvoyProcess(text))
             ep.wait_for_peers()
             texts.append(text)
