@@ -305,10 +305,17 @@ def render(data: Dict[str, Any]) -> str:
         L.append(f"- {n}: {why}")
     L.append("")
     for n, t in data["targets"].items():
-        kv = t.get("kvroute_counters")
+        kv = t.get("kvroute_counters") or {}
+        decided = kv.get("kvroute.decision.prefix", 0) + kv.get("kvroute.decision.load", 0)
+        if n.startswith("envoy+kvroute") and not decided:
+            # A build that never decides (a throwaway variant, or a broken one) costs no routing.
+            L.append(f"- {n}: made no routing decision: its CPU per request is not a routing cost")
         if kv:
             fb = [f"{k.split('.')[-1]} {v}" for k, v in sorted(kv.items()) if ".fallback." in k]
-            L.append(f"- {n} counters: requests {kv.get('kvroute.requests', 0)}, tokenizer call-outs ok "
+            L.append(f"- {n} counters: requests {kv.get('kvroute.requests', 0)}, decisions by prefix "
+                     f"{kv.get('kvroute.decision.prefix', 0)} / by load {kv.get('kvroute.decision.load', 0)}, "
+                     f"blocks matched {kv.get('kvroute.blocks.matched', 0)} of {kv.get('kvroute.blocks.total', 0)}, "
+                     f"tokenizer call-outs ok "
                      f"{kv.get('kvroute.tokenizer.ok', 0)} / failed {kv.get('kvroute.tokenizer.failed', 0)}, "
                      f"token memo recalls {kv.get('kvroute.tokenizer.recalled', 0)}"
                      + (f", fail-open fallbacks: {', '.join(fb)}" if fb else ", no fail-open fallback"))

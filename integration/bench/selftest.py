@@ -299,7 +299,14 @@ def overhead_wasm_variants():
             "args": {"connections": 4, "duration": 6, "rounds": 2, "time_scale": 0.001},
             "loadavg_start": "0", "loadavg_end": "0", "versions": {},
             "wasm_variants": {"envoy+kvroute@simd": {"path": "/x/simd.wasm", "sha256": "ab"}}}
-    md = overhead.render({"meta": meta, "targets": {t: {} for t in cpu}, "notes": {}, "runs": runs})
+    targets = {t: {} for t in cpu}
+    targets["envoy+kvroute"]["kvroute_counters"] = {"kvroute.requests": 4, "kvroute.decision.prefix": 3,
+                                                    "kvroute.decision.load": 1, "kvroute.blocks.matched": 90,
+                                                    "kvroute.blocks.total": 120}
+    md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
+    assert "decisions by prefix 3 / by load 1, blocks matched 90 of 120" in md, md
+    assert "- envoy+kvroute@simd: made no routing decision" in md, md
+    assert "- envoy+kvroute: made no routing decision" not in md, md
     assert "| envoy+kvroute@simd | 30720 B | 1.000 ms | 2.000 ms | +0.000 ms | +0.000 ms | envoy |" in md, md
     # Paired by round: 290 - 300 and 300 - 330, median -20.
     assert "30720 B: CPU per request minus envoy+kvroute's in the same round, median -20 µs" in md, md
