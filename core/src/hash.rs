@@ -300,6 +300,31 @@ pub fn keyed_byte_chunk_hashes(
         .collect()
 }
 
+/// How many leading blocks two chains share. A chained hash covers its
+/// whole prefix, so equal hashes at block i mean blocks 0..=i are equal:
+/// this bisects (about log2 n compares) instead of comparing block by block.
+pub fn shared_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+    let n = a.len().min(b.len());
+    // The common cases in one compare each: other prompts, the same prompt.
+    if n == 0 || a.first() != b.first() {
+        return 0;
+    }
+    if a.get(n - 1) == b.get(n - 1) {
+        return n;
+    }
+    // Invariant: blocks below `equal` match; blocks from `differs` on do not.
+    let (mut equal, mut differs) = (1, n - 1);
+    while equal < differs {
+        let mid = equal + (differs - equal) / 2;
+        if a.get(mid) == b.get(mid) {
+            equal = mid + 1;
+        } else {
+            differs = mid;
+        }
+    }
+    equal
+}
+
 /// SplitMix64's output for state `x` (advance by the golden gamma, then
 /// finalise): a bijection of u64 that spreads any input over all bits. For
 /// shuffles, tie-breaks and set hashes, not for block identity.
@@ -367,6 +392,28 @@ mod tests {
         let ha = token_block_hashes(root, &a, 16, usize::MAX);
         let hb = token_block_hashes(root, &b, 16, usize::MAX);
         assert!(ha.iter().zip(&hb).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn shared_prefix_bisects_to_the_first_differing_block() {
+        let root = root_hash(Domain::Bytes, "m", None);
+        let base: Vec<u8> = (0..=255u8).cycle().take(64 * 40).collect();
+        let chain = byte_chunk_hashes(root, &base, 64, usize::MAX);
+        for change in [0, 1, 17, 39] {
+            let mut other = base.clone();
+            other[change * 64 + 5] ^= 1;
+            let other = byte_chunk_hashes(root, &other, 64, usize::MAX);
+            let linear = chain.iter().zip(&other).take_while(|(a, b)| a == b).count();
+            assert_eq!(linear, change);
+            assert_eq!(shared_prefix(&chain, &other), change);
+            assert_eq!(shared_prefix(&other, &chain), change);
+        }
+        // One chain a prefix of the other, and empty ones.
+        assert_eq!(shared_prefix(&chain, &chain[..25]), 25);
+        assert_eq!(shared_prefix(&chain[..1], &chain), 1);
+        assert_eq!(shared_prefix(&chain, &chain), chain.len());
+        assert_eq!(shared_prefix(&chain, &[]), 0);
+        assert_eq!(shared_prefix(&[], &[]), 0);
     }
 
     #[test]

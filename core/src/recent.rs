@@ -7,7 +7,7 @@
 //! Bounded by entries and by hashes held; an entry lives two flush periods
 //! (by then its flush has landed).
 
-use crate::hash::BlockHash;
+use crate::hash::{shared_prefix, BlockHash};
 use std::collections::VecDeque;
 
 /// Recent decisions kept at most.
@@ -19,6 +19,8 @@ pub const RECENT_HASHES: usize = 1 << 16;
 struct Recent {
     at_ms: u64,
     pod: String,
+    /// `hashes[0]`, kept inline: most entries are told apart by it alone.
+    first: BlockHash,
     hashes: Vec<BlockHash>,
 }
 
@@ -44,14 +46,15 @@ impl RecentRoutes {
 
     /// `pod` was taught `hashes` at `now_ms`.
     pub fn record(&mut self, pod: &str, hashes: &[BlockHash], now_ms: u64) {
-        if hashes.is_empty() {
+        let Some(&first) = hashes.first() else {
             return;
-        }
+        };
         let hashes = hashes[..hashes.len().min(RECENT_HASHES)].to_vec();
         self.hashes += hashes.len();
         self.entries.push_back(Recent {
             at_ms: now_ms,
             pod: pod.to_string(),
+            first,
             hashes,
         });
         while self.entries.len() > RECENT_ENTRIES || self.hashes > RECENT_HASHES {
@@ -85,13 +88,8 @@ impl RecentRoutes {
         let Some(&first) = hashes.first() else {
             return out;
         };
-        for entry in self.entries.iter().filter(|e| e.hashes[0] == first) {
-            let blocks = entry
-                .hashes
-                .iter()
-                .zip(hashes)
-                .take_while(|(a, b)| a == b)
-                .count();
+        for entry in self.entries.iter().filter(|e| e.first == first) {
+            let blocks = shared_prefix(&entry.hashes, hashes);
             match out.iter_mut().find(|(pod, _)| *pod == entry.pod) {
                 Some(known) => known.1 = known.1.max(blocks),
                 None => out.push((entry.pod.as_str(), blocks)),
@@ -109,20 +107,18 @@ impl RecentRoutes {
         since_ms: u64,
         now_ms: u64,
     ) -> usize {
+        let Some(&first) = hashes.first() else {
+            return 0;
+        };
         self.entries
             .iter()
             .filter(|e| {
-                e.pod == pod
+                e.first == first
                     && e.at_ms >= since_ms
                     && now_ms.saturating_sub(e.at_ms) <= self.keep_ms
+                    && e.pod == pod
             })
-            .map(|e| {
-                e.hashes
-                    .iter()
-                    .zip(hashes)
-                    .take_while(|(a, b)| a == b)
-                    .count()
-            })
+            .map(|e| shared_prefix(&e.hashes, hashes))
             .max()
             .unwrap_or(0)
     }

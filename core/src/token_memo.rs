@@ -53,7 +53,7 @@ use std::collections::VecDeque;
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::hash::BlockHash;
+use crate::hash::{shared_prefix, BlockHash};
 
 /// Calibration points kept per sample; past that the shallowest goes.
 const MAX_POINTS: usize = 16;
@@ -281,12 +281,7 @@ impl TokenMemo {
                 self.remove(id);
                 continue;
             }
-            let common = sample
-                .blocks
-                .iter()
-                .zip(&blocks)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let common = shared_prefix(&sample.blocks, &blocks);
             sample.add_point(depth, common);
             point = Some((depth, common));
             break;
