@@ -10,6 +10,7 @@ use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
 use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::{BlockHash, Domain};
+use kvroute_core::header_map::HeaderMap;
 use kvroute_core::lookup::LookupError;
 use kvroute_core::outcome::{judge, judge_end, Outcome, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
@@ -45,6 +46,8 @@ pub struct RequestFilter {
     /// A decision whose pod answered successfully: confirmed when the stream
     /// ends, unless the pod cut the answer (see `outcome::judge_end`).
     answering: Option<RoutedRequest>,
+    /// The response's last byte passed: the pod did not cut it.
+    response_complete: bool,
     explanation: Option<String>,
     /// Why the request was left to Envoy's LB, for the decision header.
     fallback: Option<FailOpen>,
@@ -78,6 +81,7 @@ impl RequestFilter {
             admission: Admission::Critical,
             unsettled: None,
             answering: None,
+            response_complete: false,
             explanation: None,
             fallback: None,
             tokenizing: None,
@@ -448,13 +452,15 @@ impl RequestFilter {
         m.blocks_total.add(decision.total_blocks as u64);
         m.decision_us.record(micros().saturating_sub(started));
         let explanation = decision.explain();
-        host::log(
-            LogLevel::Debug,
-            &format!(
-                "kvroute: request {} model {} → {}",
-                self.request_id, request.model, explanation
-            ),
-        );
+        if w.debug_logging {
+            host::log(
+                LogLevel::Debug,
+                &format!(
+                    "kvroute: request {} model {} → {}",
+                    self.request_id, request.model, explanation
+                ),
+            );
+        }
         self.unsettled = Some(RoutedRequest {
             pod: decision.pod.clone(),
             taught: Taught {
@@ -532,7 +538,13 @@ impl RequestFilter {
         let Some(request) = self.answering.take() else {
             return;
         };
-        let details = host::property(&["response", "code_details"]);
+        // Only a response that did not pass whole can have been cut: the
+        // property read is spared for the others.
+        let details = if self.response_complete {
+            None
+        } else {
+            host::property(&["response", "code_details"])
+        };
         let outcome = judge_end(Outcome::Confirmed, details.as_deref());
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.settle(&request, outcome, &self.request_id);
@@ -595,6 +607,29 @@ fn inject_tenant_salt(
         .map_err(|s| format!("content-length: {s:?}"))?;
     request.cache_salt = Some(salt);
     Ok(())
+}
+
+/// The request headers: read at once, or (should the proxy's map not
+/// decode) one host call per header as before.
+enum RequestHeaders<'a> {
+    Read(&'a HeaderMap<'a>),
+    OneByOne,
+}
+
+impl RequestHeaders<'_> {
+    fn get(&self, name: &str) -> Option<String> {
+        match self {
+            RequestHeaders::Read(map) => map.get(name),
+            RequestHeaders::OneByOne => host::request_header(name),
+        }
+    }
+
+    fn may_contain(&self, name: &str) -> bool {
+        match self {
+            RequestHeaders::Read(map) => map.contains(name),
+            RequestHeaders::OneByOne => true,
+        }
+    }
 }
 
 fn micros() -> u64 {
@@ -694,23 +729,38 @@ impl HttpContext for RequestFilter {
         };
         let config = w.config.clone();
         drop(w);
+        // One host call for every header this callback reads.
+        let serialized = host::request_header_map();
+        let map = serialized.as_deref().map(HeaderMap::decode);
+        let headers = match &map {
+            Some(Ok(map)) => RequestHeaders::Read(map),
+            Some(Err(e)) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!("kvroute: request headers unreadable at once ({e}); reading them one by one"),
+                );
+                RequestHeaders::OneByOne
+            }
+            None => RequestHeaders::OneByOne,
+        };
         // A client must never pick the pod: drop any value it sent.
-        if host::set_request_header(&config.destination_header, None).is_err() {
+        if headers.may_contain(&config.destination_header)
+            && host::set_request_header(&config.destination_header, None).is_err()
+        {
             host::log(
                 LogLevel::Warn,
                 "kvroute: could not strip the client's destination header",
             );
         }
-        let is_post = host::request_header(":method").is_some_and(|m| m == "POST");
-        let path = host::request_header(":path").unwrap_or_default();
+        let is_post = headers.get(":method").is_some_and(|m| m == "POST");
+        let path = headers.get(":path").unwrap_or_default();
         if !is_post || !config.routes_path(&path) {
             return Action::Continue;
         }
         self.on_routed_path = true;
-        self.request_id = host::request_header("x-request-id").unwrap_or_default();
+        self.request_id = headers.get("x-request-id").unwrap_or_default();
         if let Some(priority) = &config.priority {
-            self.admission =
-                priority.admission_of(host::request_header(&priority.header).as_deref());
+            self.admission = priority.admission_of(headers.get(&priority.header).as_deref());
         }
         if let Ok(w) = self.worker.try_borrow() {
             w.metrics.requests.inc();
@@ -721,7 +771,9 @@ impl HttpContext for RequestFilter {
         }
         // A body known to be too large is never buffered: Envoy streams it
         // as it would without kvroute.
-        let declared = host::request_header("content-length").and_then(|v| v.parse::<u64>().ok());
+        let declared = headers
+            .get("content-length")
+            .and_then(|v| v.parse::<u64>().ok());
         if let Some(length) = declared.filter(|&n| n > config.max_body_bytes as u64) {
             self.fail_open(
                 FailOpen::BodyTooLarge,
@@ -767,10 +819,11 @@ impl HttpContext for RequestFilter {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if !self.on_routed_path {
             return Action::Continue;
         }
+        self.response_complete = end_of_stream;
         let served_by = host::property(&["upstream", "address"]);
         self.settle(served_by.as_deref());
         let explanation = self
@@ -798,7 +851,8 @@ impl HttpContext for RequestFilter {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+        self.response_complete |= end_of_stream;
         self.prefill_done();
         Action::Continue
     }

@@ -36,6 +36,15 @@ pub fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
+/// Whether the proxy logs debug lines (Envoy's `wasm` logger level), so a
+/// per-request line is formatted only when it will be written.
+pub fn debug_logging() -> bool {
+    matches!(
+        hostcalls::get_log_level(),
+        Ok(LogLevel::Trace | LogLevel::Debug)
+    )
+}
+
 pub fn property(path: &[&str]) -> Option<String> {
     let bytes = hostcalls::get_property(path.to_vec()).ok()??;
     String::from_utf8(bytes).ok()
@@ -51,6 +60,33 @@ pub fn plugin_configuration() -> Option<Bytes> {
 
 pub fn request_header(name: &str) -> Option<String> {
     header_value(MapType::HttpRequestHeaders, name)
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> Status;
+}
+
+/// Every request header in one host call, as the proxy serialized them
+/// (read with `kvroute_core::header_map::HeaderMap`). The SDK's own reader
+/// would panic on a header name that is not UTF-8.
+pub fn request_header_map() -> Option<Bytes> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: on success the host hands over a buffer of `size` bytes that
+    // it allocated through this module's `proxy_on_memory_allocate` (the
+    // SDK's, a `Vec<u8>` of that capacity): ownership passes to the Vec.
+    unsafe {
+        let status = proxy_get_header_map_pairs(MapType::HttpRequestHeaders, &mut data, &mut size);
+        if status != Status::Ok || data.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(data, size, size))
+    }
 }
 
 pub fn response_header(name: &str) -> Option<String> {

@@ -98,6 +98,9 @@ pub struct Worker {
     /// The tick period last set, and when the periodic duties last ran.
     tick_ms: u64,
     duties_ms: u64,
+    /// The proxy logs debug lines: read at start and every duty tick, so a
+    /// change of Envoy's log level shows within [`DUTY_TICK_MS`].
+    pub debug_logging: bool,
 }
 
 impl Worker {
@@ -124,6 +127,7 @@ impl Worker {
             outbox: Outbox::new(LOAD_BATCH_MS),
             tick_ms: DUTY_TICK_MS,
             duties_ms: 0,
+            debug_logging: host::debug_logging(),
         }
     }
 
@@ -590,6 +594,7 @@ impl Worker {
             return;
         }
         self.duties_ms = now_ms;
+        self.debug_logging = host::debug_logging();
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {
             // Serving VMs sharing their load, this one included.

@@ -8,6 +8,7 @@ pub mod config;
 pub mod feed;
 pub mod feed_client;
 pub mod hash;
+pub mod header_map;
 pub mod index;
 pub mod lookup;
 pub mod outbox;

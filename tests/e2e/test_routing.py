@@ -46,6 +46,18 @@ def test_one_worker_sticks_before_the_flush(sims):
         assert (again["pod"], again["matched"] >= again["total"] - 2) == (first["pod"], True), again["raw"]
 
 
+def test_decisions_are_logged_at_debug_level_only(sims):
+    """Each decision's log line names the model and the pod when Envoy logs at debug level; at
+    info the filter neither formats nor writes it (it reads the proxy's level every duty tick)."""
+    for level, logged in (("debug", True), ("info", False)):
+        with gateway(sims.addresses, log_level=level) as envoy:
+            r = chat(envoy, unique_system(), "q")
+            assert r.status_code == 200, r.text
+            line = f"model {MODEL} → pod={decision(r)['pod']}; matched="
+            envoy.stop()  # Envoy flushes its log file on exit
+            assert (line in envoy.log_text()) == logged, (level, envoy.log_tail())
+
+
 def test_distinct_prefixes_spread_over_pods(gateway):
     pods = {decision(chat(gateway, unique_system(), "q"))["pod"] for _ in range(24)}
     assert len(pods) >= 3, pods
