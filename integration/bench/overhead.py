@@ -107,6 +107,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=2,
+                    help="Envoy's worker threads (--concurrency) for every Envoy target; give --connections at least as many")
     ap.add_argument("--sizes", default="4096,30720")
     ap.add_argument("--pods", type=int, default=1,
                     help="upstream pods (default 1: `direct` can only reach one pod, so more would favour the routers)")
@@ -151,14 +153,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         meta["pods"] = addrs
         if "direct" in wanted:
             targets["direct"] = {"url": f"http://{addrs[0]}", "pid": None}
+        workers = {"concurrency": args.concurrency}
         for name, strat, kw in (
-            ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request"}), {}),
-            ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute", {"mode": "approximate"}), {}),
+            ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request", **workers}), {}),
+            ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute",
+                                                  {"mode": "approximate", **workers}), {}),
             ("envoy+kvroute-precise", strategies.Strategy("ovh-kvroute-precise", "Envoy + kvroute precise", "kvroute",
-                                                          {"mode": "precise", "require_events": False}), {}),
+                                                          {"mode": "precise", "require_events": False, **workers}), {}),
             ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
             ("vllm-router", strategies.Strategy("ovh-vllm-router", "vllm-router", "vllm_router", {"policy": "cache_aware"}), {}),
-        ) + tuple((name, strategies.Strategy("ovh-" + name, name, "kvroute", {"mode": "approximate", "wasm": path}), {})
+        ) + tuple((name, strategies.Strategy("ovh-" + name, name, "kvroute",
+                                             {"mode": "approximate", "wasm": path, **workers}), {})
                   for name, path in variants.items()):
             if name not in wanted:
                 continue
@@ -274,7 +279,8 @@ def render(data: Dict[str, Any]) -> str:
          f"wrk {' '.join(meta.get('wrk') or [])}, 1 thread, {meta['args']['connections']} connections, "
          f"{meta['args']['duration']} s per run, {meta['args']['rounds']} interleaved rounds; bodies: OpenAI chat JSON "
          f"({', '.join(f'{s} B' for s in sizes)}), 16 variants, max_tokens 1, not streamed. Upstream: "
-         f"{len(meta['pods'])} vllm-sim pods at --time-scale {meta['args']['time_scale']}. Machine: {meta['nproc']} cores "
+         f"{len(meta['pods'])} vllm-sim pods at --time-scale {meta['args']['time_scale']}. Envoy --concurrency "
+         f"{meta['args'].get('concurrency', 2)}. Machine: {meta['nproc']} cores "
          f"shared by wrk, the router under test and the pods; load average {meta['loadavg_start']} → {meta['loadavg_end']}.",
          "",
          "Added latency = median over rounds of (target − baseline in the same round). Baselines: the peers and plain "

@@ -133,7 +133,7 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
     envoyctl = _import_integration("envoyctl")
     text = envoy_bench.baseline(endpoints, strategy.params["policy"],
                                 access_log=os.path.join(workdir, envoy_access_log_name(0)))
-    with envoyctl.EnvoyProcess(text) as ep:
+    with envoyctl.EnvoyProcess(text, concurrency=strategy.params.get("concurrency", 2)) as ep:
         h = RouterHandle(
             base_url=ep.url,
             argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"]],
@@ -296,7 +296,7 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
             text = envoy_bench.kvroute(endpoints, plugin, indexer_address=idx["address"] if idx else None,
                                        access_log=os.path.join(workdir, envoy_access_log_name(k)),
                                        wasm=strategy.params.get("wasm"))
-            ep = stack.enter_context(envoyctl.EnvoyProcess(text))
+            ep = stack.enter_context(envoyctl.EnvoyProcess(text, concurrency=strategy.params.get("concurrency", 2)))
             ep.wait_for_peers()
             texts.append(text)
             eps.append(ep)
