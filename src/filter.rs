@@ -564,11 +564,7 @@ impl RequestFilter {
         if self.looked_up {
             remote::prefill_done(pod, blocks);
         } else if let Ok(mut w) = self.worker.try_borrow_mut() {
-            w.cluster.record_prefill_done(pod, blocks);
-            w.tell_peers(PeerMessage::PrefillDone {
-                pod: pod.clone(),
-                prompt_blocks: blocks,
-            });
+            w.prefill_done(pod, blocks);
         }
     }
 
@@ -577,16 +573,7 @@ impl RequestFilter {
             if self.looked_up {
                 remote::finished(&pod, prompt_blocks);
             } else if let Ok(mut w) = self.worker.try_borrow_mut() {
-                w.cluster.record_finished(&pod, prompt_blocks);
-                w.cluster.record_released(&pod, routed_blocks);
-                w.tell_peers(PeerMessage::Finished {
-                    pod: pod.clone(),
-                    prompt_blocks,
-                });
-                w.tell_peers(PeerMessage::Released {
-                    pod,
-                    prompt_blocks: routed_blocks,
-                });
+                w.finished(&pod, prompt_blocks, routed_blocks);
             }
         }
     }

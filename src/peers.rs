@@ -14,6 +14,9 @@ pub struct Peers {
     vm_id: String,
     registry: Registry,
     own_queue: Option<u32>,
+    /// Queue names of the live peers that serve requests (the keys of
+    /// their published load).
+    serving_names: Vec<String>,
 }
 
 impl Peers {
@@ -39,6 +42,7 @@ impl Peers {
             vm_id: vm_id.to_string(),
             registry,
             own_queue,
+            serving_names: Vec::new(),
         };
         peers.write(peers.registry.heartbeat(now_s));
         peers
@@ -66,6 +70,15 @@ impl Peers {
 
     pub fn own_queue(&self) -> Option<u32> {
         self.own_queue
+    }
+
+    /// This VM's queue name: its line in the registry, the key of its load.
+    pub fn own_name(&self) -> Option<&str> {
+        self.registry.own_name()
+    }
+
+    pub fn serving_names(&self) -> &[String] {
+        &self.serving_names
     }
 
     /// Live peers that serve requests.
@@ -105,6 +118,11 @@ impl Peers {
     }
 
     fn resolve(&mut self, live: &[Entry]) {
+        self.serving_names = live
+            .iter()
+            .filter(|e| e.serving)
+            .map(|e| e.name.clone())
+            .collect();
         let queues = live
             .iter()
             .filter_map(|e| host::queue_resolve(&self.vm_id, &e.name).map(|q| (q, e.serving)))

@@ -241,7 +241,7 @@ impl Singleton {
             };
             for message in messages {
                 match message {
-                    PeerMessage::Routed { pod, hashes, .. } => {
+                    PeerMessage::Routed { pod, hashes } => {
                         self.cluster.learn_as_told(&pod, &hashes, now_s)
                     }
                     PeerMessage::Unlearned { pod, hashes } => {
@@ -249,12 +249,8 @@ impl Singleton {
                     }
                     PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
                     PeerMessage::Learned { pod, hashes } => self.keep_for_report(pod, hashes),
-                    // Load and feed messages are the workers' own business.
-                    PeerMessage::PrefillDone { .. }
-                    | PeerMessage::Finished { .. }
-                    | PeerMessage::Released { .. }
-                    | PeerMessage::Charged { .. }
-                    | PeerMessage::Feed(_) => {}
+                    // Budget and feed messages are the workers' own business.
+                    PeerMessage::Charged { .. } | PeerMessage::Feed(_) => {}
                 }
             }
         }

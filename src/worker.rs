@@ -13,6 +13,7 @@ use kvroute_core::index::published::{PublishedView, Unpublished};
 use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outbox::{Outbox, Pushed};
 use kvroute_core::outcome::Outcome;
+use kvroute_core::peer_load::{self, LoadSnapshot, LOAD_SHARE_MS};
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
 use kvroute_core::token_memo::TokenMemo;
@@ -26,9 +27,9 @@ use std::rc::Rc;
 const DEFAULT_TRUST_S: u32 = 5;
 /// Tick of a worker VM between batches: peer discovery, heartbeat, gauges.
 pub const DUTY_TICK_MS: u64 = 200;
-/// Peers see this VM's load at most this late (plus a tick's jitter): its
-/// load messages go out together, one queue message per peer per batch.
-const LOAD_BATCH_MS: u64 = 10;
+/// Peers learn of this VM's tenant budget charges at most this late (plus a
+/// tick's jitter): they go out together, one queue message per peer per batch.
+const CHARGE_BATCH_MS: u64 = 10;
 /// An index whose head (rewritten at every flush) is older than this is not
 /// read: its writer stopped, and the VM routes on load only.
 const STALE_AFTER_MS: u64 = 5000;
@@ -93,8 +94,12 @@ pub struct Worker {
     /// and the prompt's first hash (see [`Worker::routed`]).
     taught_this_epoch: Vec<(usize, usize)>,
     taught_for: Option<BlockHash>,
-    /// Load messages for the peers' next batch.
+    /// Budget charges for the peers' next batch.
     outbox: Outbox,
+    /// This VM's load changed since it last published it.
+    load_changed: bool,
+    /// When the peers' published load was last read.
+    peer_load_read_ms: u64,
     /// The tick period last set, and when the periodic duties last ran.
     tick_ms: u64,
     duties_ms: u64,
@@ -124,7 +129,9 @@ impl Worker {
             unpublished: None,
             taught_this_epoch: Vec::new(),
             taught_for: None,
-            outbox: Outbox::new(LOAD_BATCH_MS),
+            outbox: Outbox::new(CHARGE_BATCH_MS),
+            load_changed: false,
+            peer_load_read_ms: 0,
             tick_ms: DUTY_TICK_MS,
             duties_ms: 0,
             debug_logging: host::debug_logging(),
@@ -132,7 +139,8 @@ impl Worker {
     }
 
     /// Called for every request: a VM that had gone quiet (like Envoy's
-    /// main-thread copy) takes per-request load messages again.
+    /// main-thread copy) takes per-request messages again, and its load is
+    /// read by the others.
     pub fn serve(&mut self) {
         self.peers.start_serving(host::now().0);
     }
@@ -169,7 +177,8 @@ impl Worker {
             // Nothing to route to, whatever the index says (a sidecar's local fallback).
             return (Err(NoRoute::NoEndpoints), None);
         }
-        let (now_s, _) = host::now();
+        let (now_s, now_ms) = host::now();
+        self.read_peer_load(now_ms);
         let seed = self.next_tie_seed();
         self.taught_for = prompt.hashes.first().copied();
         let (matches, lookup, unpublished) = self.index_matches(config, &prompt.hashes, true);
@@ -291,11 +300,7 @@ impl Worker {
     pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[BlockHash]) -> usize {
         let (now_s, now_ms) = host::now();
         self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
-        self.tell_peers(PeerMessage::Routed {
-            pod: pod.to_string(),
-            prompt_blocks,
-            hashes: Vec::new(),
-        });
+        self.note_load_change();
         let position = self.cluster.position(pod);
         let in_index = match self.taught_for.take() {
             Some(first) if hashes.first() == Some(&first) => self
@@ -369,7 +374,6 @@ impl Worker {
         }
         let message = PeerMessage::Routed {
             pod: pod.to_string(),
-            prompt_blocks: 0,
             hashes: learned[skipped..].to_vec(),
         };
         self.send(message, Audience::None, true);
@@ -399,8 +403,74 @@ impl Worker {
         );
     }
 
-    /// Tells the serving peers about a routing event, in the next batch
-    /// (within [`LOAD_BATCH_MS`]): every queue message wakes each peer's VM.
+    /// A request routed here got its first response bytes: its prompt's
+    /// blocks stop counting as the pod's pending prefill.
+    pub fn prefill_done(&mut self, pod: &str, prompt_blocks: u32) {
+        self.cluster.record_prefill_done(pod, prompt_blocks);
+        self.note_load_change();
+    }
+
+    /// A request routed here ended: `prompt_blocks` of its prefill were still
+    /// pending, `routed_blocks` uncached blocks held KV on the pod.
+    pub fn finished(&mut self, pod: &str, prompt_blocks: u32, routed_blocks: u32) {
+        self.cluster.record_finished(pod, prompt_blocks);
+        self.cluster.record_released(pod, routed_blocks);
+        self.note_load_change();
+    }
+
+    /// This VM's load changed: it is published within [`LOAD_SHARE_MS`]
+    /// when there are serving peers to read it.
+    fn note_load_change(&mut self) {
+        if self.peers.serving_count() == 0 {
+            return;
+        }
+        self.load_changed = true;
+        self.set_tick(self.tick_ms.min(LOAD_SHARE_MS));
+    }
+
+    /// Writes this VM's load to its key (see [`kvroute_core::peer_load`]).
+    fn publish_load(&mut self, now_ms: u64) {
+        self.load_changed = false;
+        let Some(name) = self.peers.own_name() else {
+            return;
+        };
+        let snapshot = LoadSnapshot {
+            written_ms: now_ms,
+            pods: self.cluster.own_load(),
+        };
+        match snapshot.encode() {
+            Ok(bytes) => {
+                if !host::shared_set(&peer_load::key_of(name), &bytes, 0) {
+                    self.metrics.peer_errors.inc();
+                }
+            }
+            Err(e) => host::log(LogLevel::Warn, &format!("kvroute: load not published: {e}")),
+        }
+    }
+
+    /// The serving peers' load as they last published it, read at most
+    /// every [`LOAD_SHARE_MS`].
+    fn read_peer_load(&mut self, now_ms: u64) {
+        if now_ms.saturating_sub(self.peer_load_read_ms) < LOAD_SHARE_MS {
+            return;
+        }
+        self.peer_load_read_ms = now_ms;
+        let mut snapshots = Vec::new();
+        for name in self.peers.serving_names() {
+            let Some((bytes, _)) = host::shared_get(&peer_load::key_of(name)) else {
+                continue;
+            };
+            match LoadSnapshot::decode(&bytes) {
+                Ok(snapshot) => snapshots.push(snapshot),
+                Err(_) => self.metrics.peer_errors.inc(),
+            }
+        }
+        self.cluster
+            .set_peer_load(&peer_load::sum_fresh(&snapshots, now_ms));
+    }
+
+    /// Tells the serving peers about a budget charge, in the next batch
+    /// (within [`CHARGE_BATCH_MS`]): every queue message wakes each peer's VM.
     pub fn tell_peers(&mut self, message: PeerMessage) {
         if self.peers.serving_count() == 0 {
             return;
@@ -536,12 +606,10 @@ impl Worker {
 
     fn apply(&mut self, message: PeerMessage, now_s: u32) {
         match message {
-            // Peers send load only: what a prompt teaches goes to the singleton.
-            PeerMessage::Routed {
-                pod, prompt_blocks, ..
-            } => self.cluster.record_routed(&pod, prompt_blocks, &[], now_s),
             // Only the singleton takes these (it writes the index).
-            PeerMessage::Learned { .. } | PeerMessage::Unlearned { .. } => {}
+            PeerMessage::Routed { .. }
+            | PeerMessage::Learned { .. }
+            | PeerMessage::Unlearned { .. } => {}
             PeerMessage::Failed { pod } => self.cluster.record_failure(&pod, now_s),
             PeerMessage::Charged {
                 pod,
@@ -550,15 +618,6 @@ impl Worker {
             } => self
                 .cluster
                 .charge_client(&pod, client, blocks as usize, now_s),
-            PeerMessage::PrefillDone { pod, prompt_blocks } => {
-                self.cluster.record_prefill_done(&pod, prompt_blocks)
-            }
-            PeerMessage::Finished { pod, prompt_blocks } => {
-                self.cluster.record_finished(&pod, prompt_blocks)
-            }
-            PeerMessage::Released { pod, prompt_blocks } => {
-                self.cluster.record_released(&pod, prompt_blocks)
-            }
             PeerMessage::Feed(bytes) => match feed::decode(&bytes) {
                 Ok(update) => {
                     let trust_s = self.config.indexer.as_ref().map_or(DEFAULT_TRUST_S, |i| {
@@ -577,12 +636,16 @@ impl Worker {
         }
     }
 
-    /// Sends the batch of load messages when due; every [`DUTY_TICK_MS`]:
-    /// heartbeat and gauges.
+    /// Publishes this VM's changed load and sends the batch of charges when
+    /// due; every [`DUTY_TICK_MS`]: heartbeat, gauges, and the load again
+    /// while there is any (so it stays fresh for the peers).
     pub fn on_tick(&mut self) {
         let (now_s, now_ms) = host::now();
         if let Some(batch) = self.outbox.due(now_ms) {
             self.send_all(&batch, Audience::Serving, false);
+        }
+        if self.load_changed {
+            self.publish_load(now_ms);
         }
         let period = if self.outbox.is_empty() {
             DUTY_TICK_MS
@@ -594,6 +657,9 @@ impl Worker {
             return;
         }
         self.duties_ms = now_ms;
+        if self.cluster.has_own_load() {
+            self.publish_load(now_ms);
+        }
         self.debug_logging = host::debug_logging();
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {

@@ -13,6 +13,7 @@ pub mod index;
 pub mod lookup;
 pub mod outbox;
 pub mod outcome;
+pub mod peer_load;
 pub mod recent;
 pub mod registry;
 pub mod request;

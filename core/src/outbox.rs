@@ -1,11 +1,12 @@
-//! Load messages a worker VM owes its peers, sent together.
+//! Per-request messages a worker VM owes its peers (a tenant's budget
+//! charges), sent together.
 //!
-//! Every queue message wakes each peer's VM, and at `--concurrency` 8 a
-//! request's three load events (routed, prefill done, finished) used to cost
-//! 21 enqueues and 21 wake-ups, inside the request's own callbacks. The
+//! Every queue message wakes each peer's VM: sent one by one, each request
+//! would cost W − 1 enqueues and wake-ups inside its own callbacks. The
 //! outbox holds them for at most its delay and hands them out as one batch:
-//! peers see this VM's load that much later, and a busy VM sends one message
-//! per peer per delay instead of three per request.
+//! peers learn of them that much later, and a busy VM sends one message per
+//! peer per delay instead of one per request. (The workers' load is shared
+//! without messages: [`crate::peer_load`].)
 
 use crate::wire::PeerMessage;
 
@@ -71,40 +72,42 @@ impl Outbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::ClientKey;
 
-    fn finished(pod: &str) -> PeerMessage {
-        PeerMessage::Finished {
+    fn charged(pod: &str) -> PeerMessage {
+        PeerMessage::Charged {
             pod: pod.into(),
-            prompt_blocks: 3,
+            client: ClientKey::new(1),
+            blocks: 3,
         }
     }
 
     #[test]
     fn the_first_message_arms_and_later_ones_join_it() {
         let mut outbox = Outbox::new(10);
-        assert_eq!(outbox.push(finished("a"), 100), Pushed::Armed);
-        assert_eq!(outbox.push(finished("b"), 104), Pushed::Held);
+        assert_eq!(outbox.push(charged("a"), 100), Pushed::Armed);
+        assert_eq!(outbox.push(charged("b"), 104), Pushed::Held);
         assert!(!outbox.is_empty());
         assert_eq!(outbox.due(105), None, "the oldest waited 5 of 10 ms");
-        assert_eq!(outbox.due(110), Some(vec![finished("a"), finished("b")]));
+        assert_eq!(outbox.due(110), Some(vec![charged("a"), charged("b")]));
         assert!(outbox.is_empty());
         assert_eq!(outbox.due(200), None, "nothing held");
-        assert_eq!(outbox.push(finished("c"), 200), Pushed::Armed);
+        assert_eq!(outbox.push(charged("c"), 200), Pushed::Armed);
     }
 
     #[test]
     fn the_delay_runs_from_the_oldest_message() {
         let mut outbox = Outbox::new(10);
-        outbox.push(finished("a"), 100);
-        outbox.push(finished("b"), 109);
-        assert_eq!(outbox.due(109), Some(vec![finished("a"), finished("b")]));
+        outbox.push(charged("a"), 100);
+        outbox.push(charged("b"), 109);
+        assert_eq!(outbox.due(109), Some(vec![charged("a"), charged("b")]));
     }
 
     #[test]
     fn no_delay_is_due_at_once() {
         let mut outbox = Outbox::new(0);
-        outbox.push(finished("a"), 7);
-        assert_eq!(outbox.due(7), Some(vec![finished("a")]));
+        outbox.push(charged("a"), 7);
+        assert_eq!(outbox.due(7), Some(vec![charged("a")]));
         assert_eq!(outbox.due(100), None);
     }
 }

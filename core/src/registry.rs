@@ -8,8 +8,8 @@
 //! A line also says whether its VM serves requests. Envoy runs a copy of
 //! the filter's VM on the main thread that never does. Every VM starts as
 //! serving; one that has served nothing after [`QUIET_AFTER_MS`] goes quiet
-//! and gets no more per-request messages (routed, finished) until its first
-//! request. Indexer feed updates (pods and their load) go to every VM, so
+//! and gets no more per-request messages (tenant charges, failed pods), nor
+//! do the others read its load, until its first request. Indexer feed updates (pods and their load) go to every VM, so
 //! that a worker knows the pods before its first request. What routed
 //! prompts teach goes only to the singleton, the index's one writer, which
 //! looks on as an observer: it sends, and registers no line.
@@ -192,8 +192,8 @@ impl Registry {
     }
 
     /// Records that this VM serves a request. True when it was quiet: its
-    /// line must say at once that it takes per-request messages again
-    /// ([`Registry::heartbeat`]).
+    /// line must say at once that it takes per-request messages again and
+    /// that its load is to be read ([`Registry::heartbeat`]).
     pub fn start_serving(&mut self) -> bool {
         self.served_any = true;
         if self.serving || self.own_name.is_none() {

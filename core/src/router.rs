@@ -12,6 +12,7 @@ use crate::hash::{
 };
 use crate::index::published::Publication;
 use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch};
+use crate::peer_load::PodLoad;
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
 use std::collections::{BTreeSet, HashMap};
@@ -40,6 +41,10 @@ struct Pod {
     spec: PodSpec,
     /// The pod's handle in the block index.
     id: PodId,
+    /// This VM's requests in flight there, and its peers' (as they last
+    /// published them): the three counts below are their sum.
+    own: PodLoad,
+    peers: PodLoad,
     inflight_requests: u32,
     inflight_blocks: u64,
     /// Uncached prompt blocks of requests routed here and not finished.
@@ -65,6 +70,8 @@ impl Pod {
             shuffle: splitmix64(id.slot() as u64),
             spec,
             id,
+            own: PodLoad::default(),
+            peers: PodLoad::default(),
             inflight_requests: 0,
             inflight_blocks: 0,
             active_blocks: 0,
@@ -74,6 +81,14 @@ impl Pod {
             passed_over_until_s: 0,
             client_budgets: ClientBudgets::default(),
         }
+    }
+
+    /// The load counts after `own` or `peers` changed.
+    fn sum_load(&mut self) {
+        let total = self.own.plus(self.peers);
+        self.inflight_requests = total.requests;
+        self.inflight_blocks = total.pending_blocks;
+        self.active_blocks = total.active_blocks;
     }
 
     /// Where the pod stands in the least-loaded walk: fewest prompt blocks in
@@ -397,6 +412,8 @@ pub struct Cluster {
     /// Speeds of configured endpoints, kept for the pods discovery names.
     configured_speeds: HashMap<String, f64>,
     policy: ClusterPolicy,
+    /// Pods the peers last said they load (see [`Cluster::set_peer_load`]).
+    peer_loaded: Vec<String>,
 }
 
 impl Default for Cluster {
@@ -426,6 +443,7 @@ impl Cluster {
             default_capacity: 0,
             configured_speeds: HashMap::new(),
             policy: ClusterPolicy::default(),
+            peer_loaded: Vec::new(),
         }
     }
 
@@ -730,10 +748,11 @@ impl Cluster {
         let Some(i) = self.by_address.get(address).copied() else {
             return;
         };
-        self.update_load(i, |pod| {
-            pod.inflight_requests = pod.inflight_requests.saturating_add(1);
-            pod.inflight_blocks = pod.inflight_blocks.saturating_add(u64::from(prompt_blocks));
-            pod.active_blocks = pod.active_blocks.saturating_add(u64::from(prompt_blocks));
+        let blocks = u64::from(prompt_blocks);
+        self.update_own_load(i, |own| {
+            own.requests = own.requests.saturating_add(1);
+            own.pending_blocks = own.pending_blocks.saturating_add(blocks);
+            own.active_blocks = own.active_blocks.saturating_add(blocks);
         });
         let pod = &self.pods[i];
         let learned = pod.learnable(hashes, &policy);
@@ -818,8 +837,8 @@ impl Cluster {
     /// A request routed to `address` started answering: its prefill is done.
     pub fn record_prefill_done(&mut self, address: &str, prompt_blocks: u32) {
         if let Some(i) = self.by_address.get(address).copied() {
-            self.update_load(i, |pod| {
-                pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+            self.update_own_load(i, |own| {
+                own.pending_blocks = own.pending_blocks.saturating_sub(u64::from(prompt_blocks));
             });
         }
     }
@@ -828,9 +847,9 @@ impl Cluster {
     /// yet released by [`Cluster::record_prefill_done`].
     pub fn record_finished(&mut self, address: &str, prompt_blocks: u32) {
         if let Some(i) = self.by_address.get(address).copied() {
-            self.update_load(i, |pod| {
-                pod.inflight_requests = pod.inflight_requests.saturating_sub(1);
-                pod.inflight_blocks = pod.inflight_blocks.saturating_sub(u64::from(prompt_blocks));
+            self.update_own_load(i, |own| {
+                own.requests = own.requests.saturating_sub(1);
+                own.pending_blocks = own.pending_blocks.saturating_sub(u64::from(prompt_blocks));
             });
         }
     }
@@ -839,10 +858,59 @@ impl Cluster {
     /// ended: the KV it held there is free again.
     pub fn record_released(&mut self, address: &str, prompt_blocks: u32) {
         if let Some(i) = self.by_address.get(address).copied() {
-            self.update_load(i, |pod| {
-                pod.active_blocks = pod.active_blocks.saturating_sub(u64::from(prompt_blocks));
+            self.update_own_load(i, |own| {
+                own.active_blocks = own.active_blocks.saturating_sub(u64::from(prompt_blocks));
             });
         }
+    }
+
+    pub fn has_own_load(&self) -> bool {
+        self.pods.iter().any(|pod| !pod.own.is_zero())
+    }
+
+    /// This VM's load per pod (the pods it has requests on), for its peers.
+    pub fn own_load(&self) -> Vec<(String, PodLoad)> {
+        self.pods
+            .iter()
+            .filter(|pod| !pod.own.is_zero())
+            .map(|pod| (pod.spec.address.clone(), pod.own))
+            .collect()
+    }
+
+    /// The peers' load per pod as they last published it (see
+    /// [`crate::peer_load`]); pods missing from `peers` have none.
+    /// Visits only the pods loaded before or now, not the whole fleet.
+    pub fn set_peer_load(&mut self, peers: &HashMap<String, PodLoad>) {
+        let before = std::mem::take(&mut self.peer_loaded);
+        for address in before.iter().filter(|a| !peers.contains_key(*a)) {
+            self.set_peers_of(address, PodLoad::default());
+        }
+        for (address, &load) in peers {
+            if self.set_peers_of(address, load) && !load.is_zero() {
+                self.peer_loaded.push(address.clone());
+            }
+        }
+    }
+
+    /// False when `address` is not a pod of this cluster.
+    fn set_peers_of(&mut self, address: &str, load: PodLoad) -> bool {
+        let Some(i) = self.by_address.get(address).copied() else {
+            return false;
+        };
+        if self.pods[i].peers != load {
+            self.update_load(i, |pod| {
+                pod.peers = load;
+                pod.sum_load();
+            });
+        }
+        true
+    }
+
+    fn update_own_load(&mut self, i: usize, change: impl FnOnce(&mut PodLoad)) {
+        self.update_load(i, |pod| {
+            change(&mut pod.own);
+            pod.sum_load();
+        });
     }
 
     /// Changes pod `i`'s load and moves it in the least-loaded order (to a
@@ -1563,6 +1631,43 @@ mod tests {
         assert_eq!(pick(&cluster), "b:1");
         cluster.record_released("a:1", 100);
         assert_eq!(pick(&cluster), "a:1");
+    }
+
+    #[test]
+    fn the_peers_load_counts_as_this_vms_and_each_reading_replaces_the_last() {
+        let c = config(r#"[{"address":"a:1"},{"address":"b:1"}]"#);
+        let mut cluster = Cluster::load_only();
+        cluster.set_configured(&c, 0);
+        let prompt = hash_prompt(&c, &chat("nothing cached", "q"));
+        let pick = |cluster: &Cluster| cluster.decide(&c, &prompt, 10, 1).unwrap().pod;
+        cluster.record_routed("a:1", 50, &[], 0);
+        assert_eq!(pick(&cluster), "b:1");
+        let own = PodLoad {
+            requests: 1,
+            pending_blocks: 50,
+            active_blocks: 50,
+        };
+        assert_eq!(cluster.own_load(), vec![("a:1".to_string(), own)]);
+        let busy = PodLoad {
+            requests: 3,
+            pending_blocks: 200,
+            active_blocks: 200,
+        };
+        let peers = HashMap::from([("b:1".to_string(), busy), ("gone:1".to_string(), busy)]);
+        cluster.set_peer_load(&peers);
+        assert_eq!(pick(&cluster), "a:1", "the peers load b more");
+        assert_eq!(
+            cluster.own_load(),
+            vec![("a:1".to_string(), own)],
+            "the peers' load is not this VM's to publish"
+        );
+        cluster.set_peer_load(&HashMap::new());
+        assert_eq!(pick(&cluster), "b:1", "the peers' requests on b ended");
+        cluster.record_prefill_done("a:1", 50);
+        cluster.record_finished("a:1", 0);
+        cluster.record_released("a:1", 50);
+        assert!(!cluster.has_own_load());
+        assert!(cluster.own_load().is_empty());
     }
 
     fn many_pods(n: usize) -> (Config, Cluster) {

@@ -1,14 +1,12 @@
-//! Messages between the VMs of one proxy (worker ↔ worker, singleton →
-//! worker) over Envoy shared queues. Little-endian on [`crate::codec`],
-//! length-checked; the decoder never panics.
+//! Messages between the VMs of one proxy (worker ↔ worker, worker →
+//! singleton, singleton → worker) over Envoy shared queues. Little-endian
+//! on [`crate::codec`], length-checked; the decoder never panics. (The
+//! workers' load goes through shared data: [`crate::peer_load`].)
 //!
 //! ```text
 //! batch   := u32 count, count × message
 //! message := u8 tag, body
-//!   'R' Routed:   str pod, u32 prompt_blocks, u32 n, n × u64 hash
-//!   'P' PrefillDone: str pod, u32 prompt_blocks
-//!   'F' Finished: str pod, u32 prompt_blocks
-//!   'A' Released: str pod, u32 prompt_blocks
+//!   'R' Routed:   str pod, u32 n, n × u64 hash
 //!   'C' Charged:  str pod, u64 client, u32 blocks
 //!   'L' Learned:  str pod, hashes
 //!   'U' Unlearned: str pod, hashes
@@ -26,20 +24,9 @@ use std::fmt;
 /// One event a VM tells its peers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerMessage {
-    /// A request went to `pod`; `hashes` are learned as cached there.
-    Routed {
-        pod: String,
-        prompt_blocks: u32,
-        hashes: Vec<BlockHash>,
-    },
-    /// A request routed to `pod` got its first response bytes: its prefill
-    /// blocks no longer load the pod.
-    PrefillDone { pod: String, prompt_blocks: u32 },
-    /// A request routed to `pod` ended (its load is released).
-    Finished { pod: String, prompt_blocks: u32 },
-    /// A request routed to `pod` with `prompt_blocks` uncached blocks ended:
-    /// the KV it held there no longer counts as decode pressure.
-    Released { pod: String, prompt_blocks: u32 },
+    /// A request went to `pod`; `hashes` are learned as cached there (the
+    /// singleton writes them into the index).
+    Routed { pod: String, hashes: Vec<BlockHash> },
     /// `pod` answered a request successfully: its blocks are confirmed
     /// cached there (learned by peers; reported to the indexer).
     Learned { pod: String, hashes: Vec<BlockHash> },
@@ -82,9 +69,6 @@ impl fmt::Display for WireError {
 impl std::error::Error for WireError {}
 
 const ROUTED: u8 = b'R';
-const PREFILL_DONE: u8 = b'P';
-const FINISHED: u8 = b'F';
-const RELEASED: u8 = b'A';
 const LEARNED: u8 = b'L';
 const CHARGED: u8 = b'C';
 const UNLEARNED: u8 = b'U';
@@ -96,14 +80,9 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
     codec::put_u32(&mut out, len_u32(messages.len())?);
     for message in messages {
         match message {
-            PeerMessage::Routed {
-                pod,
-                prompt_blocks,
-                hashes,
-            } => {
+            PeerMessage::Routed { pod, hashes } => {
                 out.push(ROUTED);
                 put_str(&mut out, pod)?;
-                codec::put_u32(&mut out, *prompt_blocks);
                 put_hashes(&mut out, hashes)?;
             }
             PeerMessage::Learned { pod, hashes } => {
@@ -130,21 +109,6 @@ pub fn encode_batch(messages: &[PeerMessage]) -> Result<Vec<u8>, WireError> {
                 codec::put_u64(&mut out, client.get());
                 codec::put_u32(&mut out, *blocks);
             }
-            PeerMessage::PrefillDone { pod, prompt_blocks } => {
-                out.push(PREFILL_DONE);
-                put_str(&mut out, pod)?;
-                codec::put_u32(&mut out, *prompt_blocks);
-            }
-            PeerMessage::Finished { pod, prompt_blocks } => {
-                out.push(FINISHED);
-                put_str(&mut out, pod)?;
-                codec::put_u32(&mut out, *prompt_blocks);
-            }
-            PeerMessage::Released { pod, prompt_blocks } => {
-                out.push(RELEASED);
-                put_str(&mut out, pod)?;
-                codec::put_u32(&mut out, *prompt_blocks);
-            }
             PeerMessage::Feed(bytes) => {
                 out.push(FEED);
                 codec::put_u32(&mut out, len_u32(bytes.len())?);
@@ -164,7 +128,6 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
         let message = match r.u8("tag")? {
             ROUTED => PeerMessage::Routed {
                 pod: pod(&mut r)?,
-                prompt_blocks: r.u32("prompt_blocks")?,
                 hashes: hashes(&mut r)?,
             },
             LEARNED => PeerMessage::Learned {
@@ -180,18 +143,6 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<PeerMessage>, WireError> {
                 pod: pod(&mut r)?,
                 client: ClientKey::new(r.u64("client")?),
                 blocks: r.u32("blocks")?,
-            },
-            PREFILL_DONE => PeerMessage::PrefillDone {
-                pod: pod(&mut r)?,
-                prompt_blocks: r.u32("prompt_blocks")?,
-            },
-            FINISHED => PeerMessage::Finished {
-                pod: pod(&mut r)?,
-                prompt_blocks: r.u32("prompt_blocks")?,
-            },
-            RELEASED => PeerMessage::Released {
-                pod: pod(&mut r)?,
-                prompt_blocks: r.u32("prompt_blocks")?,
             },
             FEED => {
                 let n = r.u32("feed")? as usize;
@@ -220,7 +171,7 @@ fn put_hashes(out: &mut Vec<u8>, hashes: &[BlockHash]) -> Result<(), WireError> 
     Ok(())
 }
 
-fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), WireError> {
+pub(crate) fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), WireError> {
     let len = u16::try_from(s.len()).map_err(|_| WireError::TooLong)?;
     codec::put_u16(out, len);
     out.extend_from_slice(s.as_bytes());
@@ -244,7 +195,7 @@ fn hashes(r: &mut Reader<'_>) -> Result<Vec<BlockHash>, WireError> {
     Ok(hashes.into_iter().map(BlockHash::new).collect())
 }
 
-fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
+pub(crate) fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
     let len = r.u16("pod")?;
     Ok(r.str(usize::from(len), "pod")?)
 }
@@ -258,30 +209,16 @@ mod tests {
         vec![
             PeerMessage::Routed {
                 pod: "10.0.0.1:8000".into(),
-                prompt_blocks: 3,
                 hashes: hashes(&[1, u64::MAX, 0]),
             },
-            PeerMessage::Finished {
-                pod: "10.0.0.2:8000".into(),
-                prompt_blocks: 7,
-            },
             PeerMessage::Feed(vec![1, 2, 3]),
-            PeerMessage::Released {
-                pod: "10.0.0.2:8000".into(),
-                prompt_blocks: 11,
-            },
             PeerMessage::Charged {
                 pod: "10.0.0.2:8000".into(),
                 client: ClientKey::new(u64::MAX),
                 blocks: 40,
             },
-            PeerMessage::PrefillDone {
-                pod: "10.0.0.3:8000".into(),
-                prompt_blocks: 9,
-            },
             PeerMessage::Routed {
                 pod: String::new(),
-                prompt_blocks: 0,
                 hashes: vec![],
             },
             PeerMessage::Learned {

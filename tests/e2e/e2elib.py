@@ -9,8 +9,9 @@ import requests
 from envoyctl import WASM, EnvoyProcess, render_gateway
 
 MODEL = "Qwen/Qwen3-32B"
-# A worker's load events reach the other workers in its next batch (at most 10 ms, plus a tick's
-# jitter): a test that needs every worker to count a request waits this long after starting it.
+# A worker's load reaches the other workers within about 20 ms (it publishes within 10 ms of a
+# change, they read at most every 10 ms, plus a tick's jitter): a test that needs every worker to
+# count a request waits this long after starting it.
 LOAD_BATCH_WAIT_S = 0.05
 DECISION = "x-kvroute-decision"
 POD = "x-vllm-sim-pod"
