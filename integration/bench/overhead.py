@@ -113,6 +113,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--pods", type=int, default=1,
                     help="upstream pods (default 1: `direct` can only reach one pod, so more would favour the routers)")
     ap.add_argument("--time-scale", type=float, default=0.001, help="vllm-sim --time-scale for the upstream pods")
+    ap.add_argument("--max-model-len", type=int, default=40960,
+                    help="the pods' context limit in tokens (default Qwen3-32B's: a 128 KiB body fits; a body beyond it "
+                         "is refused by the pod, which measures kvroute's refusal path, not a routed request)")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
     ap.add_argument("--wasm-variant", action="append", default=[], metavar="NAME=PATH",
                     help="also measure kvroute (approximate) built as PATH, as target envoy+kvroute@NAME (repeatable)")
@@ -141,14 +144,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta["git"] = bench_run.git_rev()
     meta["artifacts"] = bench_run.artifacts()
-    meta["wasm_variants"] = {name: {"path": path, "sha256": bench_run.sha256_prefix(path)}
+    meta["wasm_variants"] = {name: {"path": in_repo(path), "sha256": bench_run.sha256_prefix(path)}
                              for name, path in variants.items()}
     targets: Dict[str, Dict[str, Any]] = {}
     notes: Dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(simcluster.SimCluster(
             pods=args.pods, model=prof.sim.model, served_model_name=model, time_scale=args.time_scale,
-            num_gpu_blocks=prof.sim.num_gpu_blocks, max_model_len=prof.sim.max_model_len))
+            num_gpu_blocks=prof.sim.num_gpu_blocks, max_model_len=args.max_model_len))
         addrs = list(cluster.addresses)
         meta["pods"] = addrs
         if "direct" in wanted:
@@ -180,7 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 notes[name] = f"failed to start: {e}"
                 log(f"{name}: failed to start — {e}")
                 continue
-            targets[name] = {"url": h.base_url, "pid": h.pids[0] if h.pids else None, "argv": h.argv, "stats": h.stats}
+            targets[name] = {"url": h.base_url, "pid": h.pids[0] if h.pids else None,
+                             "argv": [[in_repo(a) for a in argv] for argv in h.argv], "stats": h.stats}
         # Warm every target once per size (connections, tries, caches) before measuring.
         for name, t in targets.items():
             for size in sizes:
@@ -226,6 +230,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         for f in ("overhead.md", "overhead.json"):
             shutil.copyfile(os.path.join(out, f), os.path.join(args.results_dir, f))
     return 0
+
+
+def in_repo(path: str) -> str:
+    """`path` relative to the repository when it lies inside it (reports name no machine's folders)."""
+    if os.path.isabs(path) and os.path.commonpath([path, REPO]) == REPO:
+        return os.path.relpath(path, REPO)
+    return path
 
 
 def wasm_variants(specs: List[str]) -> Dict[str, str]:
@@ -300,6 +311,11 @@ def render(data: Dict[str, Any]) -> str:
                      f"{sms(paired(n, base, size, 'p99')) if base in names else '—'} | {base or '—'} | "
                      f"{(med(n, size, 'rps') or 0):,.0f} | {'—' if cpu is None else f'{cpu:.0f} µs'} | {non} |")
     L.append("")
+    for size in sizes:
+        failed = sum(r.get("non2xx", 0) + r.get("socket_errors", 0) for r in runs if r["size"] == size)
+        if failed:
+            L.append(f"- **{size} B: {failed:,} answers were errors**: CPU per request there measures failures "
+                     "(a body over the pods' --max-model-len is refused), not routed requests.")
     for n, v in (meta.get("wasm_variants") or {}).items():
         L.append(f"- {n}: `{v['path']}` (sha256 {v['sha256']}…)")
         for size in sizes:

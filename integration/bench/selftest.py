@@ -310,6 +310,12 @@ def overhead_wasm_variants():
     assert "| envoy+kvroute@simd | 30720 B | 1.000 ms | 2.000 ms | +0.000 ms | +0.000 ms | envoy |" in md, md
     # Paired by round: 290 - 300 and 300 - 330, median -20.
     assert "30720 B: CPU per request minus envoy+kvroute's in the same round, median -20 µs" in md, md
+    assert "answers were errors" not in md, md
+    runs[0]["non2xx"] = 7
+    md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
+    assert "**30720 B: 7 answers were errors**" in md, md
+    assert overhead.in_repo(os.path.join(overhead.REPO, "build", "x.wasm")) == os.path.join("build", "x.wasm")
+    assert overhead.in_repo("/usr/bin/wrk") == "/usr/bin/wrk"
 
 
 @check
