@@ -107,9 +107,53 @@ struct RawMessage<'a> {
     #[serde(borrow, default)]
     name: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<RawContent<'a>>,
     #[serde(borrow, default)]
     tool_calls: Option<&'a RawValue>,
+}
+
+/// A message's content, read in the body's one pass: a text prompt is
+/// most of a chat body, and reading it as a raw value first scanned it
+/// twice. Text is borrowed when it has no escapes.
+enum RawContent<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<&'a RawValue>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ContentVisitor(std::marker::PhantomData))
+    }
+}
+
+struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for ContentVisitor<'a> {
+    type Value = RawContent<'a>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("message content: a string, parts or null")
+    }
+
+    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Self::Value, E> {
+        Ok(RawContent::Text(Cow::Borrowed(text)))
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(RawContent::Text(Cow::Owned(text.to_owned())))
+    }
+
+    fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
+        Ok(RawContent::Text(Cow::Owned(text)))
+    }
+
+    fn visit_seq<S: serde::de::SeqAccess<'de>>(self, mut seq: S) -> Result<Self::Value, S::Error> {
+        let mut parts = Vec::new();
+        while let Some(part) = seq.next_element::<&'de RawValue>()? {
+            parts.push(part);
+        }
+        Ok(RawContent::Parts(parts))
+    }
 }
 
 #[derive(Deserialize)]
@@ -288,7 +332,11 @@ fn render_messages(messages: &[RawMessage]) -> Result<(Vec<u8>, bool), ParseErro
     let mut out = Vec::with_capacity(
         messages
             .iter()
-            .map(|m| m.content.map_or(0, |c| c.get().len()))
+            .map(|m| match &m.content {
+                Some(RawContent::Text(text)) => text.len(),
+                Some(RawContent::Parts(parts)) => parts.iter().map(|p| p.get().len()).sum(),
+                None => 0,
+            })
             .sum::<usize>()
             + 16,
     );
@@ -300,7 +348,7 @@ fn render_messages(messages: &[RawMessage]) -> Result<(Vec<u8>, bool), ParseErro
             out.extend_from_slice(name.as_bytes());
         }
         out.push(ROLE_END);
-        if let Some(content) = message.content {
+        if let Some(content) = &message.content {
             non_text |= render_content(content, &mut out)?;
         }
         if let Some(calls) = message.tool_calls {
@@ -312,13 +360,11 @@ fn render_messages(messages: &[RawMessage]) -> Result<(Vec<u8>, bool), ParseErro
 }
 
 /// Renders one message's content; true when it had a non-text part.
-fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<bool, ParseError> {
-    let text = content.get().trim_start();
+fn render_content(content: &RawContent, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     let mut non_text = false;
-    match text.as_bytes().first() {
-        Some(b'"') => out.extend_from_slice(serde_json::from_str::<Cow<str>>(text)?.as_bytes()),
-        Some(b'[') => {
-            let parts: Vec<&RawValue> = serde_json::from_str(text)?;
+    match content {
+        RawContent::Text(text) => out.extend_from_slice(text.as_bytes()),
+        RawContent::Parts(parts) => {
             for part in parts {
                 let parsed: RawPart = serde_json::from_str(part.get())?;
                 match (parsed.kind.as_ref(), parsed.text) {
@@ -329,12 +375,6 @@ fn render_content(content: &RawValue, out: &mut Vec<u8>) -> Result<bool, ParseEr
                     }
                 }
             }
-        }
-        Some(b'n') => {}
-        _ => {
-            return Err(ParseError::Malformed(
-                "message content must be a string, parts or null".into(),
-            ))
         }
     }
     Ok(non_text)
@@ -640,6 +680,14 @@ mod tests {
             }),
             (
                 br#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+                |e| matches!(e, ParseError::Malformed(_)),
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":{"text":"x"}}]}"#,
+                |e| matches!(e, ParseError::Malformed(_)),
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":true}]}"#,
                 |e| matches!(e, ParseError::Malformed(_)),
             ),
             (
