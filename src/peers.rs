@@ -5,6 +5,7 @@
 //! natively.
 
 use crate::host;
+use kvroute_core::peer_load;
 use kvroute_core::registry::{self, Entry, Heartbeat, Registry, TickStep, REGISTRY_KEY};
 pub use kvroute_core::registry::{Audience, SINGLETON_QUEUE};
 
@@ -14,9 +15,10 @@ pub struct Peers {
     vm_id: String,
     registry: Registry,
     own_queue: Option<u32>,
-    /// Queue names of the live peers that serve requests (the keys of
-    /// their published load).
-    serving_names: Vec<String>,
+    /// The keys of this VM's published load and of its live serving peers'
+    /// (named after their queues).
+    own_load_key: Option<String>,
+    serving_load_keys: Vec<String>,
 }
 
 impl Peers {
@@ -38,11 +40,13 @@ impl Peers {
     }
 
     fn start(vm_id: &str, registry: Registry, own_queue: Option<u32>, now_s: u32) -> Peers {
+        let own_load_key = registry.own_name().map(peer_load::key_of);
         let mut peers = Peers {
             vm_id: vm_id.to_string(),
             registry,
             own_queue,
-            serving_names: Vec::new(),
+            own_load_key,
+            serving_load_keys: Vec::new(),
         };
         peers.write(peers.registry.heartbeat(now_s));
         peers
@@ -72,13 +76,12 @@ impl Peers {
         self.own_queue
     }
 
-    /// This VM's queue name: its line in the registry, the key of its load.
-    pub fn own_name(&self) -> Option<&str> {
-        self.registry.own_name()
+    pub fn own_load_key(&self) -> Option<&str> {
+        self.own_load_key.as_deref()
     }
 
-    pub fn serving_names(&self) -> &[String] {
-        &self.serving_names
+    pub fn serving_load_keys(&self) -> &[String] {
+        &self.serving_load_keys
     }
 
     /// Live peers that serve requests.
@@ -118,10 +121,10 @@ impl Peers {
     }
 
     fn resolve(&mut self, live: &[Entry]) {
-        self.serving_names = live
+        self.serving_load_keys = live
             .iter()
             .filter(|e| e.serving)
-            .map(|e| e.name.clone())
+            .map(|e| peer_load::key_of(&e.name))
             .collect();
         let queues = live
             .iter()

@@ -98,6 +98,9 @@ pub struct Worker {
     outbox: Outbox,
     /// This VM's load changed since it last published it.
     load_changed: bool,
+    /// The last published load named a pod: the duty tick writes it again,
+    /// so that it stays fresh for the peers.
+    load_published: bool,
     /// When the peers' published load was last read.
     peer_load_read_ms: u64,
     /// The tick period last set, and when the periodic duties last ran.
@@ -131,6 +134,7 @@ impl Worker {
             taught_for: None,
             outbox: Outbox::new(CHARGE_BATCH_MS),
             load_changed: false,
+            load_published: false,
             peer_load_read_ms: 0,
             tick_ms: DUTY_TICK_MS,
             duties_ms: 0,
@@ -419,28 +423,28 @@ impl Worker {
     }
 
     /// This VM's load changed: it is published within [`LOAD_SHARE_MS`]
-    /// when there are serving peers to read it.
+    /// when there are serving peers to read it, else at the next duty tick.
     fn note_load_change(&mut self) {
-        if self.peers.serving_count() == 0 {
-            return;
-        }
         self.load_changed = true;
-        self.set_tick(self.tick_ms.min(LOAD_SHARE_MS));
+        if self.peers.serving_count() > 0 {
+            self.set_tick(self.tick_ms.min(LOAD_SHARE_MS));
+        }
     }
 
     /// Writes this VM's load to its key (see [`kvroute_core::peer_load`]).
     fn publish_load(&mut self, now_ms: u64) {
         self.load_changed = false;
-        let Some(name) = self.peers.own_name() else {
+        let Some(key) = self.peers.own_load_key() else {
             return;
         };
         let snapshot = LoadSnapshot {
             written_ms: now_ms,
             pods: self.cluster.own_load(),
         };
+        self.load_published = !snapshot.pods.is_empty();
         match snapshot.encode() {
             Ok(bytes) => {
-                if !host::shared_set(&peer_load::key_of(name), &bytes, 0) {
+                if !host::shared_set(key, &bytes, 0) {
                     self.metrics.peer_errors.inc();
                 }
             }
@@ -456,8 +460,8 @@ impl Worker {
         }
         self.peer_load_read_ms = now_ms;
         let mut snapshots = Vec::new();
-        for name in self.peers.serving_names() {
-            let Some((bytes, _)) = host::shared_get(&peer_load::key_of(name)) else {
+        for key in self.peers.serving_load_keys() {
+            let Some((bytes, _)) = host::shared_get(key) else {
                 continue;
             };
             match LoadSnapshot::decode(&bytes) {
@@ -644,7 +648,10 @@ impl Worker {
         if let Some(batch) = self.outbox.due(now_ms) {
             self.send_all(&batch, Audience::Serving, false);
         }
-        if self.load_changed {
+        let duty = now_ms.saturating_sub(self.duties_ms) + 1 >= DUTY_TICK_MS;
+        if (self.load_changed && (duty || self.peers.serving_count() > 0))
+            || (duty && self.load_published)
+        {
             self.publish_load(now_ms);
         }
         let period = if self.outbox.is_empty() {
@@ -653,13 +660,10 @@ impl Worker {
             self.outbox.delay_ms()
         };
         self.set_tick(period);
-        if now_ms.saturating_sub(self.duties_ms) + 1 < DUTY_TICK_MS {
+        if !duty {
             return;
         }
         self.duties_ms = now_ms;
-        if self.cluster.has_own_load() {
-            self.publish_load(now_ms);
-        }
         self.debug_logging = host::debug_logging();
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {

@@ -42,18 +42,14 @@ struct Pod {
     /// The pod's handle in the block index.
     id: PodId,
     /// This VM's requests in flight there, and its peers' (as they last
-    /// published them): the three counts below are their sum.
+    /// published them): the pod's load is their sum ([`Pod::load`]).
     own: PodLoad,
     peers: PodLoad,
-    inflight_requests: u32,
-    inflight_blocks: u64,
-    /// Uncached prompt blocks of requests routed here and not finished.
-    active_blocks: u64,
     reported: ReportedLoad,
-    /// `inflight_requests` when `reported` last changed: the requests this
+    /// Requests in flight there ([`Pod::load`]) when `reported` last changed: the requests this
     /// proxy started or ended there since are not in the report yet.
     inflight_at_report: u32,
-    /// `active_blocks` when `reported` last changed (see `kv_usage_now`).
+    /// Its active blocks when `reported` last changed (see `kv_usage_now`).
     active_at_report: u64,
     /// The pod failed a request: other pods are preferred until this second.
     passed_over_until_s: u32,
@@ -72,9 +68,6 @@ impl Pod {
             id,
             own: PodLoad::default(),
             peers: PodLoad::default(),
-            inflight_requests: 0,
-            inflight_blocks: 0,
-            active_blocks: 0,
             reported: ReportedLoad::default(),
             inflight_at_report: 0,
             active_at_report: 0,
@@ -83,21 +76,18 @@ impl Pod {
         }
     }
 
-    /// The load counts after `own` or `peers` changed.
-    fn sum_load(&mut self) {
-        let total = self.own.plus(self.peers);
-        self.inflight_requests = total.requests;
-        self.inflight_blocks = total.pending_blocks;
-        self.active_blocks = total.active_blocks;
+    /// Requests in flight there from this VM and its peers.
+    fn load(&self) -> PodLoad {
+        self.own.plus(self.peers)
     }
 
     /// Where the pod stands in the least-loaded walk: fewest prompt blocks in
     /// flight, then fewest waiting, then fewest requests in flight.
     fn load_key(&self, index: usize) -> LoadKey {
         (
-            self.inflight_blocks,
+            self.load().pending_blocks,
             self.reported.waiting,
-            self.inflight_requests,
+            self.load().requests,
             self.shuffle,
             index,
         )
@@ -108,7 +98,7 @@ impl Pod {
     /// scrape interval old; without the correction every request in that
     /// interval would see the same counts and go to the same pod.
     fn running_now(&self) -> u32 {
-        let since = i64::from(self.inflight_requests) - i64::from(self.inflight_at_report);
+        let since = i64::from(self.load().requests) - i64::from(self.inflight_at_report);
         (i64::from(self.reported.running) + since).clamp(0, i64::from(u32::MAX)) as u32
     }
 
@@ -116,7 +106,7 @@ impl Pod {
     /// the uncached prompt blocks of requests this proxy routed there since,
     /// minus those of requests it saw end (as `running_now`).
     fn kv_usage_now(&self) -> f32 {
-        let since = self.active_blocks as f64 - self.active_at_report as f64;
+        let since = self.load().active_blocks as f64 - self.active_at_report as f64;
         let capacity = f64::from(self.spec.capacity_blocks.max(1));
         (f64::from(self.reported.kv_usage) + since / capacity).max(0.0) as f32
     }
@@ -709,9 +699,9 @@ impl Cluster {
                 let pod = &self.pods[i];
                 PodSignals {
                     cached_credit: credit,
-                    inflight_blocks: pod.inflight_blocks,
-                    active_blocks: pod.active_blocks,
-                    inflight_requests: pod.inflight_requests,
+                    inflight_blocks: pod.load().pending_blocks,
+                    active_blocks: pod.load().active_blocks,
+                    inflight_requests: pod.load().requests,
                     reported: rules.trust_precise,
                     waiting: pod.reported.waiting,
                     running: pod.running_now(),
@@ -864,10 +854,6 @@ impl Cluster {
         }
     }
 
-    pub fn has_own_load(&self) -> bool {
-        self.pods.iter().any(|pod| !pod.own.is_zero())
-    }
-
     /// This VM's load per pod (the pods it has requests on), for its peers.
     pub fn own_load(&self) -> Vec<(String, PodLoad)> {
         self.pods
@@ -898,19 +884,13 @@ impl Cluster {
             return false;
         };
         if self.pods[i].peers != load {
-            self.update_load(i, |pod| {
-                pod.peers = load;
-                pod.sum_load();
-            });
+            self.update_load(i, |pod| pod.peers = load);
         }
         true
     }
 
     fn update_own_load(&mut self, i: usize, change: impl FnOnce(&mut PodLoad)) {
-        self.update_load(i, |pod| {
-            change(&mut pod.own);
-            pod.sum_load();
-        });
+        self.update_load(i, |pod| change(&mut pod.own));
     }
 
     /// Changes pod `i`'s load and moves it in the least-loaded order (to a
@@ -985,8 +965,8 @@ impl Cluster {
                 if self.pods.get(i).is_some_and(|pod| pod.reported != reported) {
                     self.update_load(i, |pod| {
                         pod.reported = reported;
-                        pod.inflight_at_report = pod.inflight_requests;
-                        pod.active_at_report = pod.active_blocks;
+                        pod.inflight_at_report = pod.load().requests;
+                        pod.active_at_report = pod.load().active_blocks;
                     });
                 }
             }
@@ -1666,7 +1646,6 @@ mod tests {
         cluster.record_prefill_done("a:1", 50);
         cluster.record_finished("a:1", 0);
         cluster.record_released("a:1", 50);
-        assert!(!cluster.has_own_load());
         assert!(cluster.own_load().is_empty());
     }
 
@@ -1789,7 +1768,10 @@ mod tests {
         approx.record_prefill_done("b:1", 4);
         let signals = |cl: &Cluster| {
             let i = cl.by_address["b:1"];
-            (cl.pods[i].inflight_blocks, cl.pods[i].active_blocks)
+            (
+                cl.pods[i].load().pending_blocks,
+                cl.pods[i].load().active_blocks,
+            )
         };
         assert_eq!(signals(&approx), (0, 4));
         approx.record_finished("b:1", 0);
