@@ -207,6 +207,27 @@ fn chain(rng: &mut Rng, len: usize) -> Vec<Vec<u8>> {
 }
 
 /// Seconds in `Index::handle`: wall clock, and this thread's on-CPU time.
+/// Timed rounds of the working-set fill and of its decoding.
+const ROUNDS: usize = 15;
+
+/// Best, median and worst of a set of timings, seconds.
+struct Spread {
+    best: f64,
+    median: f64,
+    worst: f64,
+}
+
+impl Spread {
+    fn of(secs: &mut [f64]) -> Spread {
+        secs.sort_by(f64::total_cmp);
+        Spread {
+            best: secs.first().copied().unwrap_or(f64::NAN),
+            median: secs.get(secs.len() / 2).copied().unwrap_or(f64::NAN),
+            worst: secs.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Applying {
     secs: f64,
@@ -302,7 +323,7 @@ fn page_snapshot(ix: &mut Index) -> (FeedRequest, Snapshot) {
         cpu_secs: f64::NAN,
     };
     let mut request = FeedRequest::default();
-    let (t, cpu) = (Instant::now(), cpu_seconds());
+    let (t, cpu) = (Instant::now(), thread_cpu_seconds());
     loop {
         let m = ix.feed(&request);
         let len = feed::encode_message(&m).len();
@@ -324,19 +345,9 @@ fn page_snapshot(ix: &mut Index) -> (FeedRequest, Snapshot) {
         }
     }
     snap.secs = t.elapsed().as_secs_f64();
-    if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
-        snap.cpu_secs = after - before;
-    }
+    snap.cpu_secs = thread_cpu_seconds() - cpu;
     request.page = None;
     (request, snap)
-}
-
-/// Time this thread has run on a CPU, seconds (Linux schedstat): rates per
-/// core that other load on the machine does not dilute.
-fn cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
-    Some(ns as f64 / 1e9)
 }
 
 /// `VmRSS` and `VmHWM` (peak) of this process, bytes (Linux).
@@ -475,51 +486,54 @@ fn main() {
 
     // 1. Apply throughput (decode + re-hash + index + log), one core; the
     // two ways of sizing the block table alternate, so that other load on the
-    // machine falls on both alike.
-    let mut best = [(f64::MAX, f64::MAX); 2];
-    for _ in 0..5 {
+    // machine falls on both alike. A fill takes ~35 ms: rounds are many, and
+    // timed by the thread's exact CPU clock.
+    let mut wall = [Vec::new(), Vec::new()];
+    let mut cpu = [Vec::new(), Vec::new()];
+    for _ in 0..ROUNDS {
         for (g, growth) in Growth::BOTH.into_iter().enumerate() {
             let mut ix = new_index(growth);
-            let (t, cpu) = (Instant::now(), cpu_seconds());
+            let (t, before) = (Instant::now(), thread_cpu_seconds());
             for m in &fill {
                 ix.handle(m, 0);
             }
-            best[g].0 = best[g].0.min(t.elapsed().as_secs_f64());
-            if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
-                best[g].1 = best[g].1.min(after - before);
-            }
+            cpu[g].push(thread_cpu_seconds() - before);
+            wall[g].push(t.elapsed().as_secs_f64());
             assert_eq_usize(ix.blocks(), total_blocks);
         }
     }
-    for (growth, (wall, cpu)) in Growth::BOTH.into_iter().zip(best) {
+    let rate = |secs: f64| total_blocks as f64 / secs / 1e6;
+    for ((growth, wall), cpu) in Growth::BOTH.into_iter().zip(&mut wall).zip(&mut cpu) {
+        let (wall, cpu) = (Spread::of(wall), Spread::of(cpu));
         println!(
-            "apply (fill, {}): {:.2} M stored blocks/s ({:.0} ns/block, {:.0} messages/s), best of 5; on-CPU time: {:.2} M stored blocks/s per core",
+            "apply (fill, {}): {:.2} M stored blocks/s ({:.0} ns/block, {:.0} messages/s), best of {ROUNDS}; on-CPU time: {:.2} M stored blocks/s per core best, {:.2} median, {:.2} worst",
             growth.label(),
-            total_blocks as f64 / wall / 1e6,
-            wall * 1e9 / total_blocks as f64,
-            fill.len() as f64 / wall,
-            total_blocks as f64 / cpu / 1e6
+            rate(wall.best),
+            wall.best * 1e9 / total_blocks as f64,
+            fill.len() as f64 / wall.best,
+            rate(cpu.best),
+            rate(cpu.median),
+            rate(cpu.worst)
         );
     }
-    let best_cpu = best[0].1;
+    let fill_cpu = Spread::of(&mut cpu[0]);
 
     // Of which decoding the msgpack alone.
-    let mut best_decode = f64::MAX;
-    for _ in 0..5 {
-        let cpu = cpu_seconds();
+    let mut decode = Vec::new();
+    for _ in 0..ROUNDS {
+        let before = thread_cpu_seconds();
         let decoded = fill
             .iter()
             .filter(|m| decode_batch(&m.payload).is_ok())
             .count();
+        decode.push(thread_cpu_seconds() - before);
         assert_eq_usize(decoded, fill.len());
-        if let (Some(before), Some(after)) = (cpu, cpu_seconds()) {
-            best_decode = best_decode.min(after - before);
-        }
     }
+    let decode = Spread::of(&mut decode);
     println!(
-        "of which decoding the msgpack: {:.0} ns/block on-CPU, best of 5 ({:.0} ns/block for the whole apply)",
-        best_decode * 1e9 / total_blocks as f64,
-        best_cpu * 1e9 / total_blocks as f64
+        "of which decoding the msgpack: {:.0} ns/block on-CPU, median of {ROUNDS} ({:.0} ns/block for the whole apply)",
+        decode.median * 1e9 / total_blocks as f64,
+        fill_cpu.median * 1e9 / total_blocks as f64
     );
 
     // Steady churn: each message evicts 16 old blocks and stores 16 new ones.
@@ -553,12 +567,12 @@ fn main() {
         churn.push(msg(&pod(p), seqs[p], events));
         seqs[p] += 1;
     }
-    let (t, cpu) = (Instant::now(), cpu_seconds());
+    let (t, cpu) = (Instant::now(), thread_cpu_seconds());
     for m in &churn {
         ix.handle(m, 0);
     }
     let secs = t.elapsed().as_secs_f64();
-    let cpu_secs = cpu.zip(cpu_seconds()).map_or(f64::NAN, |(b, a)| a - b);
+    let cpu_secs = thread_cpu_seconds() - cpu;
     let churn_blocks = churn.len() * BLOCKS_PER_EVENT;
     println!(
         "apply (churn, remove 16 + store 16 per message): {:.2} M stored blocks/s + as many removals ({:.0} ns per stored+removed pair); on-CPU time: {:.2} M/s per core",
