@@ -243,20 +243,21 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, EventError> {
     Ok(u64::from_be_bytes(a))
 }
 
-/// Pod identity carried in a topic `kv@<ip:port>@<model>`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TopicIdentity {
+/// Pod identity carried in a topic `kv@<ip:port>@<model>`, borrowed from
+/// the topic (read on every message).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopicIdentity<'a> {
     /// `ip:port` of the pod's HTTP server.
-    pub address: String,
+    pub address: &'a str,
     /// Served model name (may be empty).
-    pub model: String,
+    pub model: &'a str,
 }
 
 /// Parses the topic convention `kv@<ip:port>@<model>`; `None` for any
 /// other topic (e.g. vLLM's default empty topic or `kv@dp0`). The address
 /// must look like `host:port` (port digits; `[v6]:port` accepted); the model
 /// is everything after the second `@` (model names may contain `@`).
-pub fn parse_topic(topic: &str) -> Option<TopicIdentity> {
+pub fn parse_topic(topic: &str) -> Option<TopicIdentity<'_>> {
     let rest = topic.strip_prefix("kv@")?;
     let (address, model) = match rest.split_once('@') {
         Some((a, m)) => (a, m),
@@ -269,10 +270,7 @@ pub fn parse_topic(topic: &str) -> Option<TopicIdentity> {
     if port.parse::<u16>().is_err() {
         return None;
     }
-    Some(TopicIdentity {
-        address: address.to_owned(),
-        model: model.to_owned(),
-    })
+    Some(TopicIdentity { address, model })
 }
 
 // ------------------------------------------------------------------ decoder
@@ -444,14 +442,14 @@ fn read_str_bytes<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<&'a [u8], EventEr
     Ok(bytes)
 }
 
-/// A string or nil.
-fn read_opt_str(cursor: &mut Cursor<&[u8]>) -> Result<Option<String>, EventError> {
+/// A string or nil, borrowed from the payload.
+fn read_opt_str<'a>(cursor: &mut Cursor<&'a [u8]>) -> Result<Option<&'a str>, EventError> {
     let at = cursor.position();
     if cursor.get_ref().get(at as usize) == Some(&NIL) {
         cursor.set_position(at + 1);
         return Ok(None);
     }
-    Ok(Some(read_str(cursor)?.to_owned()))
+    Ok(Some(read_str(cursor)?))
 }
 
 const NIL: u8 = 0xc0;
@@ -467,7 +465,7 @@ fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
     let mut token_ids: Option<Vec<u32>> = None;
     let mut block_size: Option<u32> = None;
     let mut stored = BlockStored::default();
-    let mut medium_name: Option<String> = None;
+    let mut medium_name: Option<&str> = None;
     for _ in 0..fields {
         match Field::of(read_str_bytes(cursor)?) {
             Field::Type => tag = Some(Tag::read(cursor)?),
@@ -477,10 +475,12 @@ fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
             Field::BlockSize => block_size = Some(value(cursor)?),
             Field::LoraId => stored.lora_id = value(cursor)?,
             Field::Medium => medium_name = read_opt_str(cursor)?,
-            Field::LoraName => stored.lora_name = read_opt_str(cursor)?,
+            Field::LoraName => stored.lora_name = read_opt_str(cursor)?.map(str::to_owned),
             Field::ExtraKeys => stored.extra_keys = extra_keys(value(cursor)?),
             Field::GroupIdx => stored.group_idx = value(cursor)?,
-            Field::KvCacheSpecKind => stored.kv_cache_spec_kind = read_opt_str(cursor)?,
+            Field::KvCacheSpecKind => {
+                stored.kv_cache_spec_kind = read_opt_str(cursor)?.map(str::to_owned)
+            }
             Field::Other => {
                 value::<IgnoredAny>(cursor)?;
             }
@@ -495,12 +495,12 @@ fn decode_map_event(cursor: &mut Cursor<&[u8]>) -> Result<KvEvent, EventError> {
             parent_block_hash: present(parent, "parent_block_hash")?.map(|h| h.0),
             token_ids: present(token_ids, "token_ids")?,
             block_size: present(block_size, "block_size")?,
-            medium: medium(medium_name),
+            medium: medium_name.map(Medium::parse),
             ..stored
         }),
         Tag::BlockRemoved => KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: present(block_hashes, "block_hashes")?,
-            medium: medium(medium_name),
+            medium: medium_name.map(Medium::parse),
             group_idx: stored.group_idx,
         }),
         Tag::AllBlocksCleared => KvEvent::AllBlocksCleared,

@@ -1088,13 +1088,14 @@ fn per_pod_capacity_is_enforced() {
     assert_eq!(ix.metrics().blocks_refused_capacity.get(), 1);
 }
 
-/// The block table makes room at once for what the pods report they can
-/// hold (each report capped by `max_blocks_per_pod`, so a pod reporting an
-/// absurd capacity cannot make the index allocate more than it may fill), or
-/// grows by what is stored with `grow_on_demand`; the index holds the same
-/// blocks either way.
+/// The block table, and the pod's first vLLM-hash table, make room at once
+/// for what the pods report they can hold (each report capped by
+/// `max_blocks_per_pod`, so a pod reporting an absurd capacity cannot make
+/// the index allocate more than it may fill), or grow by what is stored with
+/// `grow_on_demand`; the index holds the same blocks either way. A second
+/// rank's table is not sized again: the reported capacity is the pod's.
 #[test]
-fn the_block_table_is_sized_for_the_reported_capacity() {
+fn the_tables_are_sized_for_the_reported_capacity() {
     let with = |grow_on_demand: bool, capacity: u32| {
         let mut ix = index_with(IndexConfig {
             max_blocks_per_pod: 50_000,
@@ -1108,15 +1109,26 @@ fn the_block_table_is_sized_for_the_reported_capacity() {
         ix.set_load(POD, load, 0);
         store_blocks(&mut ix, POD, 0, 1, 64);
         assert_eq!(ix.blocks(), 64);
-        ix.memory_bytes()
+        let first_rank = ix.memory_bytes();
+        let hs: Vec<u64> = (1..65).collect();
+        let rank_1 = batch(vec![stored(&hs, None, tokens(16, 64), None)], 1);
+        ix.handle(&msg(POD, 0, &rank_1), 0);
+        assert_eq!(ix.blocks(), 128);
+        let second_rank = ix.memory_bytes() - first_rank;
+        assert!(second_rank < 4_000, "{second_rank}");
+        first_rank
     };
     let reserved = with(false, 40_000);
     let on_demand = with(true, 40_000);
-    // 12-byte records for 40,000 blocks at most 85 % full.
-    assert!(reserved >= 40_000 * 12, "{reserved}");
+    // 12-byte records for 40,000 blocks at most 85 % full, and 8-byte
+    // vLLM-hash entries for as many at most 90 % full.
+    assert!(reserved >= 40_000 * (12 + 8), "{reserved}");
     assert!(on_demand < 40_000, "{on_demand}");
     let absurd = with(false, u32::MAX);
-    assert!((50_000 * 12..50_000 * 12 * 2).contains(&absurd), "{absurd}");
+    assert!(
+        (50_000 * (12 + 8)..50_000 * (12 + 8) * 2).contains(&absurd),
+        "{absurd}"
+    );
 }
 
 /// Random event streams (stores with parents, removals by tier, clears,

@@ -34,19 +34,15 @@ impl Index {
     pub fn handle(&mut self, m: &Incoming, now_ms: u64) -> Option<ReplayRequest> {
         self.metrics.messages_received.inc();
         let topic = std::str::from_utf8(&m.topic).ok().and_then(parse_topic);
-        let (address, model) = match (&m.identity, topic) {
+        let (address, model): (&str, &str) = match (&m.identity, topic) {
             // Configured identity wins; a model it does not name may come from the topic.
-            (Some((a, model)), t) if model.is_empty() => {
-                (a.clone(), t.map(|t| t.model).unwrap_or_default())
+            (Some((a, model)), t) if model.is_empty() => (a, t.map_or("", |t| t.model)),
+            (Some((a, model)), _) => (a, model),
+            (None, Some(t)) => (t.address, t.model),
+            (None, None) => {
+                self.metrics.rejected("no_identity");
+                return None;
             }
-            (Some((a, model)), _) => (a.clone(), model.clone()),
-            (None, t) => match t {
-                Some(t) => (t.address, t.model),
-                None => {
-                    self.metrics.rejected("no_identity");
-                    return None;
-                }
-            },
         };
         let seq = match decode_seq(&m.seq) {
             Ok(s) => s,
@@ -56,11 +52,11 @@ impl Index {
             }
         };
         let batch = self.decode(&m.payload)?;
-        let key = match self.by_address.get(&address) {
+        let key = match self.by_address.get(address) {
             Some(&k) => k,
             None if self.cfg.accept_unknown_publishers => {
-                self.add_pod(&address, Some(&model), origin::EVENTS, now_ms);
-                match self.by_address.get(&address) {
+                self.add_pod(address, Some(model), origin::EVENTS, now_ms);
+                match self.by_address.get(address) {
                     Some(&k) => k,
                     None => return None,
                 }
@@ -75,7 +71,7 @@ impl Index {
             pod.models.is_empty()
         });
         if names_no_model {
-            self.add_model(key, &model);
+            self.add_model(key, model);
         }
         let rank = batch.data_parallel_rank.unwrap_or(0);
         self.sequence(key, rank, seq, batch, m.received_ms, now_ms)

@@ -11,7 +11,9 @@
 //! per bucket: 22 bytes per (block, pod) measured, half of the index's 43.1
 //! (docs/results/2026-12-01-indexer-memory-088572a). This table costs 8 / load:
 //! 8.9–11 bytes. Filling a table to 19,208 entries costs ~50 ns per insert
-//! here, growth included (hashbrown: ~15). Linear probing at that load measured
+//! here, growth included (hashbrown: ~15); a pod's first table is therefore
+//! made with room for the pod's reported capacity, and does not grow while
+//! the pod fills. Linear probing at that load measured
 //! slower: Robin Hood order shifted runs of tens of slots per insert (~150 ns
 //! more per stored block in the benchmark), and buckets with overflow counts
 //! formed runs of full buckets (161 ns per insert, 2.1 µs per removal + insert;
@@ -128,6 +130,15 @@ pub(super) struct SourceTable {
 }
 
 impl SourceTable {
+    /// A table with room for `entries` before its first growth (none for 0).
+    pub(super) fn with_room_for(entries: usize) -> SourceTable {
+        let slots = entries.saturating_mul(MAX_LOAD.1).div_ceil(MAX_LOAD.0);
+        SourceTable {
+            slots: vec![EMPTY; slots.div_ceil(BUCKET) * BUCKET],
+            len: 0,
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         self.len
     }
@@ -387,6 +398,28 @@ mod tests {
             (taken.len(), table.len(), table.memory_bytes()),
             (666, 0, 0)
         );
+    }
+
+    #[test]
+    fn a_table_with_room_for_a_pods_capacity_fills_to_it_without_growing() {
+        let capacity = 19_208;
+        let mut table = SourceTable::with_room_for(capacity);
+        let bytes = table.memory_bytes();
+        // At most 9 slots in 10 used when full, rounded up to whole buckets.
+        assert_eq!(bytes, 21_344 * 8);
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let mut model = HashMap::new();
+        while model.len() < capacity {
+            let fp = rng.next() as u32;
+            if !model.contains_key(&fp) {
+                let e = SourceEntry::new(Fingerprint(fp), model.len() as BlockId, 1);
+                table.insert(e);
+                model.insert(fp, e);
+            }
+        }
+        check(&table, &model);
+        assert_eq!(table.memory_bytes(), bytes);
+        assert!(SourceTable::with_room_for(0).slots.is_empty());
     }
 
     #[test]

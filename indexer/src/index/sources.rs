@@ -41,6 +41,14 @@ pub(super) struct Group {
 }
 
 impl Group {
+    /// A group whose table has room for `blocks` before it grows.
+    fn with_room_for(blocks: usize) -> Group {
+        Group {
+            blocks: SourceTable::with_room_for(blocks),
+            heads: Map::default(),
+        }
+    }
+
     pub(super) fn memory_bytes(&self) -> usize {
         self.blocks.memory_bytes()
             + map_bytes(&self.heads)
@@ -234,13 +242,23 @@ impl Index {
             self.metrics.stored_token_mismatch.inc();
             return;
         };
+        // The pod's first table is sized for what the pod reports it can
+        // hold (as the block table is): growing by quarters from empty moved
+        // each entry ~5 times while a pod filled. Further ranks' and groups'
+        // tables grow on demand (the reported capacity is the pod's total).
+        let room = match self.cfg.grow_on_demand {
+            false if pod.sources.values().all(|s| s.groups.is_empty()) => {
+                (pod.load.capacity_blocks as usize).min(self.cfg.max_blocks_per_pod)
+            }
+            _ => 0,
+        };
         let group = pod
             .sources
             .entry(rank)
             .or_default()
             .groups
             .entry(group_idx)
-            .or_default();
+            .or_insert_with(|| Group::with_room_for(room));
         let parent_kv = match e.parent_block_hash {
             None => match (&e.lora_name, e.lora_id) {
                 (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),

@@ -18,21 +18,18 @@ fn topics() {
     assert_eq!(
         parse_topic("kv@10.1.2.3:8000@Qwen/Qwen3-32B"),
         Some(TopicIdentity {
-            address: "10.1.2.3:8000".into(),
-            model: "Qwen/Qwen3-32B".into()
+            address: "10.1.2.3:8000",
+            model: "Qwen/Qwen3-32B"
         })
     );
     assert_eq!(
         parse_topic("kv@[::1]:8000@m@x"),
         Some(TopicIdentity {
-            address: "[::1]:8000".into(),
-            model: "m@x".into()
+            address: "[::1]:8000",
+            model: "m@x"
         })
     );
-    assert_eq!(
-        parse_topic("kv@pod-a:80").map(|t| t.model),
-        Some(String::new())
-    );
+    assert_eq!(parse_topic("kv@pod-a:80").map(|t| t.model), Some(""));
     assert_eq!(parse_topic(""), None);
     assert_eq!(parse_topic("kv@dp0"), None);
     assert_eq!(parse_topic("kv@host:99999@m"), None);

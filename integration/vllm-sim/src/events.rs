@@ -837,7 +837,7 @@ mod interop_tests {
         assert_eq!(core_ev::decode_seq(&7u64.to_be_bytes()).unwrap(), 7);
         let id = core_ev::parse_topic("kv@127.0.0.1:18001@Qwen/Qwen3-32B").unwrap();
         assert_eq!(
-            (id.address.as_str(), id.model.as_str()),
+            (id.address, id.model),
             ("127.0.0.1:18001", "Qwen/Qwen3-32B")
         );
     }
