@@ -54,6 +54,8 @@ lint: ## rustfmt check and clippy -D warnings, native and wasm32-wasip1
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p kvroute -p kvroute-core --all-targets -- -D warnings
+	# The fuzz targets (a crate of their own, built otherwise only by cargo fuzz) must compile.
+	cargo check --manifest-path fuzz/Cargo.toml --bins
 
 .PHONY: unit
 unit: ## cargo test --workspace

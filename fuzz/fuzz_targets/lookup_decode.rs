@@ -16,6 +16,7 @@ fuzz_target!(|data: &[u8]| {
         serving_model: "m".into(),
         domain: Domain::Tokens,
         hashes: (0..64).map(BlockHash::new).collect(),
+        blocks: 64,
     };
     if let Ok(candidates) = decode_answer(data, prompt.hashes.len()) {
         let decision = decide(&Config::default(), &prompt, &candidates, &InFlight::default(), 7)
