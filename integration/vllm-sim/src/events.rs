@@ -789,7 +789,7 @@ mod tests {
     }
 }
 
-/// Interop with kvroute's own decoder (indexer/src/vllm_wire.rs), which the indexer uses on real vLLM pods.
+/// Interop with kvroute's own decoder (indexer/src/vllm_wire/decode.rs), which the indexer uses on real vLLM pods.
 #[cfg(test)]
 mod interop_tests {
     use super::*;
