@@ -68,6 +68,7 @@ use bucket::{
     bucket_of, key_of, probe_slots, slot_key, slot_of, slot_set, Bucket, BUCKET_OVERHEAD, EMPTY,
     EVICT_BATCH, FULL_BUCKET_BYTES, MIN_BUCKET_SLOTS, SLOT_BYTES,
 };
+use changes::{ChangeLog, Changed};
 use member::{generation_of, is_precise, EPOCHS_PER_TTL};
 use pod_sets::PodSets;
 use published::KeyStore;
@@ -76,6 +77,7 @@ use std::rc::Rc;
 
 mod bucket;
 mod chain_match;
+pub mod changes;
 mod member;
 mod pod_sets;
 pub mod published;
@@ -223,6 +225,11 @@ pub struct BlockIndex {
     pods_version: u64,
     /// Publications so far (each head names its own).
     publications: u64,
+    /// What the last publications rewrote, published for the readers.
+    changes: ChangeLog,
+    /// Keys a write-through index stored back before the next publication,
+    /// which lists them with its own.
+    written_early: Changed,
 }
 
 impl BlockIndex {
@@ -253,6 +260,8 @@ impl BlockIndex {
             pods_dirty: true,
             pods_version: 0,
             publications: 0,
+            changes: ChangeLog::starting_at(1),
+            written_early: Changed::default(),
         }
     }
 
@@ -375,6 +384,7 @@ impl BlockIndex {
                 self.sets.requeue_chunks(&chunks[i..]);
                 return;
             }
+            self.written_early.note_chunk(chunk);
         }
         let Some(ws) = &mut self.working_set else {
             return;
@@ -405,6 +415,7 @@ impl BlockIndex {
                 self.bucket_dirty[b] = false;
                 self.published[b] = true;
                 ws.written_back_early += 1;
+                self.written_early.note_bucket(b as u32);
             }
             ws.resident_slots -= self.buckets[b].slots.len();
             ws.is_loaded[b] = false;
@@ -1002,6 +1013,7 @@ impl BlockIndex {
         index.pods = self.pods.clone();
         index.pods_version = self.pods_version;
         index.publications = self.publications;
+        index.changes = ChangeLog::starting_at(self.publications + 1);
         index.free_pods = self.free_pods.clone();
         index.live_pods = self.live_pods;
         for (pod, key, tier) in self.entries_oldest_first() {
@@ -1597,6 +1609,66 @@ mod tests {
         index.match_lengths(&d, 1, &TRUST_ALL, &mut own);
         assert_eq!(shared.lookup_in(&mut view, &d, 1, &TRUST_ALL).0, own);
         assert_eq!(own.len(), 1);
+    }
+
+    /// A reader drops only what later publications rewrote (the writer's
+    /// change log says which keys): a flush that rewrites nothing costs it no
+    /// read, one that rewrites another chain's buckets costs it only those,
+    /// and a reader further behind than the log reaches reads everything again.
+    #[test]
+    fn a_reader_keeps_what_no_later_publication_rewrote() {
+        let shared = SharedMap::default();
+        let mut index = BlockIndex::new(1 << 20, 60);
+        let (a, b) = (index.add_pod().unwrap(), index.add_pod().unwrap());
+        let (c, d) = (chain(11, 40), chain(12, 40));
+        index.touch_chain(a, &c, Tier::Gpu, 1);
+        while shared.flush(&mut index, usize::MAX) > 0 {}
+        let mut view = published::PublishedView::default();
+        let (first, (reads, _)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(first.len(), 1);
+        // A heartbeat: a new head, nothing rewritten.
+        shared.flush(&mut index, usize::MAX);
+        let (same, (reads_after_heartbeat, reused)) =
+            shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(
+            (same, reads_after_heartbeat, reused),
+            (first.clone(), 0, reads)
+        );
+        // Another chain's blocks: only the buckets they share with c are read again.
+        index.touch_chain(b, &d, Tier::Gpu, 1);
+        let rewritten = index.dirty_buckets.clone();
+        while shared.flush(&mut index, usize::MAX) > 0 {}
+        let (same, (reads_after_other, _)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(same, first);
+        let shared_buckets = c
+            .iter()
+            .map(|h| index.bucket_of(key_of(h.index_key())) as u32)
+            .filter(|b| rewritten.contains(b))
+            .count() as u64;
+        assert!(
+            reads_after_other <= shared_buckets,
+            "{reads_after_other} > {shared_buckets}"
+        );
+        // c's own blocks on b: its buckets are rewritten, and the reader sees b.
+        index.touch_chain(b, &c, Tier::Gpu, 1);
+        while shared.flush(&mut index, usize::MAX) > 0 {}
+        let (both, (reads_after_own, _)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
+        assert_eq!(both.len(), 2);
+        assert!(reads_after_own > 0);
+        // Far behind: a reader that last looked thousands of rewritten keys
+        // ago forgets all it kept, and still answers as the writer.
+        let mut behind = published::PublishedView::default();
+        shared.lookup_in(&mut behind, &c, 1, &TRUST_ALL);
+        for i in 0..200 {
+            index.touch_chain(a, &chain(100 + i, 64), Tier::Gpu, 1);
+            while shared.flush(&mut index, usize::MAX) > 0 {}
+        }
+        let mut own = Vec::new();
+        index.match_lengths(&c, 1, &TRUST_ALL, &mut own);
+        let (answer, (reads_behind, reused_behind)) =
+            shared.lookup_in(&mut behind, &c, 1, &TRUST_ALL);
+        assert_eq!(answer, own);
+        assert_eq!((reads_behind > 0, reused_behind), (true, 0));
     }
 
     /// A writer that starts over (a new singleton) rewrites every bucket and

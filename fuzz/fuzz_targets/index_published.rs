@@ -1,12 +1,13 @@
 //! The routing index as the singleton publishes it in shared data: a worker
 //! reads keys another VM wrote, so every decoder (head, pod table, bucket,
-//! set chunk) must return on any bytes, never panic or loop; a lookup over
+//! set chunk, change log) must return on any bytes, never panic or loop; a lookup over
 //! garbled keys is a miss, counted. The singleton's write-through index
 //! reads its buckets back from the same keys: whatever they hold, its
 //! writes and lookups must not panic or loop either.
 #![no_main]
 
 use kvroute_core::hash::BlockHash;
+use kvroute_core::index::changes::ChangeLog;
 use kvroute_core::index::published::{
     find_in_bucket, find_in_chunk, Head, KeyReader, KeyStore, PodTable, PublishedView, HEAD_KEY,
     PODS_KEY,
@@ -89,6 +90,9 @@ fuzz_target!(|data: &[u8]| {
     let _ = PodTable::decode(data);
     let _ = find_in_bucket(data, key);
     let _ = find_in_chunk(data, key as u32);
+    if let Ok(log) = ChangeLog::decode(data) {
+        assert!(log.since(key).map_or(0, Iterator::count) <= data.len());
+    }
     let rules = MatchRules {
         trust_precise: true,
         cpu_credit: 0.5,
@@ -104,6 +108,19 @@ fuzz_target!(|data: &[u8]| {
         let mut out = Vec::new();
         match_lengths(&source, &hashes, 1, &rules, &mut out);
         assert!(out.iter().all(|m| m.blocks <= hashes.len()));
+        // The writer's next publication: the view reads the change log
+        // (here the same garbage as every other key) to keep what it read.
+        if let Ok(mut head) = Head::decode(reader.head) {
+            head.publication = head.publication.wrapping_add(1);
+            let next = head.encode();
+            let reader = Garbage { head: &next, ..reader };
+            if view.refresh(&reader, u64::MAX, u64::MAX).is_ok() {
+                let source = view.source(&reader).expect("a refreshed view is a source");
+                out.clear();
+                match_lengths(&source, &hashes, 1, &rules, &mut out);
+                assert!(out.iter().all(|m| m.blocks <= hashes.len()));
+            }
+        }
     }
     write_through_over(data, &hashes, &rules);
 });

@@ -6,8 +6,10 @@
 //! [`SETS_PER_CHUNK`] set ids, and two more):
 //! - `head`: the format, the writer (drawn at its start), its heartbeat, the
 //!   publication's number, the pod table's version, the bucket count and the
-//!   learned-age clock. Written last by every publication, so a reader's
-//!   copies of buckets and chunks last until the head changes.
+//!   learned-age clock. Written last by every publication.
+//! - `changes`: which buckets and chunks the last publications rewrote
+//!   ([`super::changes`]), written just before the head. A reader keeps its
+//!   copies of buckets and chunks until a publication rewrites them.
 //! - `pods`: per index pod id, its generations and address.
 //! - `b/<bucket>`: the bucket's slots and their ages (written once by each
 //!   new writer or layout, then when they change). A write-through writer
@@ -19,6 +21,7 @@
 //! any bytes without panicking: what does not decode is a miss, counted.
 
 use super::bucket::{bucket_of, probe_slots, slot_set, Bucket, BUCKET_SLOTS, EMPTY};
+use super::changes::{ChangeLog, CHANGES_KEY};
 use super::member::{Clock, Member, PodId, PodState};
 use super::{BlockIndex, IndexSource};
 use crate::codec::{put_u16, put_u32, put_u64, CodecError, Reader};
@@ -250,6 +253,7 @@ impl BlockIndex {
             out.writes
                 .push((PODS_KEY.to_string(), self.encode_pods(address)));
         }
+        let mut changed = std::mem::take(&mut self.written_early);
         let chunks = self.sets.fresh_chunks();
         let room = max_writes.saturating_sub(out.writes.len());
         for &chunk in chunks.iter().take(room) {
@@ -257,6 +261,7 @@ impl BlockIndex {
                 set_chunk_key(chunk * SETS_PER_CHUNK),
                 self.encode_chunk(chunk),
             ));
+            changed.note_chunk(chunk);
         }
         if chunks.len() > room {
             // Re-queued as one id per chunk: the chunk is rewritten whole.
@@ -273,6 +278,7 @@ impl BlockIndex {
                 self.published[b] = true;
                 out.writes
                     .push((bucket_key(b), encode_bucket(&self.buckets[b])));
+                changed.note_bucket(b as u32);
             }
             // Then the buckets not written yet, with the room left.
             while out.writes.len() < max_writes {
@@ -283,11 +289,16 @@ impl BlockIndex {
                 if !std::mem::replace(&mut self.published[b], true) {
                     out.writes
                         .push((bucket_key(b), encode_bucket(&self.buckets[b])));
+                    changed.note_bucket(b as u32);
                 }
             }
             out.deferred = self.dirty_buckets.len() + self.unpublished.len();
         }
         self.publications += 1;
+        changed.publication = self.publications;
+        self.changes.record(changed);
+        out.writes
+            .push((CHANGES_KEY.to_string(), self.changes.encode()));
         let head = Head {
             writer,
             heartbeat_ms,
@@ -377,7 +388,7 @@ pub const READ_CACHE_BYTES: usize = 1 << 20;
 
 /// A worker's view of the published index: the head and the pod table,
 /// re-read when the writer changes them, and the buckets and chunks its
-/// lookups read since the head last changed.
+/// lookups read that no publication rewrote since.
 #[derive(Debug, Default)]
 pub struct PublishedView {
     head: Option<Head>,
@@ -388,10 +399,9 @@ pub struct PublishedView {
     cache: RefCell<ReadCache>,
 }
 
-/// Published values read under one head. Every publication writes a new
-/// head (its number moves), so a value is reused for at most one flush
-/// period: the staleness a reader of the last flush has anyway. Bounded by
-/// [`READ_CACHE_BYTES`]; emptied when full.
+/// Published values a reader keeps: each until a publication rewrites its
+/// key (the change log says which), so a value is as fresh as a new read
+/// under the same head. Bounded by [`READ_CACHE_BYTES`]; emptied when full.
 #[derive(Debug, Default)]
 struct ReadCache {
     buckets: HashMap<u32, Vec<u8>>,
@@ -404,6 +414,18 @@ impl ReadCache {
         self.buckets.clear();
         self.chunks.clear();
         self.bytes = 0;
+    }
+
+    fn forget_bucket(&mut self, b: u32) {
+        if let Some(old) = self.buckets.remove(&b) {
+            self.bytes = self.bytes.saturating_sub(old.len());
+        }
+    }
+
+    fn forget_chunk(&mut self, chunk: u32) {
+        if let Some(old) = self.chunks.remove(&chunk) {
+            self.bytes = self.bytes.saturating_sub(old.len());
+        }
     }
 
     /// Makes room for `len` more bytes (emptying the cache when full);
@@ -438,7 +460,7 @@ impl PublishedView {
             return Err(Unpublished::Stale);
         }
         if bytes != self.head_bytes {
-            self.cache.get_mut().clear();
+            self.forget_rewritten(reader, &head);
             self.head_bytes = bytes;
         }
         if self.pods_version() != Some((head.writer, head.pods_version)) {
@@ -447,6 +469,37 @@ impl PublishedView {
         }
         self.head = Some(head);
         Ok(())
+    }
+
+    /// Drops the kept buckets and chunks that publications after the one
+    /// they were read under rewrote, or all of them when the writer, the
+    /// layout or the clock changed, or the writer's log no longer lists
+    /// every publication since.
+    fn forget_rewritten(&mut self, reader: &dyn KeyReader, head: &Head) {
+        let cache = self.cache.get_mut();
+        let same_layout = self.head.is_some_and(|read_under| {
+            read_under.writer == head.writer
+                && read_under.buckets == head.buckets
+                && read_under.clock == head.clock
+                && read_under.publication <= head.publication
+        });
+        let forgotten = match self.head.filter(|_| same_layout) {
+            Some(read_under) if read_under.publication == head.publication => Some(()),
+            Some(read_under) => reader
+                .read(CHANGES_KEY)
+                .and_then(|bytes| ChangeLog::decode(&bytes).ok())
+                .and_then(|log| {
+                    for changed in log.since(read_under.publication)? {
+                        changed.buckets.iter().for_each(|b| cache.forget_bucket(*b));
+                        changed.chunks.iter().for_each(|c| cache.forget_chunk(*c));
+                    }
+                    Some(())
+                }),
+            None => None,
+        };
+        if forgotten.is_none() {
+            cache.clear();
+        }
     }
 
     /// The writer and version of the pod table last read (to cache what
