@@ -47,6 +47,9 @@ impl Changed {
 pub struct ChangeLog {
     /// Every publication from this one on that rewrote a key is listed.
     complete_from: u64,
+    /// The last publication recorded: a reader whose head is newer (this
+    /// log's write failed) cannot trust it.
+    latest: u64,
     /// Oldest first.
     entries: VecDeque<Changed>,
     ids: usize,
@@ -57,6 +60,7 @@ impl ChangeLog {
     pub fn starting_at(first: u64) -> ChangeLog {
         ChangeLog {
             complete_from: first,
+            latest: first.saturating_sub(1),
             entries: VecDeque::new(),
             ids: 0,
         }
@@ -64,6 +68,7 @@ impl ChangeLog {
 
     /// Records what a publication rewrote; publications come in order.
     pub fn record(&mut self, changed: Changed) {
+        self.latest = changed.publication;
         let n = changed.ids();
         if n == 0 {
             return;
@@ -85,16 +90,17 @@ impl ChangeLog {
         }
     }
 
-    /// What the publications after `seen` rewrote; `None` when the log no
-    /// longer lists all of them.
-    pub fn since(&self, seen: u64) -> Option<impl Iterator<Item = &Changed>> {
-        (self.complete_from <= seen.saturating_add(1))
+    /// What the publications after `seen` up to `head` rewrote; `None` when
+    /// the log does not list all of them.
+    pub fn between(&self, seen: u64, head: u64) -> Option<impl Iterator<Item = &Changed>> {
+        (self.complete_from <= seen.saturating_add(1) && self.latest >= head)
             .then(|| self.entries.iter().filter(move |c| c.publication > seen))
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(12 + self.entries.len() * 16 + self.ids * 4);
+        let mut out = Vec::with_capacity(20 + self.entries.len() * 16 + self.ids * 4);
         put_u64(&mut out, self.complete_from);
+        put_u64(&mut out, self.latest);
         put_u32(&mut out, self.entries.len() as u32);
         for c in &self.entries {
             put_u64(&mut out, c.publication);
@@ -111,6 +117,7 @@ impl ChangeLog {
     pub fn decode(bytes: &[u8]) -> Result<ChangeLog, CodecError> {
         let mut r = Reader::new(bytes);
         let complete_from = r.u64("first listed publication")?;
+        let latest = r.u64("latest publication")?;
         let count = r.u32("publications")?;
         let count = r.checked_count(u64::from(count), 16, "publications")?;
         let mut entries = VecDeque::with_capacity(count);
@@ -138,6 +145,7 @@ impl ChangeLog {
         }
         Ok(ChangeLog {
             complete_from,
+            latest,
             entries,
             ids,
         })
@@ -156,8 +164,10 @@ mod tests {
         }
     }
 
+    /// What a reader that saw `seen` drops, for a head at the log's latest.
     fn listed(log: &ChangeLog, seen: u64) -> Option<Vec<u64>> {
-        log.since(seen).map(|c| c.map(|c| c.publication).collect())
+        log.between(seen, log.latest)
+            .map(|c| c.map(|c| c.publication).collect())
     }
 
     #[test]
@@ -172,6 +182,8 @@ mod tests {
         assert_eq!(listed(&log, 4), Some(vec![5, 7]));
         assert_eq!(listed(&log, 5), Some(vec![7]));
         assert_eq!(listed(&log, 7), Some(vec![]));
+        // A head newer than the log (its write failed): not trusted.
+        assert!(log.between(5, 8).is_none());
         let decoded = ChangeLog::decode(&log.encode()).unwrap();
         assert_eq!(decoded, log);
     }
@@ -192,7 +204,7 @@ mod tests {
         log.record(changed(4, &all, &[]));
         assert_eq!(listed(&log, 3), None);
         assert_eq!(listed(&log, 4), Some(vec![]));
-        assert!(log.encode().len() <= 12 + 4 * (8 + 8) + MAX_IDS * 4);
+        assert!(log.encode().len() <= 20 + 4 * (8 + 8) + MAX_IDS * 4);
     }
 
     #[test]
@@ -225,7 +237,7 @@ mod tests {
         longer.push(0);
         assert!(ChangeLog::decode(&longer).is_err());
         let mut huge = bytes;
-        huge[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(ChangeLog::decode(&huge).is_err());
     }
 }

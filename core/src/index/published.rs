@@ -489,7 +489,7 @@ impl PublishedView {
                 .read(CHANGES_KEY)
                 .and_then(|bytes| ChangeLog::decode(&bytes).ok())
                 .and_then(|log| {
-                    for changed in log.since(read_under.publication)? {
+                    for changed in log.between(read_under.publication, head.publication)? {
                         changed.buckets.iter().for_each(|b| cache.forget_bucket(*b));
                         changed.chunks.iter().for_each(|c| cache.forget_chunk(*c));
                     }
