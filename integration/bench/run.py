@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import gzip
 import hashlib
+import io
 import json
 import os
 import platform
@@ -962,31 +963,49 @@ RAW_KEEP = ("result.json", "requests.jsonl.gz", "pod-samples.jsonl", "arrival-sc
             "envoy-access.log.gz")
 
 
+def repo_relative(data: bytes) -> bytes:
+    """A published file's text with paths inside the repository made relative to it (the
+    repository names no machine's folders)."""
+    return data.replace((REPO + os.sep).encode(), b"")
+
+
 def publish(out: str, dst: str) -> None:
     """Copy report.md, plot.png, results.json and a compact raw archive (raw.tar.gz) to dst."""
     import tarfile
 
     os.makedirs(dst, exist_ok=True)
-    for f in ("report.md", "plot.png", "results.json"):
+    for f in ("report.md", "results.json"):
         if os.path.exists(os.path.join(out, f)):
-            shutil.copyfile(os.path.join(out, f), os.path.join(dst, f))
+            with open(os.path.join(out, f), "rb") as src, open(os.path.join(dst, f), "wb") as copy:
+                copy.write(repo_relative(src.read()))
+    if os.path.exists(os.path.join(out, "plot.png")):
+        shutil.copyfile(os.path.join(out, "plot.png"), os.path.join(dst, "plot.png"))
     raw = os.path.join(out, "raw")
     with tarfile.open(os.path.join(dst, "raw.tar.gz"), "w:gz") as tar:
+        def add(path: str, arcname: str) -> None:
+            with open(path, "rb") as f:
+                data = f.read()
+            if not path.endswith(".gz"):
+                data = repo_relative(data)
+            info = tar.gettarinfo(path, arcname=arcname)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
         for strat in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
             sd = os.path.join(raw, strat)
             for f in RAW_KEEP:
                 if os.path.exists(os.path.join(sd, f)):
-                    tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
+                    add(os.path.join(sd, f), f"raw/{strat}/{f}")
             for f in sorted(os.listdir(sd)):  # the mesh scenario's clients: one config and schedule each
                 if f.startswith(("inference-perf-client", "arrival-schedule-client", "envoy-access-client")) \
                         and not f.endswith(".log"):
-                    tar.add(os.path.join(sd, f), arcname=f"raw/{strat}/{f}")
+                    add(os.path.join(sd, f), f"raw/{strat}/{f}")
             ipd = os.path.join(sd, "inference-perf")
             for root, _, files in sorted(os.walk(ipd)):
                 for f in sorted(files):
                     if f.endswith(".json") or f.endswith(".yaml"):
                         rel = os.path.relpath(os.path.join(root, f), sd)
-                        tar.add(os.path.join(root, f), arcname=f"raw/{strat}/{rel}")
+                        add(os.path.join(root, f), f"raw/{strat}/{rel}")
     log(f"published report.md, plot.png, results.json, raw.tar.gz to {dst}")
 
 
