@@ -193,9 +193,17 @@ def test_idle_feed_cost_per_poll(mesh):
         assert stat(envoy, "kvroute.feed.ok") == 0
         return
     time.sleep(0.5)  # let earlier deltas drain
-    b0, n0 = stat(envoy, "kvroute.feed.bytes"), stat(envoy, "kvroute.feed.ok")
-    wait_for(lambda: stat(envoy, "kvroute.feed.ok") >= n0 + 10, 10, "ten polls")
-    per_poll = (stat(envoy, "kvroute.feed.bytes") - b0) / (stat(envoy, "kvroute.feed.ok") - n0)
+
+    def feed_counters() -> tuple[int, int]:
+        # One stats read for both: read apart, a poll landing between them counted its
+        # answer but not its bytes (10 polls' bytes over 11 read 37.3 bytes per poll).
+        counters = envoy.stats("kvroute.feed.")
+        return counters.get("wasmcustom.kvroute.feed.bytes", 0), counters.get("wasmcustom.kvroute.feed.ok", 0)
+
+    b0, n0 = feed_counters()
+    wait_for(lambda: feed_counters()[1] >= n0 + 10, 10, "ten polls")
+    b1, n1 = feed_counters()
+    per_poll = (b1 - b0) / (n1 - n0)
     assert 41 <= per_poll < 41 + PODS * 30, per_poll
 
 
