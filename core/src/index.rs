@@ -1634,7 +1634,8 @@ mod tests {
             (same, reads_after_heartbeat, reused),
             (first.clone(), 0, reads)
         );
-        // Another chain's blocks: only the buckets they share with c are read again.
+        // Another chain's blocks on b: c's reads again are no more than the
+        // buckets the two chains share.
         index.touch_chain(b, &d, Tier::Gpu, 1);
         let rewritten = index.dirty_buckets.clone();
         while shared.flush(&mut index, usize::MAX) > 0 {}

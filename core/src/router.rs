@@ -84,10 +84,11 @@ impl Pod {
     /// Where the pod stands in the least-loaded walk: fewest prompt blocks in
     /// flight, then fewest waiting, then fewest requests in flight.
     fn load_key(&self, index: usize) -> LoadKey {
+        let load = self.load();
         (
-            self.load().pending_blocks,
+            load.pending_blocks,
             self.reported.waiting,
-            self.load().requests,
+            load.requests,
             self.shuffle,
             index,
         )
@@ -697,11 +698,12 @@ impl Cluster {
             .iter()
             .map(|&(i, _, credit)| {
                 let pod = &self.pods[i];
+                let load = pod.load();
                 PodSignals {
                     cached_credit: credit,
-                    inflight_blocks: pod.load().pending_blocks,
-                    active_blocks: pod.load().active_blocks,
-                    inflight_requests: pod.load().requests,
+                    inflight_blocks: load.pending_blocks,
+                    active_blocks: load.active_blocks,
+                    inflight_requests: load.requests,
                     reported: rules.trust_precise,
                     waiting: pod.reported.waiting,
                     running: pod.running_now(),
@@ -965,8 +967,9 @@ impl Cluster {
                 if self.pods.get(i).is_some_and(|pod| pod.reported != reported) {
                     self.update_load(i, |pod| {
                         pod.reported = reported;
-                        pod.inflight_at_report = pod.load().requests;
-                        pod.active_at_report = pod.load().active_blocks;
+                        let load = pod.load();
+                        pod.inflight_at_report = load.requests;
+                        pod.active_at_report = load.active_blocks;
                     });
                 }
             }

@@ -416,14 +416,9 @@ impl ReadCache {
         self.bytes = 0;
     }
 
-    fn forget_bucket(&mut self, b: u32) {
-        if let Some(old) = self.buckets.remove(&b) {
-            self.bytes = self.bytes.saturating_sub(old.len());
-        }
-    }
-
-    fn forget_chunk(&mut self, chunk: u32) {
-        if let Some(old) = self.chunks.remove(&chunk) {
+    /// Drops value `n` of `kind` (see [`PublishedIndex::with_value`]).
+    fn forget(&mut self, kind: fn(&mut ReadCache) -> &mut HashMap<u32, Vec<u8>>, n: u32) {
+        if let Some(old) = kind(self).remove(&n) {
             self.bytes = self.bytes.saturating_sub(old.len());
         }
     }
@@ -490,8 +485,12 @@ impl PublishedView {
                 .and_then(|bytes| ChangeLog::decode(&bytes).ok())
                 .and_then(|log| {
                     for changed in log.between(read_under.publication, head.publication)? {
-                        changed.buckets.iter().for_each(|b| cache.forget_bucket(*b));
-                        changed.chunks.iter().for_each(|c| cache.forget_chunk(*c));
+                        for &b in &changed.buckets {
+                            cache.forget(|c| &mut c.buckets, b);
+                        }
+                        for &chunk in &changed.chunks {
+                            cache.forget(|c| &mut c.chunks, chunk);
+                        }
                     }
                     Some(())
                 }),
