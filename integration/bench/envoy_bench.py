@@ -84,6 +84,22 @@ def baseline(endpoints: List[str], policy: str, access_log: Optional[str] = None
     return yaml.safe_dump(overlay(yaml.safe_load(text), access_log), sort_keys=False)
 
 
+ORACLE_LUA = os.path.join(HERE, "oracle", "group_affinity.lua")
+
+
+def group_affinity(endpoints: List[str], access_log: Optional[str] = None) -> str:
+    """The group-affinity oracle (oracle/group_affinity.lua): kvroute's gateway with its override_host
+    cluster, the wasm filter and singleton replaced by the Lua filter that names each group's pod."""
+    cfg = overlay(yaml.safe_load(_envoyctl().render_gateway(endpoints, {})), access_log)
+    cfg.pop("bootstrap_extensions", None)
+    with open(ORACLE_LUA) as f:
+        code = f"local PODS = {{{', '.join(json.dumps(a) for a in endpoints)}}}\n" + f.read()
+    _hcm(cfg)["http_filters"][0] = {"name": "group_affinity", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": code}}}
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
 def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optional[str] = None,
             access_log: Optional[str] = None, wasm: Optional[str] = None) -> str:
     """kvroute gateway (envoy/gateway.yaml); with indexer_address the precise one (envoy/gateway-precise.yaml:

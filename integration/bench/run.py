@@ -1051,7 +1051,8 @@ def utc_stamp() -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="quick", choices=sorted(profiles.PROFILES))
-    ap.add_argument("--strategies", default="all", help="comma list (default all): " + ",".join(strategies.BY_NAME))
+    ap.add_argument("--strategies", default="all", help="comma list (default all: every strategy but the oracle, which runs only by name): "
+                    + ",".join(strategies.BY_NAME))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
                     help="override a profile field, e.g. --set load.stages='[[5,10]]' (recorded in the report)")
     ap.add_argument("--kvroute-set", action="append", default=[], metavar="PATH=JSON",

@@ -38,6 +38,8 @@ class Strategy:
     params: Dict[str, Any]
     reference_row: Optional[str] = None  # llm-d row it corresponds to (random, load, approximate, precise)
     description: str = ""
+    # Run when no strategy is named (`--strategies all` too); the oracle is run only by name.
+    by_default: bool = True
 
 
 STRATEGIES: List[Strategy] = [
@@ -59,6 +61,10 @@ STRATEGIES: List[Strategy] = [
              "vllm-router --policy cache_aware (defaults otherwise)"),
     Strategy("vllm-router-kv-aware", "vllm-router kv_aware", "vllm_router", {"policy": "kv_aware"}, None,
              "vllm-router --policy kv_aware consuming the pods' ZMQ KV events"),
+    Strategy("oracle-group-affinity", "group affinity (oracle)", "oracle", {}, None,
+             "Envoy + oracle/group_affinity.lua: every prompt of a workload group to one pod, groups dealt "
+             "round robin on first sight; knows the workload's groups, which no router can: a ceiling, not a peer",
+             by_default=False),
 ]
 BY_NAME = {s.name: s for s in STRATEGIES}
 
@@ -137,6 +143,22 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
         h = RouterHandle(
             base_url=ep.url,
             argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"]],
+            pids=[ep.pid],
+            config_files={"envoy.yaml": text},
+        )
+        h.stats = lambda: _envoy_stats(ep)
+        yield h
+
+
+@contextlib.contextmanager
+def start_oracle(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
+    envoyctl = _import_integration("envoyctl")
+    text = envoy_bench.group_affinity(endpoints, access_log=os.path.join(workdir, envoy_access_log_name(0)))
+    # One worker: one Lua state, so one table of groups.
+    with envoyctl.EnvoyProcess(text, concurrency=1) as ep:
+        h = RouterHandle(
+            base_url=ep.url,
+            argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", "1", "--disable-hot-restart"]],
             pids=[ep.pid],
             config_files={"envoy.yaml": text},
         )
@@ -402,12 +424,13 @@ STARTERS = {
     "kvroute": start_kvroute,
     "sglang": start_sglang,
     "vllm_router": start_vllm_router,
+    "oracle": start_oracle,
 }
 
 
 def missing_prerequisite(strategy: Strategy, cluster: Any = None) -> Optional[str]:
     """Why this strategy cannot run here (None if it can)."""
-    if strategy.kind == "envoy_lb":
+    if strategy.kind in ("envoy_lb", "oracle"):
         if not os.path.exists(os.path.join(REPO, "integration", "envoyctl.py")):
             return "integration/envoyctl.py (EnvoyProcess, render_gateway) not present"
         return None
@@ -517,7 +540,7 @@ def start(strategy: Strategy, endpoints: List[str], workdir: str, **kw: Any):
 
 def selected(names: Optional[str]) -> List[Strategy]:
     if not names or names == "all":
-        return list(STRATEGIES)
+        return [s for s in STRATEGIES if s.by_default]
     out = []
     for n in names.split(","):
         n = n.strip()
