@@ -135,11 +135,10 @@ def envoy_access_log_name(client: int) -> str:
 
 
 @contextlib.contextmanager
-def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
+def _plain_envoy(text: str, concurrency: int) -> Iterator[RouterHandle]:
+    """An Envoy without kvroute (its own LB, or the oracle's Lua filter) running config `text`."""
     envoyctl = _import_integration("envoyctl")
-    text = envoy_bench.baseline(endpoints, strategy.params["policy"],
-                                access_log=os.path.join(workdir, envoy_access_log_name(0)))
-    with envoyctl.EnvoyProcess(text, concurrency=strategy.params.get("concurrency", 2)) as ep:
+    with envoyctl.EnvoyProcess(text, concurrency=concurrency) as ep:
         h = RouterHandle(
             base_url=ep.url,
             argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", str(ep.concurrency), "--disable-hot-restart"]],
@@ -151,18 +150,18 @@ def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: 
 
 
 @contextlib.contextmanager
+def start_envoy_lb(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
+    text = envoy_bench.baseline(endpoints, strategy.params["policy"],
+                                access_log=os.path.join(workdir, envoy_access_log_name(0)))
+    with _plain_envoy(text, strategy.params.get("concurrency", 2)) as h:
+        yield h
+
+
+@contextlib.contextmanager
 def start_oracle(strategy: Strategy, endpoints: List[str], workdir: str, **_: Any) -> Iterator[RouterHandle]:
-    envoyctl = _import_integration("envoyctl")
     text = envoy_bench.group_affinity(endpoints, access_log=os.path.join(workdir, envoy_access_log_name(0)))
     # One worker: one Lua state, so one table of groups.
-    with envoyctl.EnvoyProcess(text, concurrency=1) as ep:
-        h = RouterHandle(
-            base_url=ep.url,
-            argv=[[envoy_binary(), "-c", "envoy.yaml", "--concurrency", "1", "--disable-hot-restart"]],
-            pids=[ep.pid],
-            config_files={"envoy.yaml": text},
-        )
-        h.stats = lambda: _envoy_stats(ep)
+    with _plain_envoy(text, concurrency=1) as h:
         yield h
 
 

@@ -20,7 +20,6 @@ import envoy_bench  # noqa: E402
 import envoyctl  # noqa: E402
 
 
-
 def have_envoy() -> bool:
     try:
         return os.path.exists(envoyctl.envoy_binary())
@@ -69,7 +68,7 @@ def test_each_group_goes_to_one_backend_dealt_round_robin():
     backends = [Backend(), Backend()]
     try:
         config = envoy_bench.group_affinity([b.address for b in backends])
-        # Three groups whose shared prefixes differ only past their first words, four questions each.
+        # Three groups, each a ~470-byte shared prefix (longer than the 200 bytes the oracle keys on), four questions each.
         prefix = {g: f"group {g} " + " ".join(f"w{(g * 7 + i) % 101}" for i in range(120)) for g in range(3)}
         order = [0, 1, 0, 2, 1, 2, 0, 1, 2, 0, 1, 2]
         with envoyctl.EnvoyProcess(config, concurrency=1) as envoy:
