@@ -15,6 +15,7 @@ use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch}
 use crate::peer_load::PodLoad;
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
+use crate::tenths::Tenths;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
 
@@ -270,20 +271,20 @@ impl Decision {
         let mut out = String::with_capacity(160);
         let _ = write!(
             out,
-            "pod={}; matched={}/{} {}; cost={:.1} (prefill={:.1} decode={:.1} queue={:.1} kv={:.1}",
+            "pod={}; matched={}/{} {}; cost={} (prefill={} decode={} queue={} kv={}",
             self.pod,
             self.matched_blocks,
             self.total_blocks,
             domain,
-            self.terms.total(),
-            self.terms.prefill,
-            self.terms.decode,
-            self.terms.queue,
-            self.terms.kv,
+            Tenths(self.terms.total()),
+            Tenths(self.terms.prefill),
+            Tenths(self.terms.decode),
+            Tenths(self.terms.queue),
+            Tenths(self.terms.kv),
         );
         // Terms and factors at their defaults stay out, so the header keeps its shape.
         if self.terms.running != 0.0 {
-            let _ = write!(out, " running={:.1}", self.terms.running);
+            let _ = write!(out, " running={}", Tenths(self.terms.running));
         }
         out.push(')');
         if self.signals.speed != 1.0 {
