@@ -2,7 +2,7 @@
 //! the destination header for the override_host load balancer, and releases
 //! the pod's load when the stream ends. Every failure fails open.
 
-use crate::host;
+use crate::host::{self, Now};
 use crate::metrics::FailOpen;
 use crate::remote::{self, PendingLookup};
 use crate::worker::{RoutedRequest, SharedWorker, Taught};
@@ -145,8 +145,8 @@ impl RequestFilter {
             }
         }
         if let Some(text) = self.text_for_tokenizer(&request) {
-            let started = micros();
-            if let Some(recalled) = self.recall_tokens(&request, &text) {
+            let started = host::now();
+            if let Some(recalled) = self.recall_tokens(&request, &text, started) {
                 self.byte_fallback = Some(text.chunks);
                 return self.route_hashed(request, recalled, started);
             }
@@ -154,12 +154,12 @@ impl RequestFilter {
                 self.tokenizing = Some(PendingTokenize {
                     token,
                     request,
-                    started_us: started,
+                    started_us: started.micros,
                     text,
                 });
                 return true;
             }
-            return self.route_on_bytes(request, text.chunks);
+            return self.route_on_bytes(request, text.chunks, started);
         }
         self.route(request)
     }
@@ -182,6 +182,7 @@ impl RequestFilter {
         &mut self,
         request: &PromptRequest,
         text: &PromptText,
+        now: Now,
     ) -> Option<HashedPrompt> {
         let mut w = self.worker.try_borrow_mut().ok()?;
         let recalled = w.token_memo.recall(text)?;
@@ -190,7 +191,7 @@ impl RequestFilter {
             // text: some pod may hold its blocks beyond the shared prefix,
             // which only the call-out's token ids can match.
             let config = w.config.clone();
-            if w.longest_known(&config, &text.chunks) > recalled.shared_chunks {
+            if w.longest_known(&config, &text.chunks, now) > recalled.shared_chunks {
                 return None;
             }
         }
@@ -240,7 +241,7 @@ impl RequestFilter {
     /// (`remote_index`). Returns true when the request must stay paused: for
     /// the lookup, or because it was shed (answered 429 by the proxy).
     fn route(&mut self, request: PromptRequest) -> bool {
-        let started = micros();
+        let started = host::now();
         let Some(hashed) = self
             .worker
             .try_borrow()
@@ -254,8 +255,12 @@ impl RequestFilter {
 
     /// `route` for a text prompt whose byte chunks are already hashed (the
     /// tokenizer could not be asked, or failed).
-    fn route_on_bytes(&mut self, request: PromptRequest, chunks: Vec<BlockHash>) -> bool {
-        let started = micros();
+    fn route_on_bytes(
+        &mut self,
+        request: PromptRequest,
+        chunks: Vec<BlockHash>,
+        started: Now,
+    ) -> bool {
         let Some(serving_model) = self
             .worker
             .try_borrow()
@@ -274,7 +279,7 @@ impl RequestFilter {
     }
 
     /// Decides for a hashed prompt (see `route`).
-    fn route_hashed(&mut self, request: PromptRequest, hashed: HashedPrompt, started: u64) -> bool {
+    fn route_hashed(&mut self, request: PromptRequest, hashed: HashedPrompt, started: Now) -> bool {
         let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
             return false;
         };
@@ -285,7 +290,7 @@ impl RequestFilter {
                         token,
                         request,
                         prompt: hashed,
-                        started_us: started,
+                        started_us: started.micros,
                     });
                     return true;
                 }
@@ -294,7 +299,7 @@ impl RequestFilter {
         } else if config.remote_index.is_some() {
             self.lookup_note = Some("lookup=local (below min_blocks)".into());
         }
-        let decision = self.decide_locally(&config, &hashed);
+        let decision = self.decide_locally(&config, &hashed, started);
         self.apply(&config, &request, hashed, decision, started)
     }
 
@@ -302,11 +307,12 @@ impl RequestFilter {
         &mut self,
         config: &Config,
         hashed: &HashedPrompt,
+        now: Now,
     ) -> Result<Decision, NoRoute> {
         let Ok(mut w) = self.worker.try_borrow_mut() else {
             return Err(NoRoute::NoEndpoints);
         };
-        let (decision, unpublished) = w.decide(config, hashed);
+        let (decision, unpublished) = w.decide(config, hashed, now);
         self.index_note = unpublished.map(|why| format!("index={} (load only)", why.name()));
         decision
     }
@@ -319,7 +325,7 @@ impl RequestFilter {
         num_headers: usize,
         body_size: usize,
     ) -> bool {
-        let answered = micros();
+        let answered = host::now();
         let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
             return false;
         };
@@ -329,7 +335,7 @@ impl RequestFilter {
             &pending,
             num_headers,
             body_size,
-            answered,
+            answered.micros,
         );
         let decision = match answer {
             Ok(d) => {
@@ -339,7 +345,7 @@ impl RequestFilter {
             }
             Err(e) => {
                 self.lookup_failed(&e);
-                self.decide_locally(&config, &pending.prompt)
+                self.decide_locally(&config, &pending.prompt, answered)
             }
         };
         // decision_us: the work after the answer (the wait is remote_lookup_us).
@@ -359,12 +365,11 @@ impl RequestFilter {
         request: &PromptRequest,
         hashed: HashedPrompt,
         decision: Result<Decision, NoRoute>,
-        started: u64,
+        started: Now,
     ) -> bool {
         let Ok(mut w) = self.worker.try_borrow_mut() else {
             return false;
         };
-        let (now_s, _) = host::now();
         let decision = match decision {
             Ok(d) => d,
             Err(e) => {
@@ -417,14 +422,17 @@ impl RequestFilter {
             let client = client_key(salt);
             let allowed = w
                 .cluster
-                .client_allowance(&decision.pod, client, new, now_s);
+                .client_allowance(&decision.pod, client, new, started.secs);
             hashes.truncate(decision.matched_blocks + allowed);
             if allowed > 0 {
-                w.tell_peers(PeerMessage::Charged {
-                    pod: decision.pod.clone(),
-                    client,
-                    blocks: u32::try_from(allowed).unwrap_or(u32::MAX),
-                });
+                w.tell_peers(
+                    PeerMessage::Charged {
+                        pod: decision.pod.clone(),
+                        client,
+                        blocks: u32::try_from(allowed).unwrap_or(u32::MAX),
+                    },
+                    started,
+                );
             }
         }
         let mut fallback = Taught::default();
@@ -432,14 +440,14 @@ impl RequestFilter {
         if self.looked_up {
             remote::routed(&decision.pod, prompt_blocks);
         } else {
-            already_taught = w.routed(&decision.pod, prompt_blocks, &hashes);
+            already_taught = w.routed(&decision.pod, prompt_blocks, &hashes, started);
             if let Some(mut bytes) = self.byte_fallback.take() {
                 // A tenant's budget was charged in token blocks: its byte
                 // chunks teach no more than that.
                 if hashes.len() < hashed_len {
                     bytes.truncate(hashes.len());
                 }
-                fallback = w.teach_byte_fallback(&decision.pod, bytes);
+                fallback = w.teach_byte_fallback(&decision.pod, bytes, started);
             }
         }
         let m = &w.metrics;
@@ -450,7 +458,8 @@ impl RequestFilter {
         }
         m.blocks_matched.add(decision.matched_blocks as u64);
         m.blocks_total.add(decision.total_blocks as u64);
-        m.decision_us.record(micros().saturating_sub(started));
+        m.decision_us
+            .record(host::now().micros.saturating_sub(started.micros));
         let explanation = decision.explain();
         if w.debug_logging {
             host::log(
@@ -619,10 +628,6 @@ impl RequestHeaders<'_> {
     }
 }
 
-fn micros() -> u64 {
-    host::nanos() / 1000
-}
-
 impl Context for RequestFilter {
     fn on_http_call_response(
         &mut self,
@@ -664,6 +669,7 @@ impl Context for RequestFilter {
             ..
         } = pending;
         // Token blocks, or the byte chunks to route on when the call failed.
+        let answered = host::now();
         let (request, hashed) = match tokens {
             Ok(tokens) => {
                 let request = PromptRequest {
@@ -677,7 +683,7 @@ impl Context for RequestFilter {
                 w.metrics.tokenizer_ok.inc();
                 w.metrics
                     .tokenizer_us
-                    .record(micros().saturating_sub(started_us));
+                    .record(answered.micros.saturating_sub(started_us));
                 let hashed = hash_prompt(&w.config, &request);
                 // A later call that fails routes this prompt's group on
                 // bytes: these chunks let it find the same pod.
@@ -700,8 +706,8 @@ impl Context for RequestFilter {
             }
         };
         let paused = match hashed {
-            Ok(tokens) => self.route_hashed(request, tokens, micros()),
-            Err(chunks) => self.route_on_bytes(request, chunks),
+            Ok(tokens) => self.route_hashed(request, tokens, answered),
+            Err(chunks) => self.route_on_bytes(request, chunks, answered),
         };
         if !paused {
             host::resume_request();

@@ -5,13 +5,25 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, Bytes, LogLevel, MapType, MetricType, Status};
 use std::time::{Duration, UNIX_EPOCH};
 
-/// Wall-clock time as (seconds, milliseconds) since the epoch.
-pub fn now() -> (u32, u64) {
-    let ms = hostcalls::get_current_time()
+/// One reading of the wall clock since the epoch. A callback reads it once
+/// and passes it down: every read is a host call.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    pub secs: u32,
+    pub millis: u64,
+    pub micros: u64,
+}
+
+pub fn now() -> Now {
+    let micros = hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_millis() as u64);
-    ((ms / 1000) as u32, ms)
+        .map_or(0, |d| d.as_micros() as u64);
+    Now {
+        secs: (micros / 1_000_000) as u32,
+        millis: micros / 1000,
+        micros,
+    }
 }
 
 /// 64 random bits from the host's RNG (WASI `random_get`, which Envoy
@@ -22,14 +34,6 @@ pub fn random_u64() -> u64 {
     std::collections::hash_map::RandomState::new()
         .build_hasher()
         .finish()
-}
-
-/// Nanoseconds since the epoch, for timing.
-pub fn nanos() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 pub fn log(level: LogLevel, message: &str) {
@@ -258,8 +262,9 @@ impl Metric {
         self.add(1);
     }
 
+    /// Adding nothing spares the host call.
     pub fn add(self, n: u64) {
-        if let Some(id) = self.0 {
+        if let (Some(id), true) = (self.0, n > 0) {
             let _ = hostcalls::increment_metric(id, n as i64);
         }
     }

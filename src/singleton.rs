@@ -84,7 +84,7 @@ fn authorization(config: &Config) -> Result<Option<String>, String> {
 impl Singleton {
     /// A singleton for `config`; an error names the field that cannot be honoured.
     pub fn start(config: Rc<Config>, vm_id: &str) -> Result<Singleton, String> {
-        let (now_s, _) = host::now();
+        let now_s = host::now().secs;
         let authorization = authorization(&config)?;
         let indexer = config.indexer.clone();
         let poll_ms = indexer.as_ref().map_or(1000, |i| i.poll_ms);
@@ -128,12 +128,13 @@ impl Singleton {
         }
         host::set_tick_period(u64::from(tick_ms(&config)));
         self.flush_ms = config.index.flush_ms;
-        self.cluster.configure_index(&config, host::now().0);
+        self.cluster.configure_index(&config, host::now().secs);
         Ok(())
     }
 
     pub fn on_tick(&mut self) {
-        let (now_s, now_ms) = host::now();
+        let now = host::now();
+        let (now_s, now_ms) = (now.secs, now.millis);
         self.peers.tick(now_s, now_ms);
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
@@ -227,7 +228,7 @@ impl Singleton {
         let Some(queue) = self.queue else {
             return;
         };
-        let (now_s, _) = host::now();
+        let now_s = host::now().secs;
         while let Some(bytes) = host::queue_dequeue(queue) {
             let messages = match wire::decode_batch(&bytes) {
                 Ok(messages) => messages,
@@ -297,7 +298,7 @@ impl Singleton {
             return;
         }
         self.feed_call = None;
-        let (_, now_ms) = host::now();
+        let now_ms = host::now().millis;
         self.metrics
             .latency_ms
             .record(now_ms.saturating_sub(started_ms));
@@ -366,7 +367,8 @@ impl Singleton {
         self.forward(&received.update);
         // The singleton decides nothing: trusting precise entries is the
         // workers' call, from when the feed last reached them.
-        self.cluster.apply_feed(&received.update, host::now().0, 0);
+        self.cluster
+            .apply_feed(&received.update, host::now().secs, 0);
     }
 
     /// Every worker VM gets a feed update's pods and their load at once.

@@ -3,7 +3,7 @@
 //! publishes, this VM's recent decisions (the flush gap), peers and stats.
 //! The VM holds no index: its routed prompts go to the singleton's queue.
 
-use crate::host::{self, SharedData};
+use crate::host::{self, Now, SharedData};
 use crate::metrics::{FailOpen, FilterMetrics};
 use crate::peers::{Audience, Peers};
 use kvroute_core::config::Config;
@@ -33,6 +33,10 @@ const CHARGE_BATCH_MS: u64 = 10;
 /// An index whose head (rewritten at every flush) is older than this is not
 /// read: its writer stopped, and the VM routes on load only.
 const STALE_AFTER_MS: u64 = 5000;
+/// A VM reads the index's head (a host call) at most this often: a view up
+/// to this much behind the writer's flushes (every 100 ms) costs nothing,
+/// and its recent routes cover what it sent meanwhile.
+const HEAD_REREAD_MS: u64 = 10;
 
 pub type SharedWorker = Rc<RefCell<Worker>>;
 
@@ -86,6 +90,8 @@ pub struct Worker {
     positions_of: (Option<(u64, u64)>, u64),
     /// Why the index was last unusable (logged when it changes).
     unpublished: Option<Unpublished>,
+    /// When the index's head was last read and usable.
+    head_read_ms: Option<u64>,
     recent: RecentRoutes,
     /// Token blocks of this VM's earlier tokenizer call-outs (precise mode).
     pub token_memo: TokenMemo,
@@ -114,7 +120,8 @@ pub struct Worker {
 impl Worker {
     /// A worker VM joining the proxy's peers (it registers its queue).
     pub fn start(config: Rc<Config>, vm_id: &str) -> Worker {
-        let (now_s, now_ms) = host::now();
+        let now = host::now();
+        let (now_s, now_ms) = (now.secs, now.millis);
         let mut cluster = Cluster::load_only();
         cluster.set_configured(&config, now_s);
         Worker {
@@ -130,6 +137,7 @@ impl Worker {
             positions: Vec::new(),
             positions_of: (None, 0),
             unpublished: None,
+            head_read_ms: None,
             taught_this_epoch: Vec::new(),
             taught_for: None,
             outbox: Outbox::new(CHARGE_BATCH_MS),
@@ -146,11 +154,14 @@ impl Worker {
     /// main-thread copy) takes per-request messages again, and its load is
     /// read by the others.
     pub fn serve(&mut self) {
-        self.peers.start_serving(host::now().0);
+        if !self.peers.is_serving() {
+            self.peers.start_serving(host::now().secs);
+        }
     }
 
     pub fn reconfigure(&mut self, config: Rc<Config>) {
-        self.cluster.set_configured(&config, host::now().0);
+        self.head_read_ms = None;
+        self.cluster.set_configured(&config, host::now().secs);
         self.recent.set_keep_ms(recent_keep_ms(&config));
         // Blocks hashed under another block size, chunk size or model scope
         // would be recalled wrongly: a changed setting starts the memo empty.
@@ -176,27 +187,27 @@ impl Worker {
         &mut self,
         config: &Config,
         prompt: &HashedPrompt,
+        now: Now,
     ) -> (Result<Decision, NoRoute>, Option<Unpublished>) {
         if self.cluster.is_empty() {
             // Nothing to route to, whatever the index says (a sidecar's local fallback).
             return (Err(NoRoute::NoEndpoints), None);
         }
-        let (now_s, now_ms) = host::now();
-        self.read_peer_load(now_ms);
+        self.read_peer_load(now.millis);
         let seed = self.next_tie_seed();
         self.taught_for = prompt.hashes.first().copied();
-        let (matches, lookup, unpublished) = self.index_matches(config, &prompt.hashes, true);
+        let (matches, lookup, unpublished) = self.index_matches(config, &prompt.hashes, true, now);
         self.note_index_state(unpublished);
         let decision = self
             .cluster
-            .decide_on(config, prompt, now_s, seed, &matches, lookup);
+            .decide_on(config, prompt, now.secs, seed, &matches, lookup);
         (decision, unpublished)
     }
 
     /// The most leading blocks of `hashes` any pod is known to hold (the
     /// published index and this VM's recent decisions); 0 without an index.
-    pub fn longest_known(&mut self, config: &Config, hashes: &[BlockHash]) -> usize {
-        let (matches, ..) = self.index_matches(config, hashes, false);
+    pub fn longest_known(&mut self, config: &Config, hashes: &[BlockHash], now: Now) -> usize {
+        let (matches, ..) = self.index_matches(config, hashes, false, now);
         matches.iter().map(|m| m.blocks).max().unwrap_or(0)
     }
 
@@ -208,16 +219,24 @@ impl Worker {
         config: &Config,
         hashes: &[BlockHash],
         for_decision: bool,
+        now: Now,
     ) -> (Vec<LocalMatch>, LookupCost, Option<Unpublished>) {
-        let (now_s, now_ms) = host::now();
+        let (now_s, now_ms) = (now.secs, now.millis);
         let mut matches: Vec<LocalMatch> = Vec::new();
         let mut lookup = LookupCost::default();
         if for_decision {
             self.taught_this_epoch.clear();
         }
-        if let Err(why) = self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
-            self.metrics.index_unpublished.inc();
-            return (matches, lookup, Some(why));
+        let head_is_recent = self
+            .head_read_ms
+            .is_some_and(|read| now_ms.saturating_sub(read) < HEAD_REREAD_MS);
+        if !head_is_recent {
+            if let Err(why) = self.index.refresh(&SharedData, now_ms, STALE_AFTER_MS) {
+                self.head_read_ms = None;
+                self.metrics.index_unpublished.inc();
+                return (matches, lookup, Some(why));
+            }
+            self.head_read_ms = Some(now_ms);
         }
         self.refresh_positions();
         if let Some(source) = self.index.source(&SharedData) {
@@ -226,15 +245,9 @@ impl Worker {
             lookup = match_lengths(&source, hashes, now_s, &rules, &mut found);
             let m = &self.metrics;
             let (reads, reused) = source.reads();
-            for (metric, n) in [
-                (m.index_unreadable, source.unreadable()),
-                (m.index_lookup_reads, reads),
-                (m.index_lookup_reused, reused),
-            ] {
-                if n > 0 {
-                    metric.add(n);
-                }
-            }
+            m.index_unreadable.add(source.unreadable());
+            m.index_lookup_reads.add(reads);
+            m.index_lookup_reused.add(reused);
             for m in &found {
                 let Some(&Some(pod)) = self.positions.get(m.pod.slot()) else {
                     continue;
@@ -301,9 +314,15 @@ impl Worker {
     /// already taught to `pod` in this epoch, or this VM sent in it:
     /// teaching them again would change nothing but cost the singleton
     /// their buckets' reads. Returns how many leading blocks were skipped.
-    pub fn routed(&mut self, pod: &str, prompt_blocks: u32, hashes: &[BlockHash]) -> usize {
-        let (now_s, now_ms) = host::now();
-        self.cluster.record_routed(pod, prompt_blocks, &[], now_s);
+    pub fn routed(
+        &mut self,
+        pod: &str,
+        prompt_blocks: u32,
+        hashes: &[BlockHash],
+        now: Now,
+    ) -> usize {
+        self.cluster
+            .record_routed(pod, prompt_blocks, &[], now.secs);
         self.note_load_change();
         let position = self.cluster.position(pod);
         let in_index = match self.taught_for.take() {
@@ -315,23 +334,22 @@ impl Worker {
             _ => 0,
         };
         self.taught_this_epoch.clear();
-        let already_taught = in_index.max(self.sent_this_epoch(pod, hashes));
-        self.teach(pod, hashes, already_taught, now_ms);
+        let already_taught = in_index.max(self.sent_this_epoch(pod, hashes, now));
+        self.teach(pod, hashes, already_taught, now.millis);
         already_taught
     }
 
     /// Leading `hashes` the published index (as the request's decision read
     /// it) shows taught to `pod` in this epoch.
-    fn taught_in_index(&self, pod: &str, hashes: &[BlockHash]) -> usize {
+    fn taught_in_index(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
         let (Some(position), Some(source)) =
             (self.cluster.position(pod), self.index.source(&SharedData))
         else {
             return 0;
         };
-        let now_s = host::now().0;
-        let rules = self.cluster.match_rules(&self.config, now_s);
+        let rules = self.cluster.match_rules(&self.config, now.secs);
         let mut found: Vec<PodMatch> = Vec::new();
-        match_lengths(&source, hashes, now_s, &rules, &mut found);
+        match_lengths(&source, hashes, now.secs, &rules, &mut found);
         found
             .iter()
             .find(|m| self.positions.get(m.pod.slot()) == Some(&Some(position)))
@@ -340,11 +358,11 @@ impl Worker {
 
     /// Leading `hashes` this VM sent for `pod` in this epoch, which the index
     /// may not show yet (the flush gap).
-    fn sent_this_epoch(&self, pod: &str, hashes: &[BlockHash]) -> usize {
-        let (now_s, now_ms) = host::now();
-        let epoch_start_ms = u64::from(epoch_start_s(self.config.index.ttl_seconds, now_s)) * 1000;
+    fn sent_this_epoch(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
+        let epoch_start_ms =
+            u64::from(epoch_start_s(self.config.index.ttl_seconds, now.secs)) * 1000;
         self.recent
-            .taught_since(pod, hashes, epoch_start_ms, now_ms)
+            .taught_since(pod, hashes, epoch_start_ms, now.millis)
     }
 
     /// Teaches a token-routed prompt's byte chunks on `pod` (see
@@ -353,10 +371,10 @@ impl Worker {
     /// looked up the token blocks only: this second lookup costs a few
     /// probes of the chain, where teaching and reporting every chunk again
     /// would cost the singleton and the indexer a write each.
-    pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>) -> Taught {
-        let in_index = self.taught_in_index(pod, &hashes);
-        let already_taught = in_index.max(self.sent_this_epoch(pod, &hashes));
-        self.teach(pod, &hashes, already_taught, host::now().1);
+    pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>, now: Now) -> Taught {
+        let in_index = self.taught_in_index(pod, &hashes, now);
+        let already_taught = in_index.max(self.sent_this_epoch(pod, &hashes, now));
+        self.teach(pod, &hashes, already_taught, now.millis);
         Taught {
             hashes,
             already_taught,
@@ -475,11 +493,11 @@ impl Worker {
 
     /// Tells the serving peers about a budget charge, in the next batch
     /// (within [`CHARGE_BATCH_MS`]): every queue message wakes each peer's VM.
-    pub fn tell_peers(&mut self, message: PeerMessage) {
+    pub fn tell_peers(&mut self, message: PeerMessage, now: Now) {
         if self.peers.serving_count() == 0 {
             return;
         }
-        if self.outbox.push(message, host::now().1) == Pushed::Armed {
+        if self.outbox.push(message, now.millis) == Pushed::Armed {
             self.set_tick(self.outbox.delay_ms());
         }
     }
@@ -516,7 +534,7 @@ impl Worker {
     /// taught: the request that taught the leading ones in this epoch
     /// reported them, and the indexer's learned entries outlive an epoch.
     pub fn settle(&mut self, request: &RoutedRequest, outcome: Outcome, request_id: &str) {
-        let (now_s, _) = host::now();
+        let now_s = host::now().secs;
         self.metrics.outcome(&outcome);
         let chosen = &request.pod;
         match outcome {
@@ -560,13 +578,13 @@ impl Worker {
         }
         if let Outcome::ServedElsewhere { pod, success: true } = outcome {
             let hashes = &request.taught.hashes;
-            self.teach(pod, hashes, 0, host::now().1);
+            self.teach(pod, hashes, 0, host::now().millis);
             if request.report {
                 self.report_learned(pod, hashes);
             }
             let bytes = &request.fallback.hashes;
             if !bytes.is_empty() {
-                self.teach(pod, bytes, 0, host::now().1);
+                self.teach(pod, bytes, 0, host::now().millis);
                 self.report_learned(pod, bytes);
             }
         }
@@ -593,7 +611,7 @@ impl Worker {
         let Some(queue) = self.peers.own_queue() else {
             return;
         };
-        let (now_s, _) = host::now();
+        let now_s = host::now().secs;
         while let Some(bytes) = host::queue_dequeue(queue) {
             match wire::decode_batch(&bytes) {
                 Ok(messages) => messages.into_iter().for_each(|m| self.apply(m, now_s)),
@@ -644,7 +662,8 @@ impl Worker {
     /// due; every [`DUTY_TICK_MS`]: heartbeat, gauges, and the load again
     /// while there is any (so it stays fresh for the peers).
     pub fn on_tick(&mut self) {
-        let (now_s, now_ms) = host::now();
+        let now = host::now();
+        let (now_s, now_ms) = (now.secs, now.millis);
         if let Some(batch) = self.outbox.due(now_ms) {
             self.send_all(&batch, Audience::Serving, false);
         }
