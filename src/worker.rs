@@ -668,16 +668,18 @@ impl Worker {
             self.send_all(&batch, Audience::Serving, false);
         }
         let duty = now_ms.saturating_sub(self.duties_ms) + 1 >= DUTY_TICK_MS;
-        if (self.load_changed && (duty || self.peers.serving_count() > 0))
-            || (duty && self.load_published)
-        {
+        let sharing = self.load_changed && self.peers.serving_count() > 0;
+        if (self.load_changed && duty) || sharing || (duty && self.load_published) {
             self.publish_load(now_ms);
         }
-        let period = if self.outbox.is_empty() {
-            DUTY_TICK_MS
-        } else {
-            self.outbox.delay_ms()
-        };
+        // A load that changed since the last tick is likely to change again
+        // (a busy VM): the tick keeps the share period until a tick finds
+        // no change, instead of two host calls per period to set it back
+        // and forth.
+        let mut period = if sharing { LOAD_SHARE_MS } else { DUTY_TICK_MS };
+        if !self.outbox.is_empty() {
+            period = period.min(self.outbox.delay_ms());
+        }
         self.set_tick(period);
         if !duty {
             return;
