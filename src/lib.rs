@@ -7,6 +7,7 @@
 
 mod filter;
 mod host;
+mod load_sum;
 mod metrics;
 mod peers;
 mod remote;

@@ -86,6 +86,9 @@ pub struct FilterMetrics {
     pub index_lookup_reused: Metric,
     pub peers: Metric,
     pub peer_errors: Metric,
+    /// Reads of the peers' load answered by the singleton's sum (one key)
+    /// rather than by each peer's key.
+    pub peer_sum_reads: Metric,
     pub tokenizer_ok: Metric,
     pub tokenizer_failed: Metric,
     /// Prompts whose token blocks came from the token memo (no call-out).
@@ -119,6 +122,7 @@ impl FilterMetrics {
             index_lookup_reused: Metric::counter("kvroute.index.lookup_reused"),
             peers: Metric::gauge("kvroute.peers"),
             peer_errors: Metric::counter("kvroute.peer.errors"),
+            peer_sum_reads: Metric::counter("kvroute.peer.sum_reads"),
             tokenizer_ok: Metric::counter("kvroute.tokenizer.ok"),
             tokenizer_failed: Metric::counter("kvroute.tokenizer.failed"),
             tokenizer_recalled: Metric::counter("kvroute.tokenizer.recalled"),

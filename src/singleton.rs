@@ -10,6 +10,7 @@
 //! the bearer token named by `indexer.token_env`, when `indexer.share_learned`).
 
 use crate::host;
+use crate::load_sum::LoadSummer;
 use crate::metrics::{FeedMetrics, IndexMetrics};
 use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
 use kvroute_core::config::{Config, IndexerSettings};
@@ -64,6 +65,13 @@ pub struct Singleton {
     pending_hashes: usize,
     failing: bool,
     learned_failing: bool,
+    load_summer: LoadSummer,
+    /// The period of the singleton's duties (flush, feed, learned reports,
+    /// registry), when they last ran, and the tick period set (shorter
+    /// while it sums the workers' load).
+    duty_ms: u64,
+    duties_ms: u64,
+    tick_ms: u64,
 }
 
 /// The `authorization` header `indexer.token_env` asks for; an error (naming
@@ -94,7 +102,8 @@ impl Singleton {
                 "kvroute singleton: no `indexer` configured; the index holds what the workers route",
             );
         }
-        host::set_tick_period(u64::from(tick_ms(&config)));
+        let duty_ms = u64::from(tick_ms(&config));
+        host::set_tick_period(duty_ms);
         let mut cluster = Cluster::default();
         cluster.write_through(Rc::new(host::SharedData), MAX_RESIDENT_BYTES);
         cluster.configure_index(&config, now_s);
@@ -116,6 +125,10 @@ impl Singleton {
             pending_hashes: 0,
             failing: false,
             learned_failing: false,
+            load_summer: LoadSummer::default(),
+            duty_ms,
+            duties_ms: 0,
+            tick_ms: duty_ms,
         })
     }
 
@@ -126,16 +139,28 @@ impl Singleton {
         if let Some(i) = &self.indexer {
             self.feed.set_poll_ms(i.poll_ms);
         }
-        host::set_tick_period(u64::from(tick_ms(&config)));
+        self.duty_ms = u64::from(tick_ms(&config));
+        self.set_tick(self.duty_ms);
         self.flush_ms = config.index.flush_ms;
         self.cluster.configure_index(&config, host::now().secs);
         Ok(())
     }
 
+    /// Sums the workers' load every tick; the other duties every duty
+    /// period.
     pub fn on_tick(&mut self) {
         let now = host::now();
         let (now_s, now_ms) = (now.secs, now.millis);
+        self.load_summer
+            .tick(self.peers.serving_load_keys(), now_ms);
+        if now_ms.saturating_sub(self.duties_ms) + 1 < self.duty_ms {
+            return;
+        }
+        self.duties_ms = now_ms;
         self.peers.tick(now_s, now_ms);
+        let period = LoadSummer::period_ms(self.peers.serving_load_keys().len())
+            .map_or(self.duty_ms, |share| share.min(self.duty_ms));
+        self.set_tick(period);
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
             self.flush(now_ms);
@@ -171,6 +196,13 @@ impl Singleton {
                 }
                 Err(status) => self.learned_failed(&format!("not sent: {status:?}")),
             }
+        }
+    }
+
+    fn set_tick(&mut self, period_ms: u64) {
+        if self.tick_ms != period_ms {
+            self.tick_ms = period_ms;
+            host::set_tick_period(period_ms);
         }
     }
 

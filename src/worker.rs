@@ -13,13 +13,16 @@ use kvroute_core::index::published::{PublishedView, Unpublished};
 use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outbox::{Outbox, Pushed};
 use kvroute_core::outcome::Outcome;
-use kvroute_core::peer_load::{self, LoadSnapshot, LOAD_SHARE_MS};
+use kvroute_core::peer_load::{
+    self, LoadSnapshot, LoadSum, PodLoad, LOAD_SHARE_MS, SUM_MIN_WORKERS,
+};
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
 use kvroute_core::token_memo::TokenMemo;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// Precise entries stay trusted this long after the last feed update when
@@ -37,6 +40,9 @@ const STALE_AFTER_MS: u64 = 5000;
 /// to this much behind the writer's flushes (every 100 ms) costs nothing,
 /// and its recent routes cover what it sent meanwhile.
 const HEAD_REREAD_MS: u64 = 10;
+/// Own load publications kept: the singleton's sum counts one at most a
+/// few share periods old.
+const OWN_PUBLICATIONS_KEPT: usize = 8;
 
 pub type SharedWorker = Rc<RefCell<Worker>>;
 
@@ -109,6 +115,9 @@ pub struct Worker {
     load_published: bool,
     /// When the peers' published load was last read.
     peer_load_read_ms: u64,
+    /// This VM's last load publications, for taking its own share out of
+    /// the singleton's sum.
+    own_published: Vec<LoadSnapshot>,
     /// The tick period last set, and when the periodic duties last ran.
     tick_ms: u64,
     duties_ms: u64,
@@ -144,6 +153,7 @@ impl Worker {
             load_changed: false,
             load_published: false,
             peer_load_read_ms: 0,
+            own_published: Vec::new(),
             tick_ms: DUTY_TICK_MS,
             duties_ms: 0,
             debug_logging: host::debug_logging(),
@@ -455,8 +465,13 @@ impl Worker {
         let Some(key) = self.peers.own_load_key() else {
             return;
         };
+        // Strictly increasing: the singleton's sum names a snapshot by it.
+        let written_ms = self
+            .own_published
+            .last()
+            .map_or(now_ms, |last| now_ms.max(last.written_ms + 1));
         let snapshot = LoadSnapshot {
-            written_ms: now_ms,
+            written_ms,
             pods: self.cluster.own_load(),
         };
         self.load_published = !snapshot.pods.is_empty();
@@ -468,6 +483,10 @@ impl Worker {
             }
             Err(e) => host::log(LogLevel::Warn, &format!("kvroute: load not published: {e}")),
         }
+        if self.own_published.len() == OWN_PUBLICATIONS_KEPT {
+            self.own_published.remove(0);
+        }
+        self.own_published.push(snapshot);
     }
 
     /// The serving peers' load as they last published it, read at most
@@ -477,6 +496,15 @@ impl Worker {
             return;
         }
         self.peer_load_read_ms = now_ms;
+        if self.peers.serving_count() == 0 {
+            self.cluster.set_peer_load(&HashMap::new());
+            return;
+        }
+        if let Some(others) = self.summed_peer_load(now_ms) {
+            self.metrics.peer_sum_reads.inc();
+            self.cluster.set_peer_load(&others);
+            return;
+        }
         let mut snapshots = Vec::new();
         for key in self.peers.serving_load_keys() {
             let Some((bytes, _)) = host::shared_get(key) else {
@@ -489,6 +517,21 @@ impl Worker {
         }
         self.cluster
             .set_peer_load(&peer_load::sum_fresh(&snapshots, now_ms));
+    }
+
+    /// The peers' load from the singleton's sum (one read instead of one
+    /// per peer), if it is fresh and counted this VM's load as kept.
+    fn summed_peer_load(&self, now_ms: u64) -> Option<HashMap<String, PodLoad>> {
+        if self.peers.serving_count() + 1 < SUM_MIN_WORKERS {
+            return None;
+        }
+        let own_key = self.peers.own_load_key()?;
+        let (bytes, _) = host::shared_get(peer_load::SUM_KEY)?;
+        let Ok(sum) = LoadSum::decode(&bytes) else {
+            self.metrics.peer_errors.inc();
+            return None;
+        };
+        sum.without(own_key, &self.own_published, now_ms)
     }
 
     /// Tells the serving peers about a budget charge, in the next batch

@@ -14,8 +14,21 @@
 //! next; one older than [`STALE_AFTER_MS`] (its VM stopped or is gone)
 //! counts as empty.
 //!
+//! W − 1 reads per deciding worker are still O(W²) per proxy. So while
+//! [`SUM_MIN_WORKERS`] or more workers serve, the singleton sums their fresh
+//! snapshots every [`LOAD_SHARE_MS`] into one key, [`SUM_KEY`] ([`LoadSum`]),
+//! naming when each counted snapshot was written; a worker reads that one
+//! key and takes its own counted snapshot out. Without a fresh sum (fewer
+//! workers, no singleton, or it stalled) a worker reads its peers' keys.
+//! Measured on 30 KiB requests: at `--concurrency` 8 the two ways cost about
+//! the same (the workers' reads fall from 6.9 to 4.0 µs of wasm time per
+//! request, the singleton's summing adds as much); at 32, the sum saves
+//! about 60 µs of Envoy CPU per request.
+//!
 //! ```text
-//! snapshot := u64 written_ms, u32 n, n × (str pod, u32 requests, u64 pending_blocks, u64 active_blocks)
+//! snapshot := u64 written_ms, pods
+//! sum      := u64 written_ms, u32 n, n × (str key, u64 snapshot_written_ms), pods
+//! pods     := u32 n, n × (str pod, u32 requests, u64 pending_blocks, u64 active_blocks)
 //! str      := u16 len, UTF-8
 //! ```
 
@@ -28,6 +41,15 @@ pub const LOAD_SHARE_MS: u64 = 10;
 /// A snapshot older than this counts as empty: its VM has stopped
 /// publishing (a busy one rewrites it at least every duty tick).
 pub const STALE_AFTER_MS: u64 = 1_000;
+/// The shared-data key of the singleton's [`LoadSum`].
+pub const SUM_KEY: &str = "kvroute/load/sum";
+/// The singleton rewrites an unchanged sum this often: its age tells the
+/// workers that it still sums.
+pub const SUM_REWRITE_MS: u64 = 200;
+/// Serving workers from which the singleton sums their load. Below it the
+/// peers' own keys cost no more: with 3 workers, 6 reads per share period
+/// against the sum's 3 + 1 write + 3.
+pub const SUM_MIN_WORKERS: usize = 4;
 
 /// The shared-data key of the worker whose queue is `queue_name`.
 pub fn key_of(queue_name: &str) -> String {
@@ -56,6 +78,14 @@ impl PodLoad {
             active_blocks: self.active_blocks.saturating_add(other.active_blocks),
         }
     }
+
+    pub fn minus(self, other: PodLoad) -> PodLoad {
+        PodLoad {
+            requests: self.requests.saturating_sub(other.requests),
+            pending_blocks: self.pending_blocks.saturating_sub(other.pending_blocks),
+            active_blocks: self.active_blocks.saturating_sub(other.active_blocks),
+        }
+    }
 }
 
 /// One VM's load as it wrote it.
@@ -68,47 +98,164 @@ pub struct LoadSnapshot {
 /// Bytes of a snapshot entry besides its pod's address.
 const ENTRY_BYTES: usize = 2 + 4 + 8 + 8;
 
+fn put_pods(out: &mut Vec<u8>, pods: &[(String, PodLoad)]) -> Result<(), WireError> {
+    codec::put_u32(
+        out,
+        u32::try_from(pods.len()).map_err(|_| WireError::TooLong)?,
+    );
+    for (pod, load) in pods {
+        wire::put_str(out, pod)?;
+        codec::put_u32(out, load.requests);
+        codec::put_u64(out, load.pending_blocks);
+        codec::put_u64(out, load.active_blocks);
+    }
+    Ok(())
+}
+
+/// The pods' loads, and nothing after them.
+fn read_pods(r: &mut Reader<'_>) -> Result<Vec<(String, PodLoad)>, WireError> {
+    let n = r.u32("pods")?;
+    let n = r.checked_count(u64::from(n), ENTRY_BYTES, "pods")?;
+    let mut pods = Vec::with_capacity(n);
+    for _ in 0..n {
+        let pod = wire::pod(r)?;
+        let load = PodLoad {
+            requests: r.u32("requests")?,
+            pending_blocks: r.u64("pending_blocks")?,
+            active_blocks: r.u64("active_blocks")?,
+        };
+        pods.push((pod, load));
+    }
+    if !r.is_empty() {
+        return Err(WireError::TrailingBytes);
+    }
+    Ok(pods)
+}
+
 impl LoadSnapshot {
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
         let mut out = Vec::with_capacity(12 + self.pods.len() * (ENTRY_BYTES + 16));
         codec::put_u64(&mut out, self.written_ms);
-        codec::put_u32(
-            &mut out,
-            u32::try_from(self.pods.len()).map_err(|_| WireError::TooLong)?,
-        );
-        for (pod, load) in &self.pods {
-            wire::put_str(&mut out, pod)?;
-            codec::put_u32(&mut out, load.requests);
-            codec::put_u64(&mut out, load.pending_blocks);
-            codec::put_u64(&mut out, load.active_blocks);
-        }
+        put_pods(&mut out, &self.pods)?;
         Ok(out)
     }
 
     pub fn decode(bytes: &[u8]) -> Result<LoadSnapshot, WireError> {
         let mut r = Reader::new(bytes);
         let written_ms = r.u64("written_ms")?;
-        let n = r.u32("pods")?;
-        let n = r.checked_count(u64::from(n), ENTRY_BYTES, "pods")?;
-        let mut pods = Vec::with_capacity(n);
-        for _ in 0..n {
-            let pod = wire::pod(&mut r)?;
-            let load = PodLoad {
-                requests: r.u32("requests")?,
-                pending_blocks: r.u64("pending_blocks")?,
-                active_blocks: r.u64("active_blocks")?,
-            };
-            pods.push((pod, load));
-        }
-        if !r.is_empty() {
-            return Err(WireError::TrailingBytes);
-        }
+        let pods = read_pods(&mut r)?;
         Ok(LoadSnapshot { written_ms, pods })
     }
 
     /// Whether this snapshot still counts at `now_ms`.
     pub fn is_fresh(&self, now_ms: u64) -> bool {
         now_ms.saturating_sub(self.written_ms) <= STALE_AFTER_MS
+    }
+}
+
+/// The workers' fresh snapshots as the singleton summed them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadSum {
+    pub written_ms: u64,
+    /// Each counted snapshot: its worker's key and when it was written.
+    pub counted: Vec<(String, u64)>,
+    /// Per pod, in address order (an unchanged sum encodes alike).
+    pub pods: Vec<(String, PodLoad)>,
+}
+
+/// Bytes of a counted entry besides its key.
+const COUNTED_BYTES: usize = 2 + 8;
+
+impl LoadSum {
+    /// The sum of the fresh ones of `snapshots` (each with its worker's key).
+    pub fn of<'a>(
+        snapshots: impl IntoIterator<Item = (&'a str, &'a LoadSnapshot)>,
+        now_ms: u64,
+    ) -> LoadSum {
+        let fresh: Vec<(&str, &LoadSnapshot)> = snapshots
+            .into_iter()
+            .filter(|(_, s)| s.is_fresh(now_ms))
+            .collect();
+        let mut pods: Vec<(String, PodLoad)> = sum_fresh(fresh.iter().map(|&(_, s)| s), now_ms)
+            .into_iter()
+            .collect();
+        pods.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        LoadSum {
+            written_ms: now_ms,
+            counted: fresh
+                .iter()
+                .map(|&(key, s)| (key.to_string(), s.written_ms))
+                .collect(),
+            pods,
+        }
+    }
+
+    /// Whether the workers may still use this sum at `now_ms`.
+    pub fn is_fresh(&self, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.written_ms) <= STALE_AFTER_MS
+    }
+
+    /// Every other worker's load: the sum less the snapshot of `own_key`
+    /// it counted, found among `own_published` (that worker's last
+    /// publications). `None` when the sum is stale or counted a snapshot of
+    /// `own_key` no longer among them: the worker then reads its peers.
+    pub fn without(
+        &self,
+        own_key: &str,
+        own_published: &[LoadSnapshot],
+        now_ms: u64,
+    ) -> Option<HashMap<String, PodLoad>> {
+        if !self.is_fresh(now_ms) {
+            return None;
+        }
+        let mut others: HashMap<String, PodLoad> = self.pods.iter().cloned().collect();
+        let Some(&(_, counted_ms)) = self.counted.iter().find(|(key, _)| key == own_key) else {
+            return Some(others);
+        };
+        let own = own_published.iter().find(|s| s.written_ms == counted_ms)?;
+        for (pod, load) in &own.pods {
+            if let Some(sum) = others.get_mut(pod) {
+                *sum = sum.minus(*load);
+            }
+        }
+        others.retain(|_, load| !load.is_zero());
+        Some(others)
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        let mut out = Vec::with_capacity(
+            16 + self.counted.len() * (COUNTED_BYTES + 40) + self.pods.len() * (ENTRY_BYTES + 16),
+        );
+        codec::put_u64(&mut out, self.written_ms);
+        codec::put_u32(
+            &mut out,
+            u32::try_from(self.counted.len()).map_err(|_| WireError::TooLong)?,
+        );
+        for (key, written_ms) in &self.counted {
+            wire::put_str(&mut out, key)?;
+            codec::put_u64(&mut out, *written_ms);
+        }
+        put_pods(&mut out, &self.pods)?;
+        Ok(out)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<LoadSum, WireError> {
+        let mut r = Reader::new(bytes);
+        let written_ms = r.u64("written_ms")?;
+        let n = r.u32("counted")?;
+        let n = r.checked_count(u64::from(n), COUNTED_BYTES, "counted")?;
+        let mut counted = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = r.u16("key")?;
+            let key = r.str(usize::from(len), "key")?;
+            counted.push((key, r.u64("snapshot_written_ms")?));
+        }
+        let pods = read_pods(&mut r)?;
+        Ok(LoadSum {
+            written_ms,
+            counted,
+            pods,
+        })
     }
 }
 
@@ -192,5 +339,58 @@ mod tests {
         );
         assert!(sum_fresh([&a], 1_000 + STALE_AFTER_MS + 1).is_empty());
         assert_eq!(key_of("kvroute/q/00ff"), "kvroute/load/kvroute/q/00ff");
+    }
+
+    #[test]
+    fn a_sum_counts_fresh_snapshots_and_reads_back_as_written() {
+        let a = snapshot(1_000, &[("p:2", load(1, 0, 5)), ("p:1", load(2, 10, 30))]);
+        let b = snapshot(1_900, &[("p:1", load(1, 4, 4))]);
+        let gone = snapshot(100, &[("p:2", load(50, 500, 500))]);
+        let sum = LoadSum::of([("ka", &a), ("kb", &b), ("kgone", &gone)], 2_000);
+        assert_eq!(sum.written_ms, 2_000);
+        assert_eq!(
+            sum.counted,
+            vec![("ka".to_string(), 1_000), ("kb".to_string(), 1_900)]
+        );
+        assert_eq!(
+            sum.pods,
+            vec![
+                ("p:1".to_string(), load(3, 14, 34)),
+                ("p:2".to_string(), load(1, 0, 5))
+            ],
+            "in address order"
+        );
+        let bytes = sum.encode().unwrap();
+        assert_eq!(LoadSum::decode(&bytes).unwrap(), sum);
+        for cut in 0..bytes.len() {
+            assert!(LoadSum::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut trailing = bytes;
+        trailing.push(0);
+        assert_eq!(LoadSum::decode(&trailing), Err(WireError::TrailingBytes));
+        assert!(LoadSum::decode(&[0xff; 40]).is_err());
+    }
+
+    #[test]
+    fn a_worker_takes_its_own_counted_snapshot_out_of_the_sum() {
+        let older = snapshot(900, &[("p:1", load(5, 50, 50))]);
+        let mine = snapshot(1_000, &[("p:1", load(2, 10, 30)), ("p:3", load(1, 1, 1))]);
+        let theirs = snapshot(1_500, &[("p:1", load(1, 4, 4)), ("p:2", load(3, 0, 9))]);
+        let sum = LoadSum::of([("me", &mine), ("them", &theirs)], 2_000);
+        let others = sum
+            .without("me", &[older.clone(), mine.clone()], 2_050)
+            .unwrap();
+        assert_eq!(others.get("p:1"), Some(&load(1, 4, 4)));
+        assert_eq!(others.get("p:2"), Some(&load(3, 0, 9)));
+        assert_eq!(others.get("p:3"), None, "only mine: nothing left");
+        // A sum that did not count this worker is all the others' load.
+        let without_me = LoadSum::of([("them", &theirs)], 2_000);
+        assert_eq!(
+            without_me.without("me", &[], 2_050).unwrap(),
+            sum_fresh([&theirs], 2_050)
+        );
+        // A counted snapshot no longer kept, or a stale sum: read the peers instead.
+        assert_eq!(sum.without("me", &[older], 2_050), None);
+        assert_eq!(sum.without("me", &[mine], 2_000 + STALE_AFTER_MS + 1), None);
     }
 }

@@ -23,10 +23,12 @@ def require_wasm() -> None:
 
 
 @contextmanager
-def gateway(addresses: list[str], plugin: dict | None = None, *, log_level: str = "info"):
+def gateway(addresses: list[str], plugin: dict | None = None, *, log_level: str = "info",
+            concurrency: int = 2):
     """A local Envoy running the shipped gateway config over these pods, its worker VMs registered."""
     require_wasm()
-    with EnvoyProcess(render_gateway(addresses, plugin), log_level=log_level) as proxy:
+    with EnvoyProcess(render_gateway(addresses, plugin), log_level=log_level,
+                      concurrency=concurrency) as proxy:
         proxy.wait_for_peers()
         yield proxy
 

@@ -3,6 +3,7 @@
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import requests
 
@@ -65,31 +66,55 @@ def test_distinct_prefixes_spread_over_pods(gateway):
 
 def test_hot_pod_sheds_new_prefixes(gateway, sims):
     """A long stream keeps its pod loaded; new prefixes go elsewhere meanwhile."""
-    hot_system = unique_system(words=400)
+    with long_stream(gateway, unique_system(words=400)) as hot_pod:
+        others = [decision(chat(gateway, unique_system(words=20), "q"))["pod"] for _ in range(8)]
+    assert hot_pod not in others, (hot_pod, others)
+
+
+def test_four_workers_share_their_load_through_the_singletons_sum(sims):
+    """From four serving workers the singleton sums their load into one key, which a deciding
+    worker reads instead of its three peers' keys. What it finds there is right: every worker
+    counts the long stream another one routed, and a finished stream's load is released."""
+    with gateway(sims.addresses, {"max_body_bytes": 262144}, concurrency=4) as envoy:
+        hot_system = unique_system(words=400)
+        with long_stream(envoy, hot_system) as hot_pod:
+            envoy.wait_for_index_flush()
+            seen = [decision(chat(envoy, hot_system, f"q{i}")) for i in range(8)]
+        on_hot = [d for d in seen if d["pod"] == hot_pod]
+        assert len(on_hot) >= 6, seen
+        # Probes are sequential: what a probe's worker counts in flight there is the stream.
+        assert all(d["inflight_requests"] >= 1 for d in on_hot), [d["raw"] for d in on_hot]
+        assert_released(envoy, hot_system, "after the stream")
+        sum_reads = envoy.stats("wasmcustom.kvroute.peer").get("wasmcustom.kvroute.peer.sum_reads", 0)
+        assert sum_reads > 0
+
+
+@contextmanager
+def long_stream(gateway, system: str):
+    """A 400-token stream with this system prompt, in flight on its pod (yielded) while the block
+    runs."""
     done = threading.Event()
     holder = {}
 
-    def long_stream():
+    def stream():
         body = {"model": MODEL, "max_tokens": 400, "stream": True, "ignore_eos": True,
-                "messages": [{"role": "system", "content": hot_system}, {"role": "user", "content": "write"}]}
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "write"}]}
         with requests.post(gateway.url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
             holder["pod"] = r.headers[POD]
-            holder["decision"] = r.headers["x-kvroute-decision"]
             for _ in r.iter_lines():
                 pass
         done.set()
 
-    t = threading.Thread(target=long_stream)
+    t = threading.Thread(target=stream)
     t.start()
     deadline = time.monotonic() + 10
     while "pod" not in holder and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "pod" in holder, "the long stream never started"
-    others = [decision(chat(gateway, unique_system(words=20), "q"))["pod"] for _ in range(8)]
+    yield holder["pod"]
     still_streaming = not done.is_set()
     t.join(timeout=60)
-    assert still_streaming, "the long stream ended before the probes: not a test of shedding"
-    assert holder["pod"] not in others, (holder, others)
+    assert still_streaming, "the long stream ended before the probes: not a test of its load"
 
 
 def test_pretokenized_requests_route_on_token_blocks(gateway):
