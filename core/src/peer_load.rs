@@ -20,10 +20,10 @@
 //! naming when each counted snapshot was written; a worker reads that one
 //! key and takes its own counted snapshot out. Without a fresh sum (fewer
 //! workers, no singleton, or it stalled) a worker reads its peers' keys.
-//! Measured on 30 KiB requests: at `--concurrency` 8 the two ways cost about
-//! the same (the workers' reads fall from 6.9 to 4.0 µs of wasm time per
-//! request, the singleton's summing adds as much); at 32, the sum saves
-//! about 60 µs of Envoy CPU per request.
+//! Measured on 30 KiB requests: at `--concurrency` 8 the workers' reads fall
+//! from 6.9 to 4.0 µs of wasm time per request and the singleton's summing
+//! adds a few µs (0–17 µs less Envoy CPU per request in all); at 32 the sum
+//! saves 25–33 µs of Envoy CPU per request.
 //!
 //! ```text
 //! snapshot := u64 written_ms, pods
