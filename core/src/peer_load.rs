@@ -23,7 +23,7 @@
 //! Measured on 30 KiB requests: at `--concurrency` 8 the workers' reads fall
 //! from 6.9 to 4.0 µs of wasm time per request and the singleton's summing
 //! adds a few µs (0–17 µs less Envoy CPU per request in all); at 32 the sum
-//! saves 25–33 µs of Envoy CPU per request.
+//! saves 21–33 µs of Envoy CPU per request.
 //!
 //! ```text
 //! snapshot := u64 written_ms, pods
