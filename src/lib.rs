@@ -12,6 +12,7 @@ mod metrics;
 mod peers;
 mod remote;
 mod singleton;
+mod ticker;
 mod worker;
 
 use kvroute_core::config::{Config, Role};

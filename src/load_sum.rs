@@ -1,11 +1,11 @@
 //! The singleton's half of the workers' load sharing: every
-//! [`LOAD_SHARE_MS`] while [`SUM_MIN_WORKERS`] or more workers serve, it reads their load
+//! [`LOAD_SHARE_MS`] while enough workers serve (`peer_load::is_summed`), it reads their load
 //! keys and writes their sum to one key, so that each deciding worker reads
 //! one key instead of one per peer (see `kvroute_core::peer_load`).
 
 use crate::host;
 use kvroute_core::peer_load::{
-    LoadSnapshot, LoadSum, LOAD_SHARE_MS, SUM_KEY, SUM_MIN_WORKERS, SUM_REWRITE_MS,
+    self, LoadSnapshot, LoadSum, LOAD_SHARE_MS, SUM_KEY, SUM_REWRITE_MS,
 };
 use proxy_wasm::types::LogLevel;
 
@@ -20,7 +20,7 @@ impl LoadSummer {
     /// How often the singleton must tick for the sum: every share period
     /// while enough workers serve (`serving` of them), else never.
     pub fn period_ms(serving: usize) -> Option<u64> {
-        (serving >= SUM_MIN_WORKERS).then_some(LOAD_SHARE_MS)
+        peer_load::is_summed(serving).then_some(LOAD_SHARE_MS)
     }
 
     /// Sums the load of the workers whose keys are `keys`, when there are

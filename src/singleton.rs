@@ -13,6 +13,7 @@ use crate::host;
 use crate::load_sum::LoadSummer;
 use crate::metrics::{FeedMetrics, IndexMetrics};
 use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
+use crate::ticker::Ticker;
 use kvroute_core::config::{Config, IndexerSettings};
 use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
@@ -67,11 +68,9 @@ pub struct Singleton {
     learned_failing: bool,
     load_summer: LoadSummer,
     /// The period of the singleton's duties (flush, feed, learned reports,
-    /// registry), when they last ran, and the tick period set (shorter
-    /// while it sums the workers' load).
+    /// registry), and its tick (shorter while it sums the workers' load).
     duty_ms: u64,
-    duties_ms: u64,
-    tick_ms: u64,
+    ticker: Ticker,
 }
 
 /// The `authorization` header `indexer.token_env` asks for; an error (naming
@@ -127,8 +126,7 @@ impl Singleton {
             learned_failing: false,
             load_summer: LoadSummer::default(),
             duty_ms,
-            duties_ms: 0,
-            tick_ms: duty_ms,
+            ticker: Ticker::new(duty_ms),
         })
     }
 
@@ -140,7 +138,7 @@ impl Singleton {
             self.feed.set_poll_ms(i.poll_ms);
         }
         self.duty_ms = u64::from(tick_ms(&config));
-        self.set_tick(self.duty_ms);
+        self.ticker.set_period(self.duty_ms);
         self.flush_ms = config.index.flush_ms;
         self.cluster.configure_index(&config, host::now().secs);
         Ok(())
@@ -153,14 +151,13 @@ impl Singleton {
         let (now_s, now_ms) = (now.secs, now.millis);
         self.load_summer
             .tick(self.peers.serving_load_keys(), now_ms);
-        if now_ms.saturating_sub(self.duties_ms) + 1 < self.duty_ms {
+        if !self.ticker.duties_due(now_ms, self.duty_ms) {
             return;
         }
-        self.duties_ms = now_ms;
         self.peers.tick(now_s, now_ms);
         let period = LoadSummer::period_ms(self.peers.serving_load_keys().len())
             .map_or(self.duty_ms, |share| share.min(self.duty_ms));
-        self.set_tick(period);
+        self.ticker.set_period(period);
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
             self.flush(now_ms);
@@ -196,13 +193,6 @@ impl Singleton {
                 }
                 Err(status) => self.learned_failed(&format!("not sent: {status:?}")),
             }
-        }
-    }
-
-    fn set_tick(&mut self, period_ms: u64) {
-        if self.tick_ms != period_ms {
-            self.tick_ms = period_ms;
-            host::set_tick_period(period_ms);
         }
     }
 

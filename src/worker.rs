@@ -6,6 +6,7 @@
 use crate::host::{self, Now, SharedData};
 use crate::metrics::{FailOpen, FilterMetrics};
 use crate::peers::{Audience, Peers};
+use crate::ticker::Ticker;
 use kvroute_core::config::Config;
 use kvroute_core::feed;
 use kvroute_core::hash::BlockHash;
@@ -13,9 +14,7 @@ use kvroute_core::index::published::{PublishedView, Unpublished};
 use kvroute_core::index::{epoch_start_s, match_lengths, LookupCost, PodMatch};
 use kvroute_core::outbox::{Outbox, Pushed};
 use kvroute_core::outcome::Outcome;
-use kvroute_core::peer_load::{
-    self, LoadSnapshot, LoadSum, PodLoad, LOAD_SHARE_MS, SUM_MIN_WORKERS,
-};
+use kvroute_core::peer_load::{self, LoadSnapshot, LoadSum, PodLoad, LOAD_SHARE_MS};
 use kvroute_core::recent::RecentRoutes;
 use kvroute_core::router::{Cluster, Decision, HashedPrompt, LocalMatch, NoRoute};
 use kvroute_core::token_memo::TokenMemo;
@@ -119,8 +118,7 @@ pub struct Worker {
     /// the singleton's sum.
     own_published: Vec<LoadSnapshot>,
     /// The tick period last set, and when the periodic duties last ran.
-    tick_ms: u64,
-    duties_ms: u64,
+    ticker: Ticker,
     /// The proxy logs debug lines: read at start and every duty tick, so a
     /// change of Envoy's log level shows within [`DUTY_TICK_MS`].
     pub debug_logging: bool,
@@ -154,8 +152,7 @@ impl Worker {
             load_published: false,
             peer_load_read_ms: 0,
             own_published: Vec::new(),
-            tick_ms: DUTY_TICK_MS,
-            duties_ms: 0,
+            ticker: Ticker::new(DUTY_TICK_MS),
             debug_logging: host::debug_logging(),
         }
     }
@@ -455,7 +452,8 @@ impl Worker {
     fn note_load_change(&mut self) {
         self.load_changed = true;
         if self.peers.serving_count() > 0 {
-            self.set_tick(self.tick_ms.min(LOAD_SHARE_MS));
+            let period = self.ticker.period_ms().min(LOAD_SHARE_MS);
+            self.ticker.set_period(period);
         }
     }
 
@@ -522,7 +520,8 @@ impl Worker {
     /// The peers' load from the singleton's sum (one read instead of one
     /// per peer), if it is fresh and counted this VM's load as kept.
     fn summed_peer_load(&self, now_ms: u64) -> Option<HashMap<String, PodLoad>> {
-        if self.peers.serving_count() + 1 < SUM_MIN_WORKERS {
+        // Its serving peers and itself.
+        if !peer_load::is_summed(self.peers.serving_count() + 1) {
             return None;
         }
         let own_key = self.peers.own_load_key()?;
@@ -541,14 +540,7 @@ impl Worker {
             return;
         }
         if self.outbox.push(message, now.millis) == Pushed::Armed {
-            self.set_tick(self.outbox.delay_ms());
-        }
-    }
-
-    fn set_tick(&mut self, period_ms: u64) {
-        if self.tick_ms != period_ms {
-            self.tick_ms = period_ms;
-            host::set_tick_period(period_ms);
+            self.ticker.set_period(self.outbox.delay_ms());
         }
     }
 
@@ -710,7 +702,7 @@ impl Worker {
         if let Some(batch) = self.outbox.due(now_ms) {
             self.send_all(&batch, Audience::Serving, false);
         }
-        let duty = now_ms.saturating_sub(self.duties_ms) + 1 >= DUTY_TICK_MS;
+        let duty = self.ticker.duties_due(now_ms, DUTY_TICK_MS);
         let sharing = self.load_changed && self.peers.serving_count() > 0;
         if (self.load_changed && duty) || sharing || (duty && self.load_published) {
             self.publish_load(now_ms);
@@ -723,11 +715,10 @@ impl Worker {
         if !self.outbox.is_empty() {
             period = period.min(self.outbox.delay_ms());
         }
-        self.set_tick(period);
+        self.ticker.set_period(period);
         if !duty {
             return;
         }
-        self.duties_ms = now_ms;
         self.debug_logging = host::debug_logging();
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {

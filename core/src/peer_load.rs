@@ -51,6 +51,11 @@ pub const SUM_REWRITE_MS: u64 = 200;
 /// against the sum's 3 + 1 write + 3.
 pub const SUM_MIN_WORKERS: usize = 4;
 
+/// Whether the singleton sums the load of `serving` workers.
+pub fn is_summed(serving: usize) -> bool {
+    serving >= SUM_MIN_WORKERS
+}
+
 /// The shared-data key of the worker whose queue is `queue_name`.
 pub fn key_of(queue_name: &str) -> String {
     format!("kvroute/load/{queue_name}")
