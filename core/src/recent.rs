@@ -49,14 +49,32 @@ impl RecentRoutes {
         let Some(&first) = hashes.first() else {
             return;
         };
-        let hashes = hashes[..hashes.len().min(RECENT_HASHES)].to_vec();
-        self.hashes += hashes.len();
-        self.entries.push_back(Recent {
-            at_ms: now_ms,
-            pod: pod.to_string(),
-            first,
-            hashes,
+        let hashes = &hashes[..hashes.len().min(RECENT_HASHES)];
+        // A prompt sent again to the same pod (the common case under
+        // prefix affinity) renews its entry: no copy of its hashes, and
+        // lookups compare one entry instead of one per repeat.
+        let repeat = self.entries.iter().rposition(|e| {
+            e.first == first
+                && e.hashes.len() == hashes.len()
+                && e.pod == pod
+                && shared_prefix(&e.hashes, hashes) == hashes.len()
         });
+        let entry = match repeat.and_then(|i| self.entries.remove(i)) {
+            Some(renewed) => Recent {
+                at_ms: now_ms,
+                ..renewed
+            },
+            None => {
+                self.hashes += hashes.len();
+                Recent {
+                    at_ms: now_ms,
+                    pod: pod.to_string(),
+                    first,
+                    hashes: hashes.to_vec(),
+                }
+            }
+        };
+        self.entries.push_back(entry);
         while self.entries.len() > RECENT_ENTRIES || self.hashes > RECENT_HASHES {
             self.pop_oldest();
         }
@@ -163,6 +181,21 @@ mod tests {
         // Expired entries (kept 200 ms) no longer count.
         assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 0, 320), 2);
         assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3, 9]), 0, 400), 0);
+    }
+
+    #[test]
+    fn a_repeated_prompt_renews_its_entry() {
+        let mut recent = RecentRoutes::new(200);
+        recent.record("a", &hashes(&[1, 2, 3]), 0);
+        recent.record("b", &hashes(&[1, 2, 3]), 50);
+        recent.record("a", &hashes(&[1, 2, 3]), 100);
+        recent.record("a", &hashes(&[1, 2]), 100);
+        assert_eq!(recent.entries.len(), 3, "the repeat renewed the first entry");
+        assert_eq!(recent.hashes, 8);
+        // Renewed at 100, the entry outlives its first recording (kept 200 ms).
+        assert_eq!(recent.matches(&hashes(&[1, 2, 3]), 260), vec![("a", 3)]);
+        assert_eq!(recent.taught_since("a", &hashes(&[1, 2, 3]), 80, 260), 3);
+        assert!(recent.matches(&hashes(&[1, 2, 3]), 301).is_empty());
     }
 
     #[test]
