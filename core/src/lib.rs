@@ -19,6 +19,6 @@ pub mod registry;
 pub mod request;
 pub mod router;
 pub mod score;
-pub mod tenths;
+pub mod line;
 pub mod token_memo;
 pub mod wire;

@@ -15,9 +15,8 @@ use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch}
 use crate::peer_load::PodLoad;
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
-use crate::tenths::Tenths;
+use crate::line::Line;
 use std::collections::{BTreeSet, HashMap};
-use std::fmt::Write as _;
 
 /// A pod as discovery states it.
 #[derive(Debug, Clone, PartialEq)]
@@ -268,37 +267,44 @@ impl Decision {
             Domain::Tokens => "tokens",
             Domain::Bytes => "bytes",
         };
-        let mut out = String::with_capacity(160);
-        let _ = write!(
-            out,
-            "pod={}; matched={}/{} {}; cost={} (prefill={} decode={} queue={} kv={}",
-            self.pod,
-            self.matched_blocks,
-            self.total_blocks,
-            domain,
-            Tenths(self.terms.total()),
-            Tenths(self.terms.prefill),
-            Tenths(self.terms.decode),
-            Tenths(self.terms.queue),
-            Tenths(self.terms.kv),
-        );
+        let terms = &self.terms;
+        let mut out = Line::with_capacity(160);
+        out.text("pod=")
+            .text(&self.pod)
+            .text("; matched=")
+            .int(self.matched_blocks)
+            .text("/")
+            .int(self.total_blocks)
+            .text(" ")
+            .text(domain)
+            .text("; cost=")
+            .tenths(terms.total())
+            .text(" (prefill=")
+            .tenths(terms.prefill)
+            .text(" decode=")
+            .tenths(terms.decode)
+            .text(" queue=")
+            .tenths(terms.queue)
+            .text(" kv=")
+            .tenths(terms.kv);
         // Terms and factors at their defaults stay out, so the header keeps its shape.
-        if self.terms.running != 0.0 {
-            let _ = write!(out, " running={}", Tenths(self.terms.running));
+        if terms.running != 0.0 {
+            out.text(" running=").tenths(terms.running);
         }
-        out.push(')');
+        out.text(")");
         if self.signals.speed != 1.0 {
-            let _ = write!(out, " at speed {}", self.signals.speed);
+            out.text(" at speed ").text(&self.signals.speed.to_string());
         }
-        let _ = write!(
-            out,
-            "; inflight={} req/{} blocks; candidates={}",
-            self.signals.inflight_requests, self.signals.inflight_blocks, self.candidates,
-        );
+        out.text("; inflight=")
+            .int(self.signals.inflight_requests)
+            .text(" req/")
+            .int(self.signals.inflight_blocks)
+            .text(" blocks; candidates=")
+            .int(self.candidates);
         if let Some(by_test) = self.saturation {
-            let _ = write!(out, "; {}", crate::admission::explain(by_test));
+            out.text("; ").text(&crate::admission::explain(by_test));
         }
-        out
+        out.into_string()
     }
 }
 
