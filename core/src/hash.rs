@@ -7,9 +7,21 @@
 //! h_i    = XXH3-64(tokens of block i as little-endian u32, seed = h_{i-1})
 //! ```
 //!
-//! Byte chunks of the canonical prompt rendering chain the same way from a
-//! root that names the `bytes` domain instead of `tokens`, so a byte chunk can
-//! never collide with a token block of the same model by construction.
+//! Byte chunks of the canonical prompt rendering chain alike from a root that
+//! names the `bytes` domain instead of `tokens`, so a byte chunk can never
+//! collide with a token block of the same model by construction, but with
+//! XXH64:
+//!
+//! ```text
+//! b_{-1} = XXH3-64("kvroute/v2/bytes\0" ‖ model ‖ "\0" ‖ lora, seed 0)
+//! b_i    = XXH64(bytes of chunk i, seed = b_{i-1})
+//! ```
+//!
+//! Only the filter hashes bytes, and it hashes every chunk of every routed
+//! body (480 per 30 KiB): in wasm, which has no 64 × 64 → 128-bit multiply,
+//! XXH3 cost ~35 ns per 64-byte chunk and XXH64 ~18 (16 against 8–10 µs per
+//! 30 KiB body, `request_phases` built for wasm32-wasip1 and run in V8).
+//! Token blocks keep XXH3: the indexer hashes them too, from vLLM's events.
 //! Because every hash seeds the next, a match of block i implies blocks 0..i
 //! matched: longest-prefix search can bisect instead of probing every block.
 //!
@@ -33,7 +45,7 @@
 //! `d` float as LE f64 bits, `s` string and `b` bytes as LE u64 length and
 //! bytes, `l` list as LE u64 count and items). The filter puts a request's
 //! `cache_salt` into block 0's keys (`[salt]`), in the token and the byte
-//! domain alike; the indexer folds the keys each BlockStored event reports.
+//! domain alike (`b_i = XXH64(chunk i ‖ d_i, seed = b_{i-1})`); the indexer folds the keys each BlockStored event reports.
 //! The same prompt under two salts therefore shares no block hash.
 //!
 //! ## Hash kinds
@@ -46,6 +58,7 @@
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh64::xxh64;
 
 /// kvroute's chained hash of one block (or of the chain's root): what
 /// [`hash_prompt`](crate::router::hash_prompt) and the indexer compute, and
@@ -114,7 +127,8 @@ impl Domain {
     fn tag(self) -> &'static [u8] {
         match self {
             Domain::Tokens => b"kvroute/v1/tokens\0",
-            Domain::Bytes => b"kvroute/v1/bytes\0",
+            // v2: chunks hashed with XXH64 (v1: XXH3).
+            Domain::Bytes => b"kvroute/v2/bytes\0",
         }
     }
 }
@@ -291,9 +305,9 @@ pub fn keyed_byte_chunk_hashes(
                     keyed.clear();
                     keyed.extend_from_slice(chunk);
                     keyed.extend_from_slice(&digest.to_le_bytes());
-                    BlockHash(xxh3_64_with_seed(&keyed, parent.0))
+                    BlockHash(xxh64(&keyed, parent.0))
                 }
-                _ => BlockHash(xxh3_64_with_seed(chunk, parent.0)),
+                _ => BlockHash(xxh64(chunk, parent.0)),
             };
             parent
         })
@@ -522,7 +536,8 @@ mod tests {
 
     // Computed independently with Python's `xxhash` package (xxh3_64_intdigest).
     const ROOT_TOKENS_QWEN: BlockHash = BlockHash(0xa7ae_0792_94bd_c51e);
-    const ROOT_BYTES_QWEN: BlockHash = BlockHash(0xc52e_b47c_c914_2ae3);
+    // The byte chunks with `xxh64_intdigest`.
+    const ROOT_BYTES_QWEN: BlockHash = BlockHash(0xbbee_fded_9988_89f6);
     const ROOT_TOKENS_QWEN_LORA: BlockHash = BlockHash(0x0b58_7113_ceb7_4067);
     const TOKENS_0_63_QWEN: [BlockHash; 4] = [
         BlockHash(0xb2b7_9674_517d_8d36),
@@ -531,8 +546,8 @@ mod tests {
         BlockHash(0x6b2b_308c_32de_0f48),
     ];
     const BYTES_HELLO_QWEN: [BlockHash; 2] = [
-        BlockHash(0x7f71_4d3e_656b_653f),
-        BlockHash(0x1596_f951_9923_d2e5),
+        BlockHash(0xad70_d021_b3bc_0643),
+        BlockHash(0x15e3_253c_abde_8d5c),
     ];
     // xxh3_64(b"s" + (8).to_bytes(8, "little") + b"tenant-a"), then the first
     // block of tokens 0..15 (LE u32) followed by that digest (LE u64).
