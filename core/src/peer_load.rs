@@ -46,6 +46,10 @@ pub const SUM_KEY: &str = "kvroute/load/sum";
 /// The singleton rewrites an unchanged sum this often: its age tells the
 /// workers that it still sums.
 pub const SUM_REWRITE_MS: u64 = 200;
+/// A sum older than this counts as stale and the workers read their peers'
+/// keys: its singleton missed two rewrites (stalled or gone), and a sum
+/// frozen for [`STALE_AFTER_MS`] would hide every peer's changes that long.
+pub const SUM_STALE_AFTER_MS: u64 = 2 * SUM_REWRITE_MS;
 /// Serving workers from which the singleton sums their load. Below it the
 /// peers' own keys cost no more: with 3 workers, 6 reads per share period
 /// against the sum's 3 + 1 write + 3.
@@ -197,7 +201,7 @@ impl LoadSum {
 
     /// Whether the workers may still use this sum at `now_ms`.
     pub fn is_fresh(&self, now_ms: u64) -> bool {
-        now_ms.saturating_sub(self.written_ms) <= STALE_AFTER_MS
+        now_ms.saturating_sub(self.written_ms) <= SUM_STALE_AFTER_MS
     }
 
     /// Every other worker's load: the sum less the snapshot of `own_key`
@@ -396,6 +400,7 @@ mod tests {
         );
         // A counted snapshot no longer kept, or a stale sum: read the peers instead.
         assert_eq!(sum.without("me", &[older], 2_050), None);
-        assert_eq!(sum.without("me", &[mine], 2_000 + STALE_AFTER_MS + 1), None);
+        assert!(sum.without("me", &[mine.clone()], 2_000 + SUM_STALE_AFTER_MS).is_some());
+        assert_eq!(sum.without("me", &[mine], 2_000 + SUM_STALE_AFTER_MS + 1), None);
     }
 }
