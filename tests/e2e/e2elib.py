@@ -9,10 +9,11 @@ import requests
 from envoyctl import WASM, EnvoyProcess, render_gateway
 
 MODEL = "Qwen/Qwen3-32B"
-# A worker's load reaches the other workers within about 20 ms (it publishes within 10 ms of a
-# change, they read at most every 10 ms, plus a tick's jitter): a test that needs every worker to
-# count a request waits this long after starting it.
-LOAD_BATCH_WAIT_S = 0.05
+# A worker's load reaches the other workers within about 40 ms, 60 ms through the singleton's sum
+# (it publishes within 20 ms of a change, the singleton sums every 20 ms, they read at most every
+# 20 ms, plus a tick's jitter): a test that needs every worker to count a request waits this long
+# after starting it.
+LOAD_BATCH_WAIT_S = 0.1
 DECISION = "x-kvroute-decision"
 POD = "x-vllm-sim-pod"
 

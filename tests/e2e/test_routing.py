@@ -151,7 +151,7 @@ def test_streaming_passes_through_and_releases_load(gateway):
 
 def assert_released(gateway, system: str, question: str) -> None:
     """The pod holding `system` soon shows no request in flight, on whichever worker decides: the
-    other worker hears of the release in the deciding worker's next load batch (<= 10 ms)."""
+    other worker hears of the release in the deciding worker's next load share (<= 20 ms)."""
     deadline = time.monotonic() + 5
     while True:
         d = decision(chat(gateway, system, question))
