@@ -405,7 +405,16 @@ mod tests {
         );
         // A counted snapshot no longer kept, or a stale sum: read the peers instead.
         assert_eq!(sum.without("me", &[older], 2_050), None);
-        assert!(sum.without("me", &[mine.clone()], 2_000 + SUM_STALE_AFTER_MS).is_some());
-        assert_eq!(sum.without("me", &[mine], 2_000 + SUM_STALE_AFTER_MS + 1), None);
+        assert!(sum
+            .without(
+                "me",
+                std::slice::from_ref(&mine),
+                2_000 + SUM_STALE_AFTER_MS
+            )
+            .is_some());
+        assert_eq!(
+            sum.without("me", &[mine], 2_000 + SUM_STALE_AFTER_MS + 1),
+            None
+        );
     }
 }
