@@ -40,6 +40,15 @@ bench-report: bench-venv ## re-render report.md and plot.png of a run: RUN=build
 bench-selftest: bench-venv ## the harness's own checks (parsers, seeded arrivals, configs, report): seconds
 	$(BENCH_PY) integration/bench/selftest.py
 
+# The wasm build of request_phases: cargo names it after a hash, the newest is this build's.
+PHASES_WASM = $$(ls -t target/wasm32-wasip1/release/deps/request_phases-*.wasm | head -1)
+.PHONY: bench-phases-wasm
+bench-phases-wasm: ## a routed request's phases (parse, hash, lookup) as the filter's wasm, in V8 through Node's WASI
+	@command -v node >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs; }
+	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+	cargo bench -p kvroute-core --bench request_phases --target wasm32-wasip1 --no-run
+	node --no-warnings integration/bench/wasi-run.mjs $(PHASES_WASM) --bench
+
 SCALE_ARGS ?=
 .PHONY: bench-scale
 bench-scale: venv build native ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)

@@ -20,7 +20,7 @@
 //! Only the filter hashes bytes, and it hashes every chunk of every routed
 //! body (480 per 30 KiB): in wasm, which has no 64 × 64 → 128-bit multiply,
 //! XXH3 cost ~35 ns per 64-byte chunk and XXH64 ~18 (16 against 8–10 µs per
-//! 30 KiB body, `request_phases` built for wasm32-wasip1 and run in V8).
+//! 30 KiB body, `make bench-phases-wasm`).
 //! Token blocks keep XXH3: the indexer hashes them too, from vLLM's events.
 //! Because every hash seeds the next, a match of block i implies blocks 0..i
 //! matched: longest-prefix search can bisect instead of probing every block.
