@@ -101,7 +101,12 @@ mod tests {
     #[test]
     fn text_and_integers_append_in_order() {
         let mut line = Line::with_capacity(8);
-        line.text("n=").int(42u32).text(" m=").int(-7i64).text(" c=").tenths(2.25);
+        line.text("n=")
+            .int(42u32)
+            .text(" m=")
+            .int(-7i64)
+            .text(" c=")
+            .tenths(2.25);
         assert_eq!(line.into_string(), "n=42 m=-7 c=2.3");
     }
 }

@@ -190,7 +190,11 @@ mod tests {
         recent.record("b", &hashes(&[1, 2, 3]), 50);
         recent.record("a", &hashes(&[1, 2, 3]), 100);
         recent.record("a", &hashes(&[1, 2]), 100);
-        assert_eq!(recent.entries.len(), 3, "the repeat renewed the first entry");
+        assert_eq!(
+            recent.entries.len(),
+            3,
+            "the repeat renewed the first entry"
+        );
         assert_eq!(recent.hashes, 8);
         // Renewed at 100, the entry outlives its first recording (kept 200 ms).
         assert_eq!(recent.matches(&hashes(&[1, 2, 3]), 260), vec![("a", 3)]);

@@ -12,10 +12,10 @@ use crate::hash::{
 };
 use crate::index::published::Publication;
 use crate::index::{BlockIndex, IndexOp, LookupCost, MatchRules, PodId, PodMatch};
+use crate::line::Line;
 use crate::peer_load::PodLoad;
 use crate::request::{Prompt, PromptRequest};
 use crate::score::{rank, CostTerms, PodSignals};
-use crate::line::Line;
 use std::collections::{BTreeSet, HashMap};
 
 /// A pod as discovery states it.
