@@ -45,7 +45,8 @@
 //! `d` float as LE f64 bits, `s` string and `b` bytes as LE u64 length and
 //! bytes, `l` list as LE u64 count and items). The filter puts a request's
 //! `cache_salt` into block 0's keys (`[salt]`), in the token and the byte
-//! domain alike (`b_i = XXH64(chunk i ‖ d_i, seed = b_{i-1})`); the indexer folds the keys each BlockStored event reports.
+//! domain alike (`b_i = XXH64(chunk i ‖ d_i, seed = b_{i-1})`); the indexer
+//! folds the keys each BlockStored event reports.
 //! The same prompt under two salts therefore shares no block hash.
 //!
 //! ## Hash kinds
