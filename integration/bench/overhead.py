@@ -116,6 +116,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=40960,
                     help="the pods' context limit in tokens (default Qwen3-32B's: a 128 KiB body fits; a body beyond it "
                          "is refused by the pod, which measures kvroute's refusal path, not a routed request)")
+    ap.add_argument("--pod-blocks", type=int, default=19208,
+                    help="the pods' KV-cache blocks of 16 tokens (default 19,208: one Qwen3-32B pod on an H100, as in the "
+                         "full profile). A request teaches a pod at most index.max_learn_share (1/8) of its capacity: with "
+                         "the quick profile's 3,072 that is 384 chunks, so only the first 80 %% of a 30 KiB prompt and 19 %% "
+                         "of a 128 KiB one could ever match")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
     ap.add_argument("--wasm-variant", action="append", default=[], metavar="NAME=PATH",
                     help="also measure kvroute (approximate) built as PATH, as target envoy+kvroute@NAME (repeatable)")
@@ -131,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     wanted = args.targets.split(",")
     variants = wasm_variants(args.wasm_variant)
     wanted += list(variants)
-    prof = profiles.quick()
+    prof = profiles.get("quick", [f"sim.num_gpu_blocks={args.pod_blocks}"])
     model = prof.sim.served_model_name
     simcluster = strategies._import_integration("simcluster")
     command = " ".join(shlex.quote(a) for a in [".venv-bench/bin/python", os.path.relpath(__file__, REPO)]
@@ -290,7 +295,8 @@ def render(data: Dict[str, Any]) -> str:
          f"wrk {' '.join(meta.get('wrk') or [])}, 1 thread, {meta['args']['connections']} connections, "
          f"{meta['args']['duration']} s per run, {meta['args']['rounds']} interleaved rounds; bodies: OpenAI chat JSON "
          f"({', '.join(f'{s} B' for s in sizes)}), 16 variants, max_tokens 1, not streamed. Upstream: "
-         f"{len(meta['pods'])} vllm-sim pods at --time-scale {meta['args']['time_scale']}. Envoy --concurrency "
+         f"{len(meta['pods'])} vllm-sim pods of {meta['args'].get('pod_blocks', 3072):,} KV blocks at --time-scale "
+         f"{meta['args']['time_scale']}. Envoy --concurrency "
          f"{meta['args'].get('concurrency', 2)}. Machine: {meta['nproc']} cores "
          f"shared by wrk, the router under test and the pods; load average {meta['loadavg_start']} → {meta['loadavg_end']}.",
          "",
