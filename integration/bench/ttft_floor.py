@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""How far routing can lower a run's TTFT p90: each strategy's cold-prefill floor and the share
+of requests at or above it, per measured stage.
+
+    .venv-bench/bin/python integration/bench/ttft_floor.py docs/results/<run> [--first 4]
+
+The floor is the shortest TTFT among the run's first `--first` requests by start time (default
+4): the first of them reaches an idle pod with nothing cached, alone, so its TTFT is one cold
+prefill and nothing else. No placement makes a request that misses its prefix faster than
+that. When more than 10 % of a stage's requests take at least the floor, the stage's p90 is at
+least the floor whatever the router did with them; only raising the hit rate moves it.
+
+Reads `raw.tar.gz` of a published results folder or `raw/<strategy>/requests.jsonl.gz` of a
+run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import sys
+import tarfile
+from typing import Dict, List, Optional
+
+from report import _pct
+
+
+def load_requests(run: str) -> Dict[str, List[dict]]:
+    """Requests by strategy name."""
+    found: Dict[str, List[dict]] = {}
+    tar_path = os.path.join(run, "raw.tar.gz")
+    if os.path.exists(tar_path):
+        with tarfile.open(tar_path, "r:gz") as tar:
+            for member in tar.getmembers():
+                parts = member.name.split("/")
+                if len(parts) == 3 and parts[0] == "raw" and parts[2] == "requests.jsonl.gz":
+                    raw = tar.extractfile(member)
+                    if raw is not None:
+                        found[parts[1]] = parse(gzip.decompress(raw.read()).decode())
+        return found
+    raw_dir = os.path.join(run, "raw")
+    for name in sorted(os.listdir(raw_dir)) if os.path.isdir(raw_dir) else []:
+        path = os.path.join(raw_dir, name, "requests.jsonl.gz")
+        if os.path.exists(path):
+            with gzip.open(path, "rt") as fh:
+                found[name] = parse(fh.read())
+    return found
+
+
+def parse(text: str) -> List[dict]:
+    return [json.loads(line) for line in io.StringIO(text) if line.strip()]
+
+
+def floor_of(requests: List[dict], first: int) -> Optional[float]:
+    ok = sorted((r for r in requests if r.get("error") is None and r.get("ttft") is not None),
+                key=lambda r: r["start"])
+    return min((r["ttft"] for r in ok[:first]), default=None)
+
+
+def stage_rows(requests: List[dict], floor: float) -> List[dict]:
+    rows = []
+    for stage in sorted({r["stage"] for r in requests if r.get("stage", 0) > 0}):
+        ttfts = [r["ttft"] for r in requests
+                 if r.get("stage") == stage and r.get("error") is None and r.get("ttft") is not None]
+        if ttfts:
+            rows.append({"stage": stage, "requests": len(ttfts), "p90": _pct(ttfts, 90),
+                         "at_floor": sum(t >= floor for t in ttfts) / len(ttfts)})
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="a results folder (raw.tar.gz) or a run directory (raw/)")
+    ap.add_argument("--first", type=int, default=4, help="first requests whose shortest TTFT is the floor")
+    args = ap.parse_args(argv)
+    by_strategy = load_requests(args.run)
+    if not by_strategy:
+        raise SystemExit(f"no requests.jsonl.gz under {args.run}")
+    print("| strategy | floor (cold prefill) | stage | requests | TTFT p90 | share ≥ floor |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, requests in by_strategy.items():
+        floor = floor_of(requests, args.first)
+        if floor is None:
+            continue
+        for row in stage_rows(requests, floor):
+            print(f"| {name} | {floor:.3f} s | {row['stage']} | {row['requests']} | {row['p90']:.3f} s | "
+                  f"{100 * row['at_floor']:.1f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
