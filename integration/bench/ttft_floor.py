@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import io
 import json
 import os
 import sys
@@ -51,20 +50,23 @@ def load_requests(run: str) -> Dict[str, List[dict]]:
 
 
 def parse(text: str) -> List[dict]:
-    return [json.loads(line) for line in io.StringIO(text) if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def answered(requests: List[dict]) -> List[dict]:
+    """The requests that got a first token."""
+    return [r for r in requests if r.get("error") is None and r.get("ttft") is not None]
 
 
 def floor_of(requests: List[dict], first: int) -> Optional[float]:
-    ok = sorted((r for r in requests if r.get("error") is None and r.get("ttft") is not None),
-                key=lambda r: r["start"])
+    ok = sorted(answered(requests), key=lambda r: r["start"])
     return min((r["ttft"] for r in ok[:first]), default=None)
 
 
 def stage_rows(requests: List[dict], floor: float) -> List[dict]:
     rows = []
     for stage in sorted({r["stage"] for r in requests if r.get("stage", 0) > 0}):
-        ttfts = [r["ttft"] for r in requests
-                 if r.get("stage") == stage and r.get("error") is None and r.get("ttft") is not None]
+        ttfts = [r["ttft"] for r in answered(requests) if r.get("stage") == stage]
         if ttfts:
             rows.append({"stage": stage, "requests": len(ttfts), "p90": _pct(ttfts, 90),
                          "at_floor": sum(t >= floor for t in ttfts) / len(ttfts)})

@@ -17,7 +17,8 @@ def request(stage, start, ttft, error=None):
 
 
 def write_run(root: pathlib.Path) -> None:
-    # Warm-up: the second request (started first) is the cold prefill alone on an idle pod.
+    # Warm-up: the first answered request (start 1.0; the one at 0.5 failed) is the cold prefill
+    # alone on an idle pod.
     warmup = [request(0, 2.0, 1.5), request(0, 1.0, 1.2), request(0, 3.0, 1.9), request(0, 4.0, 1.3),
               request(0, 0.5, None, error="timeout")]
     # Stage 1: 3 of 10 at or above the floor; stage 2: 1 of 10, and a failed request not counted.
