@@ -17,40 +17,16 @@ run directory.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import os
 import sys
-import tarfile
 from typing import Dict, List, Optional
 
+from raw_files import json_lines, read_raw
 from report import _pct
 
 
 def load_requests(run: str) -> Dict[str, List[dict]]:
     """Requests by strategy name."""
-    found: Dict[str, List[dict]] = {}
-    tar_path = os.path.join(run, "raw.tar.gz")
-    if os.path.exists(tar_path):
-        with tarfile.open(tar_path, "r:gz") as tar:
-            for member in tar.getmembers():
-                parts = member.name.split("/")
-                if len(parts) == 3 and parts[0] == "raw" and parts[2] == "requests.jsonl.gz":
-                    raw = tar.extractfile(member)
-                    if raw is not None:
-                        found[parts[1]] = parse(gzip.decompress(raw.read()).decode())
-        return found
-    raw_dir = os.path.join(run, "raw")
-    for name in sorted(os.listdir(raw_dir)) if os.path.isdir(raw_dir) else []:
-        path = os.path.join(raw_dir, name, "requests.jsonl.gz")
-        if os.path.exists(path):
-            with gzip.open(path, "rt") as fh:
-                found[name] = parse(fh.read())
-    return found
-
-
-def parse(text: str) -> List[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return {name: json_lines(text) for name, text in read_raw(run, "requests.jsonl.gz").items()}
 
 
 def answered(requests: List[dict]) -> List[dict]:
