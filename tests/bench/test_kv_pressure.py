@@ -3,12 +3,6 @@ strategy's measured stages only, from a run directory and a published folder's a
 
 import json
 import pathlib
-import subprocess
-import sys
-import tarfile
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-TOOL = REPO / "integration" / "bench" / "kv_pressure.py"
 
 
 def sample(t, kvs, waiting=0, preemptions=(0, 0)):
@@ -36,31 +30,15 @@ def write_run(root: pathlib.Path) -> None:
     (path / "pod-samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_tool(run: pathlib.Path) -> str:
-    return subprocess.run([sys.executable, str(TOOL), str(run)], capture_output=True, text=True, check=True).stdout
-
-
-def test_full_pods_beside_room_over_the_measured_window(tmp_path):
+def test_full_pods_beside_room_over_the_measured_window(tmp_path, analysis):
     write_run(tmp_path)
-    out = run_tool(tmp_path)
+    code, out, err = analysis("kv_pressure.py", tmp_path)
+    assert code == 0, err
     # 5 samples in the window; 3 with a full pod, 2 of them beside one below 70 %; both pods filled;
     # longest queue 3 (the warm-up's 40 and the tail's 50 are outside); 4 preemptions.
     assert "| kvroute-precise | 5 | 3 | 2 | 2 | 3 | 4 |" in out, out
 
 
-def test_the_same_from_a_published_folders_archive(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    write_run(run)
-    published = tmp_path / "published"
-    published.mkdir()
-    (published / "results.json").write_text((run / "results.json").read_text())
-    with tarfile.open(published / "raw.tar.gz", "w:gz") as tar:
-        tar.add(run / "raw", arcname="raw")
-    assert run_tool(published) == run_tool(run)
+def test_the_same_from_a_published_folders_archive(reads_archive_alike):
+    reads_archive_alike("kv_pressure.py", write_run)
 
-
-def test_a_folder_without_samples_is_refused(tmp_path):
-    p = subprocess.run([sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True)
-    assert p.returncode != 0
-    assert "no pod-samples.jsonl" in p.stderr

@@ -4,12 +4,6 @@ above it, from a run directory and from a published folder's raw.tar.gz alike.""
 import gzip
 import json
 import pathlib
-import subprocess
-import sys
-import tarfile
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-TOOL = REPO / "integration" / "bench" / "ttft_floor.py"
 
 
 def request(stage, start, ttft, error=None):
@@ -31,30 +25,16 @@ def write_run(root: pathlib.Path) -> None:
             fh.write(json.dumps(r) + "\n")
 
 
-def run_tool(run: pathlib.Path) -> str:
-    return subprocess.run([sys.executable, str(TOOL), str(run)], capture_output=True, text=True, check=True).stdout
-
-
-def test_floor_and_shares_from_a_run_directory(tmp_path):
+def test_floor_and_shares_from_a_run_directory(tmp_path, analysis):
     write_run(tmp_path)
-    out = run_tool(tmp_path)
+    code, out, err = analysis("ttft_floor.py", tmp_path)
+    assert code == 0, err
     assert "| kvroute-precise | 1.200 s | 1 | 10 | " in out, out
     assert "| 30.0 % |" in out, out
     assert "| kvroute-precise | 1.200 s | 2 | 10 | " in out, out
     assert "| 10.0 % |" in out, out
 
 
-def test_the_same_from_a_published_folders_archive(tmp_path):
-    run = tmp_path / "run"
-    write_run(run)
-    published = tmp_path / "published"
-    published.mkdir()
-    with tarfile.open(published / "raw.tar.gz", "w:gz") as tar:
-        tar.add(run / "raw", arcname="raw")
-    assert run_tool(published) == run_tool(run)
+def test_the_same_from_a_published_folders_archive(reads_archive_alike):
+    reads_archive_alike("ttft_floor.py", write_run)
 
-
-def test_a_folder_without_requests_is_refused(tmp_path):
-    p = subprocess.run([sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True)
-    assert p.returncode != 0
-    assert "no requests.jsonl.gz" in p.stderr
