@@ -81,7 +81,7 @@ def pressure(rows: List[dict], window: Optional[Tuple[float, float]], full: floa
             with_full += 1
             if any(v < room for v in kv.values()):
                 beside_room += 1
-            others = [pod for name, pod in pods.items() if name not in full_now and pod.get(KV) is not None]
+            others = [pods[name] for name in kv if name not in full_now]
             if others:
                 other_kv = [r for r in map(kv_per_sequence, others) if r is not None]
                 other_kv_median = statistics.median(other_kv) if other_kv else None
