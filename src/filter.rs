@@ -385,9 +385,6 @@ impl RequestFilter {
         if decision.saturation.is_some() {
             w.metrics.saturated.inc();
         }
-        if decision.passed_over_saturated > 0 {
-            w.metrics.routed_around_saturated.inc();
-        }
         if sheds(self.admission, decision.saturation) {
             return self.shed(&w, config, &decision.explain());
         }

@@ -94,11 +94,8 @@ pub struct FilterMetrics {
     /// Prompts whose token blocks came from the token memo (no call-out).
     pub tokenizer_recalled: Metric,
     pub tokenizer_us: Metric,
-    /// Decisions taken while every candidate pod was saturated (`priority`
-    /// or `saturation.route_around` on).
+    /// Decisions taken while every candidate pod was saturated (priority on).
     pub saturated: Metric,
-    /// Decisions that passed over a cheaper, saturated pod for one with room.
-    pub routed_around_saturated: Metric,
     /// Sheddable requests answered 429 at saturation.
     pub shed: Metric,
     pub remote_lookup_answered: Metric,
@@ -131,7 +128,6 @@ impl FilterMetrics {
             tokenizer_recalled: Metric::counter("kvroute.tokenizer.recalled"),
             tokenizer_us: Metric::histogram("kvroute.tokenizer_us"),
             saturated: Metric::counter("kvroute.saturated"),
-            routed_around_saturated: Metric::counter("kvroute.routed_around_saturated"),
             shed: Metric::counter("kvroute.shed"),
             remote_lookup_answered: Metric::counter("kvroute.remote_lookup.answered"),
             remote_lookup_failed: Metric::counter("kvroute.remote_lookup.failed"),

@@ -5,8 +5,7 @@
 //! fully matches its prompt on one pod, with its first quarter also cached on
 //! 50 other pods; the run checks the blocks matched and the pods visited, and
 //! prints p50 / p99 of single decisions besides criterion's estimates, and
-//! what learning a routed prompt costs, and the 8k-token chat decision with
-//! `saturation.route_around` off and on, alternately.
+//! what learning a routed prompt costs.
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`
 
@@ -206,28 +205,6 @@ fn decision(c: &mut Criterion) {
                     n / 1000
                 );
             }
-        }
-        // What `saturation.route_around` adds: every candidate's saturation
-        // tests (none holds here, so the same pod wins), timed beside the
-        // same decision without it.
-        let mut around = config.clone();
-        around.saturation.route_around = true;
-        let hashed = hash_prompt(&around, &parse_request(&chats[1]).expect("hot"));
-        let d = cluster
-            .decide(&around, &hashed, CHURN_SECONDS, 42)
-            .expect("decide");
-        assert_eq!(d.pod, address(3), "{}", d.explain());
-        assert_eq!(d.passed_over_saturated, 0, "{}", d.explain());
-        for (label, config) in [
-            ("off", &config),
-            ("on", &around),
-            ("off", &config),
-            ("on", &around),
-        ] {
-            let (p50, p99) = percentiles(config, &cluster, &chats[1]);
-            println!(
-                "  {pods} pods, chat_bytes 8k tokens, saturation.route_around {label}: single decision p50 {p50:.1} µs, p99 {p99:.1} µs"
-            );
         }
         let mut group = c.benchmark_group(format!("decide_{pods}_pods"));
         for (kind, bodies) in [("chat_bytes", &chats), ("pretokenized", &tokens)] {

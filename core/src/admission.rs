@@ -1,9 +1,7 @@
-//! Saturation: when a pod has no room left. Routing passes over saturated
-//! pods while another candidate has room (`saturation.route_around`), and
-//! when every candidate is saturated a request of a sheddable class is
-//! answered 429 by the proxy instead of joining a queue that only grows
-//! (issue 15; critical requests always route). With neither configured
-//! nothing here runs.
+//! Admission at saturation (issue 15): when every candidate pod is
+//! saturated, a request of a sheddable class is answered 429 by the proxy
+//! instead of joining a queue that only grows; critical requests always
+//! route. With no `priority` configured nothing here runs.
 //!
 //! A pod is saturated when one of its configured tests holds (0 turns a
 //! test off):
@@ -121,7 +119,6 @@ mod tests {
 
     fn test() -> Saturation {
         Saturation {
-            route_around: false,
             max_waiting: 4,
             max_kv_usage: 0.9,
             max_inflight_requests: 10,

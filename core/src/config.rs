@@ -189,16 +189,11 @@ pub enum Admission {
     Sheddable,
 }
 
-/// When a pod counts as saturated (see `admission`), and whether routing
-/// passes over saturated pods. A threshold of 0 turns its test off.
+/// When a pod counts as saturated (see `admission`). A threshold of 0 turns
+/// its test off.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Saturation {
-    /// Rank saturated pods after every pod with room, whatever their cost:
-    /// a cache hit on a full pod waits behind its batch (or preempts), while
-    /// a pod with room recomputes the prefix at once. All saturated: ranked
-    /// on cost alone.
-    pub route_around: bool,
     /// Pod-reported (precise): this many requests waiting in its queue.
     pub max_waiting: u32,
     /// Pod-reported `kv_usage` at or above this fraction (precise); the
@@ -217,7 +212,6 @@ pub struct Saturation {
 impl Default for Saturation {
     fn default() -> Self {
         Saturation {
-            route_around: false,
             max_waiting: 4,
             max_kv_usage: 0.95,
             max_inflight_requests: 64,
@@ -236,6 +230,7 @@ pub struct PrioritySettings {
     pub default_class: String,
     /// Class name → `critical` or `sheddable`.
     pub classes: BTreeMap<String, Admission>,
+    pub saturation: Saturation,
     /// `Retry-After` of a shed request's 429, in seconds.
     pub retry_after_seconds: u32,
 }
@@ -249,6 +244,7 @@ impl Default for PrioritySettings {
                 ("critical".into(), Admission::Critical),
                 ("sheddable".into(), Admission::Sheddable),
             ]),
+            saturation: Saturation::default(),
             retry_after_seconds: 1,
         }
     }
@@ -412,9 +408,6 @@ pub struct Config {
     /// from the authenticated identity). When set, every routed request gets
     /// the tenant's `cache_salt` written into its body.
     pub tenant_header: Option<String>,
-    /// When a pod is saturated: passed over by routing (`route_around`),
-    /// and what `priority` sheds on.
-    pub saturation: Saturation,
     /// Priority classes and shedding at saturation; absent: nothing is shed.
     pub priority: Option<PrioritySettings>,
     pub indexer: Option<IndexerSettings>,
@@ -444,7 +437,6 @@ impl Default for Config {
             adapters: BTreeMap::new(),
             default_model: None,
             tenant_header: None,
-            saturation: Saturation::default(),
             priority: None,
             indexer: None,
             tokenizer: None,
@@ -603,13 +595,6 @@ impl Config {
                 }
             }
         }
-        let kv = self.saturation.max_kv_usage;
-        if !(kv.is_finite() && (0.0..=1.0).contains(&kv)) {
-            return Err(invalid(
-                "saturation.max_kv_usage",
-                "must be between 0 and 1 (0: test off)",
-            ));
-        }
         if let Some(priority) = &self.priority {
             check_priority(priority)?;
         }
@@ -706,6 +691,13 @@ fn check_priority(p: &PrioritySettings) -> Result<(), ConfigError> {
         return Err(invalid(
             "priority.default_class",
             "must be one of priority.classes",
+        ));
+    }
+    let kv = p.saturation.max_kv_usage;
+    if !(kv.is_finite() && (0.0..=1.0).contains(&kv)) {
+        return Err(invalid(
+            "priority.saturation.max_kv_usage",
+            "must be between 0 and 1 (0: test off)",
         ));
     }
     if p.retry_after_seconds == 0 || p.retry_after_seconds > 3600 {
@@ -895,14 +887,8 @@ mod tests {
             "priority.header"
         );
         assert_eq!(
-            err(r#"{"saturation":{"max_kv_usage":1.5}}"#).field,
-            "saturation.max_kv_usage"
-        );
-        // The tests moved out of `priority` (routing uses them too): the old
-        // place is refused, not silently ignored.
-        assert_eq!(
-            err(r#"{"priority":{"saturation":{"max_waiting":2}}}"#).field,
-            "saturation"
+            err(r#"{"priority":{"saturation":{"max_kv_usage":1.5}}}"#).field,
+            "priority.saturation.max_kv_usage"
         );
         assert_eq!(
             err(r#"{"priority":{"retry_after_seconds":0}}"#).field,

@@ -2,7 +2,7 @@
 //! their load, the block → pod-set index, longest-prefix lookup, scoring,
 //! learning.
 
-use crate::admission::{all_saturated, saturated};
+use crate::admission::all_saturated;
 use crate::budget::{ClientBudgets, ClientKey};
 use crate::config::{Config, Endpoint};
 use crate::feed::{BlockOp, FeedUpdate, Tier};
@@ -243,12 +243,9 @@ pub struct Decision {
     pub terms: CostTerms,
     pub signals: PodSignals,
     pub candidates: usize,
-    /// With `priority` or `saturation.route_around` configured: every
-    /// candidate is saturated, by test (see `admission::all_saturated`).
+    /// With `priority` configured: every candidate is saturated, by test
+    /// (see `admission::all_saturated`).
     pub saturation: Option<[usize; 4]>,
-    /// Saturated pods cheaper than the chosen one, passed over because it
-    /// had room (`saturation.route_around`).
-    pub passed_over_saturated: usize,
     /// What the index lookup cost (blocks probed, runs of equal pod set).
     pub lookup: LookupCost,
 }
@@ -307,11 +304,6 @@ impl Decision {
         if let Some(by_test) = self.saturation {
             out.text("; ").text(&crate::admission::explain(by_test));
         }
-        if self.passed_over_saturated > 0 {
-            out.text("; passed over ")
-                .int(self.passed_over_saturated)
-                .text(" saturated");
-        }
         out.into_string()
     }
 }
@@ -335,19 +327,11 @@ pub fn decide_among(
     lookup: LookupCost,
 ) -> Result<Decision, NoRoute> {
     let signals = candidates.signals;
-    let mut ranked = rank(prompt.blocks, signals, &config.weights, tie_seed);
-    let test = &config.saturation;
-    let judged = config.priority.is_some() || test.route_around;
-    let saturation = judged.then(|| all_saturated(signals, test)).flatten();
-    let mut passed_over_saturated = 0;
-    if test.route_around && saturation.is_none() {
-        let is_saturated = |c: usize| saturated(&signals[c], test).is_some();
-        passed_over_saturated = ranked.iter().take_while(|(c, _)| is_saturated(*c)).count();
-        if passed_over_saturated > 0 {
-            // Stable: pods with room keep their cost order, then the saturated.
-            ranked.sort_by_key(|&(c, _)| is_saturated(c));
-        }
-    }
+    let ranked = rank(prompt.blocks, signals, &config.weights, tie_seed);
+    let saturation = config
+        .priority
+        .as_ref()
+        .and_then(|p| all_saturated(signals, &p.saturation));
     let Some(&(best, terms)) = ranked.first() else {
         return Err(NoRoute::NoEndpointForModel);
     };
@@ -367,7 +351,6 @@ pub fn decide_among(
         signals: signals[best],
         candidates: signals.len(),
         saturation,
-        passed_over_saturated,
         lookup,
     })
 }
@@ -1031,7 +1014,6 @@ impl Cluster {
 mod tests {
     use super::*;
     use crate::budget::client_key;
-    use crate::config::PrioritySettings;
     use crate::feed::PodInfo;
     use crate::hash::{token_block_hashes, IndexKey};
     use crate::request::parse_request;
@@ -1807,53 +1789,6 @@ mod tests {
         assert_eq!(signals(&approx), (0, 0));
     }
 
-    /// The four pods' configuration with `saturation` set to `json`.
-    fn four_pods_saturation(json: &str) -> Config {
-        Config::from_json(
-            format!(
-                r#"{{"saturation":{json},{}}}"#,
-                r#""endpoints":[{"address":"a:1"},{"address":"b:1"},{"address":"c:1"},{"address":"d:1","models":["other"]}]"#
-            )
-            .as_bytes(),
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn route_around_passes_over_a_saturated_pod_while_another_has_room() {
-        let (plain, mut cluster) = four_pods();
-        let prompt = token_prompt(&plain, "m", 64);
-        // a:1 holds the prompt and runs two requests: saturated at 2.
-        cluster.record_routed("a:1", 0, &prompt.hashes, 10);
-        cluster.record_routed("a:1", 0, &[], 10);
-        let on = four_pods_saturation(r#"{"route_around":true,"max_inflight_requests":2}"#);
-        let off = four_pods_saturation(r#"{"max_inflight_requests":2}"#);
-
-        let cost_only = cluster.decide(&off, &prompt, 10, 1).unwrap();
-        assert_eq!(cost_only.pod, "a:1");
-        assert_eq!(cost_only.passed_over_saturated, 0);
-        assert_eq!(cost_only.saturation, None, "judged only when asked for");
-
-        let around = cluster.decide(&on, &prompt, 10, 1).unwrap();
-        assert_ne!(around.pod, "a:1");
-        assert_eq!(around.matched_blocks, 0);
-        assert_eq!(around.passed_over_saturated, 1);
-        assert_eq!(around.saturation, None);
-        assert!(around.explain().ends_with("; passed over 1 saturated"));
-        // The saturated pod stays the last fallback, not dropped.
-        assert_eq!(around.fallbacks.last().map(String::as_str), Some("a:1"));
-
-        // Every candidate saturated: cost alone decides again.
-        for pod in ["b:1", "c:1"] {
-            cluster.record_routed(pod, 0, &[], 10);
-            cluster.record_routed(pod, 0, &[], 10);
-        }
-        let all = cluster.decide(&on, &prompt, 10, 1).unwrap();
-        assert_eq!(all.pod, "a:1");
-        assert_eq!(all.passed_over_saturated, 0);
-        assert_eq!(all.saturation, Some([0, 0, 3, 0]));
-    }
-
     #[test]
     fn saturation_is_judged_only_with_priority_configured() {
         let (c, mut cluster) = four_pods();
@@ -1864,12 +1799,11 @@ mod tests {
             }
         }
         assert_eq!(cluster.decide(&c, &prompt, 10, 1).unwrap().saturation, None);
-        let mut with = four_pods_saturation(r#"{"max_inflight_requests":2}"#);
-        assert_eq!(
-            cluster.decide(&with, &prompt, 10, 1).unwrap().saturation,
-            None
-        );
-        with.priority = Some(PrioritySettings::default());
+        let with = Config::from_json(
+            br#"{"priority":{"saturation":{"max_inflight_requests":2}},
+                "endpoints":[{"address":"a:1"},{"address":"b:1"},{"address":"c:1"},{"address":"d:1","models":["other"]}]}"#,
+        )
+        .unwrap();
         let d = cluster.decide(&with, &prompt, 10, 1).unwrap();
         assert_eq!(d.saturation, Some([0, 0, 3, 0]), "{}", d.explain());
         cluster.record_finished("c:1", 1);

@@ -187,16 +187,13 @@ PRIORITY_HEADER = "x-kvroute-priority"
 
 
 def kvroute_priority() -> Dict[str, Any]:
-    """Shedding for the overload scenario: requests without the header are sheddable."""
+    """Shedding for the overload scenario: requests without the header are sheddable. Saturation:
+    the shipped pod-reported tests (waiting >= 4, KV usage >= 0.95; precise mode), and for
+    approximate mode 48 requests in flight per pod instead of the shipped 64: the overload
+    calibration ran ~45 per pod at the sustainable rate (profiles.OVERLOAD_SUSTAINABLE_QPS)."""
     return {"header": PRIORITY_HEADER, "default_class": "sheddable",
-            "classes": {"critical": "critical", "sheddable": "sheddable"}}
-
-
-# When the overload scenario's pods count as saturated: the shipped pod-reported tests (waiting >= 4,
-# KV usage >= 0.95; precise mode), and 48 requests in flight or running per pod instead of the
-# shipped 64: the overload calibration ran ~45 per pod at the sustainable rate
-# (profiles.OVERLOAD_SUSTAINABLE_QPS).
-OVERLOAD_SATURATION = {"max_inflight_requests": 48, "max_running": 48}
+            "classes": {"critical": "critical", "sheddable": "sheddable"},
+            "saturation": {"max_inflight_requests": 48, "max_running": 48}}
 
 
 def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: Any, block_size: int,
@@ -223,7 +220,6 @@ def kvroute_plugin_config(mode: str, endpoints: List[str], capacity_blocks: Any,
     }
     if priority:
         cfg["priority"] = kvroute_priority()
-        cfg["saturation"] = dict(OVERLOAD_SATURATION)
     if mode == "load":
         cfg["weights"] = {"prefill": 0.0, "decode": 1.0}
     elif mode == "approximate":

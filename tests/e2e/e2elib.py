@@ -48,19 +48,6 @@ def chat(envoy, system: str, question: str, *, max_tokens: int = 4, headers=None
         return s.post(envoy.url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
 
 
-def open_stream(envoy, system: str, headers=None):
-    """A streamed request that stays in flight, once its first bytes arrived: the response and its
-    chunk iterator (dropping the iterator would close the stream)."""
-    body = {"model": MODEL, "max_tokens": 4000, "stream": True,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "go"}]}
-    r = requests.post(envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=60,
-                      headers=headers or {})
-    assert r.status_code == 200, r.text
-    chunks = r.iter_content(chunk_size=None)
-    next(chunks)
-    return r, chunks
-
-
 def decision(response: requests.Response) -> dict:
     """The decision header as a dict: pod, matched, total, domain, inflight_requests."""
     raw = response.headers[DECISION]

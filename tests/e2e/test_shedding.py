@@ -5,8 +5,9 @@ while a critical one is routed; with room again, sheddable requests route."""
 import time
 
 import pytest
+import requests
 
-from e2elib import DECISION, LOAD_BATCH_WAIT_S, POD, chat, gateway, open_stream, unique_system
+from e2elib import DECISION, LOAD_BATCH_WAIT_S, MODEL, POD, chat, gateway, unique_system
 from simcluster import SimCluster
 
 PRIORITY = "x-kvroute-priority"
@@ -24,16 +25,25 @@ def pods():
 def envoy(pods):
     # Approximate mode: a pod is saturated with one request in flight (the in-flight test alone);
     # requests without the header are sheddable.
-    plugin = {"saturation": {"max_inflight_requests": 1, "max_waiting": 0, "max_kv_usage": 0},
-              "priority": {"header": PRIORITY, "default_class": "batch",
+    plugin = {"priority": {"header": PRIORITY, "default_class": "batch",
                            "classes": {"batch": "sheddable", "interactive": "critical"},
+                           "saturation": {"max_inflight_requests": 1, "max_waiting": 0, "max_kv_usage": 0},
                            "retry_after_seconds": 7}}
     with gateway(pods.addresses, plugin) as proxy:
         yield proxy
 
 
-def open_critical_stream(envoy, system: str):
-    return open_stream(envoy, system, headers={PRIORITY: "interactive"})
+def open_stream(envoy, system: str):
+    """A critical streamed request that stays in flight, once its first bytes arrived: the
+    response and its chunk iterator (dropping the iterator would close the stream)."""
+    body = {"model": MODEL, "max_tokens": 4000, "stream": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "go"}]}
+    r = requests.post(envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=60,
+                      headers={PRIORITY: "interactive"})
+    assert r.status_code == 200, r.text
+    chunks = r.iter_content(chunk_size=None)
+    next(chunks)
+    return r, chunks
 
 
 def shed_count(envoy) -> int:
@@ -46,7 +56,7 @@ def test_sheddable_requests_get_429_at_saturation_and_critical_ones_route(envoy,
     streams = []
     try:
         for _ in range(2):
-            streams.append(open_critical_stream(envoy, unique_system()))
+            streams.append(open_stream(envoy, unique_system()))
             time.sleep(LOAD_BATCH_WAIT_S)  # both workers count it
         # Ties go to the pod with fewer requests in flight: one stream on each pod.
         assert {r.headers[POD] for r, _ in streams} == set(pods.addresses)
