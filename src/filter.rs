@@ -174,7 +174,7 @@ impl RequestFilter {
             return None;
         }
         let chunks = hash_prompt(&w.config, request).hashes;
-        Some(PromptText::of(text, chunks))
+        Some(PromptText::of(text, chunks, w.config.chunk_bytes))
     }
 
     /// The prompt's leading token blocks from the memo, if it covers them.
