@@ -16,7 +16,8 @@ fallback tokenizer):
                   first call-outs nearly all are recalled; the counters below say how many
                   of each). No KV events here: the cost of the tokens and the feed, not
                   routing quality
-  envoy+kvroute@NAME  as envoy+kvroute, with the kvroute.wasm given by --wasm-variant NAME=PATH
+  envoy+kvroute@NAME  as envoy+kvroute (or, with --variant-mode precise, as envoy+kvroute-precise),
+                  with the kvroute.wasm given by --wasm-variant NAME=PATH
                   (repeatable): builds of the filter compared in one interleaved run; the
                   report adds each one's CPU per request minus envoy+kvroute's, paired by round
   sglang-router   sglang-router launch --policy cache_aware
@@ -123,7 +124,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "of a 128 KiB one could ever match")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
     ap.add_argument("--wasm-variant", action="append", default=[], metavar="NAME=PATH",
-                    help="also measure kvroute (approximate) built as PATH, as target envoy+kvroute@NAME (repeatable)")
+                    help="also measure kvroute built as PATH, as target envoy+kvroute@NAME (repeatable)")
+    ap.add_argument("--variant-mode", choices=("approximate", "precise"), default="approximate",
+                    help="the mode the --wasm-variant builds run in, and the target they are paired with: "
+                         "envoy+kvroute (approximate) or envoy+kvroute-precise")
     ap.add_argument("--out")
     ap.add_argument("--results-dir", help="copy overhead.md and overhead.json here")
     args = ap.parse_args(argv)
@@ -149,6 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta["git"] = bench_run.git_rev()
     meta["artifacts"] = bench_run.artifacts()
+    meta["variant_mode"] = args.variant_mode
     meta["wasm_variants"] = {name: {"path": in_repo(path), "sha256": bench_run.sha256_prefix(path)}
                              for name, path in variants.items()}
     targets: Dict[str, Dict[str, Any]] = {}
@@ -162,6 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "direct" in wanted:
             targets["direct"] = {"url": f"http://{addrs[0]}", "pid": None}
         workers = {"concurrency": args.concurrency}
+        variant_params: Dict[str, Any] = (
+            {"mode": "precise", "require_events": False} if args.variant_mode == "precise" else {"mode": "approximate"})
         for name, strat, kw in (
             ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request", **workers}), {}),
             ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute",
@@ -171,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
             ("vllm-router", strategies.Strategy("ovh-vllm-router", "vllm-router", "vllm_router", {"policy": "cache_aware"}), {}),
         ) + tuple((name, strategies.Strategy("ovh-" + name, name, "kvroute",
-                                             {"mode": "approximate", "wasm": path, **workers}), {})
+                                             {**variant_params, "wasm": path, **workers}), {})
                   for name, path in variants.items()):
             if name not in wanted:
                 continue
@@ -274,6 +281,8 @@ def render(data: Dict[str, Any]) -> str:
         v = [r[key] for r in runs if r["target"] == target and r["size"] == size and r.get(key) is not None]
         return statistics.median(v) if v else None
 
+    variant_base = "envoy+kvroute-precise" if meta.get("variant_mode") == "precise" else "envoy+kvroute"
+
     def paired(target: str, base: str, size: int, key: str) -> Optional[float]:
         """Median over rounds of (target − baseline) in the same round."""
         d = []
@@ -325,9 +334,9 @@ def render(data: Dict[str, Any]) -> str:
     for n, v in (meta.get("wasm_variants") or {}).items():
         L.append(f"- {n}: `{v['path']}` (sha256 {v['sha256']}…)")
         for size in sizes:
-            d = paired(n, "envoy+kvroute", size, "cpu_us_per_req") if "envoy+kvroute" in names else None
+            d = paired(n, variant_base, size, "cpu_us_per_req") if variant_base in names else None
             if d is not None:
-                L.append(f"  - {size} B: CPU per request minus envoy+kvroute's in the same round, median {d:+.0f} µs")
+                L.append(f"  - {size} B: CPU per request minus {variant_base}'s in the same round, median {d:+.0f} µs")
     L.append("")
     for n, why in data.get("notes", {}).items():
         L.append(f"- {n}: {why}")
