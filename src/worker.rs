@@ -377,16 +377,10 @@ impl Worker {
     /// shows taught to it in this epoch, or this VM sent in it. The decision
     /// looked up the token blocks only: this second lookup costs a few
     /// probes of the chain, where teaching and reporting every chunk again
-    /// would cost the singleton and the indexer a write each. A prompt this
-    /// VM sent whole in this epoch (a repeat) needs no lookup: the index
-    /// cannot show more than all of it.
+    /// would cost the singleton and the indexer a write each.
     pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>, now: Now) -> Taught {
-        let sent = self.sent_this_epoch(pod, &hashes, now);
-        let already_taught = if sent >= hashes.len() {
-            sent
-        } else {
-            self.taught_in_index(pod, &hashes, now).max(sent)
-        };
+        let in_index = self.taught_in_index(pod, &hashes, now);
+        let already_taught = in_index.max(self.sent_this_epoch(pod, &hashes, now));
         self.teach(pod, &hashes, already_taught, now.millis);
         Taught {
             hashes,
