@@ -34,7 +34,7 @@
 //! the working set reaches its bound, its least recently used half goes
 //! (those changed since the last publication are stored back early). Both
 //! run the same write path; only
-//! [`BlockIndex::load`] and the publication differ. The interned sets and
+//! `BlockIndex::load` and the publication differ. The interned sets and
 //! the pod table stay in memory in both.
 //!
 //! Learned entries live `index.ttl_seconds` rounded up to the next epoch

@@ -451,7 +451,7 @@ fn medium(name: Option<String>) -> Option<Medium> {
     name.map(|n| Medium::parse(&n))
 }
 
-/// An array-encoded event (map-encoded ones: [`decode_map_event`]).
+/// An array-encoded event (map-encoded ones: `decode_map_event`).
 impl<'de> Deserialize<'de> for KvEvent {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(EventVisitor)
