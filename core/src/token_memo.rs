@@ -83,9 +83,9 @@ impl PromptText {
     /// The text and its byte-chunk chain (`hash_prompt` of the text, in
     /// chunks of `chunk_bytes`). The chain's last hash already covers every
     /// byte up to it, so only the bytes after the chain (the partial last
-    /// chunk, or all beyond `max_blocks`) are hashed again, seeded by it:
-    /// hashing a 30 KiB text whole took ~15 µs in wasm, a third of a
-    /// decision.
+    /// chunk, or all beyond `max_blocks`) are hashed again, seeded by it.
+    /// Hashing the whole text again cost a 30 KiB precise-mode request 5–6 µs
+    /// of Envoy CPU (docs/results/2026-12-04-overhead-quiet-3900308).
     pub fn of(text: &[u8], chunks: Vec<BlockHash>, chunk_bytes: usize) -> PromptText {
         let chained = chunks.len().saturating_mul(chunk_bytes);
         let rest = text.get(chained..).unwrap_or_default();
