@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 WASM = REPO / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
 GATEWAY = REPO / "envoy" / "gateway.yaml"
 GATEWAY_PRECISE = REPO / "envoy" / "gateway-precise.yaml"
+# A worker VM adds its batched request counters to Envoy's stats at its duty tick, every 200 ms
+# (DUTY_TICK_MS in src/worker.rs); this covers two, for a tick that fires a little early.
+COUNTER_FLUSH_S = 0.5
 
 
 def envoy_binary() -> str:
@@ -236,6 +239,12 @@ class EnvoyProcess:
             data = json.load(r)
         return {s["name"]: s["value"] for s in data.get("stats", [])
                 if "value" in s and contains in s["name"]}
+
+    def settled_stats(self, contains: str = "") -> dict[str, int]:
+        """`stats` once the requests sent so far are counted: each worker VM sums its request-path
+        counters in memory and adds them to Envoy's stats at its duty tick (COUNTER_FLUSH_S)."""
+        time.sleep(COUNTER_FLUSH_S)
+        return self.stats(contains)
 
     def wait_for_peers(self, timeout: float = 10.0) -> None:
         """Waits until every worker's kvroute VM has joined the others (a VM joins on its first

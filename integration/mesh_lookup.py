@@ -182,7 +182,7 @@ def run_arm(name: str, sidecars: int, time_scale: float, prompts, times) -> dict
             "rss_mb": round(rss_mb(e.pid), 1),
             "indexer_rx_bytes": indexer_rx_bytes(e) - before,
             "indexer_rx_bytes_per_s": round((indexer_rx_bytes(e) - before) / seconds),
-            "kvroute": {k.removeprefix("wasmcustom."): v for k, v in e.stats("wasmcustom.kvroute.").items()
+            "kvroute": {k.removeprefix("wasmcustom."): v for k, v in e.settled_stats("wasmcustom.kvroute.").items()
                         if any(s in k for s in ("remote_lookup", "decision.", "fallback.", "feed.bytes", "requests"))},
         } for e, before in zip(envoys, rx_before)]
         result["indexer_lookups"] = indexer.metric("kvroute_indexer_lookups_total", result="answered")

@@ -569,7 +569,6 @@ impl Worker {
     /// taught: the request that taught the leading ones in this epoch
     /// reported them, and the indexer's learned entries outlive an epoch.
     pub fn settle(&mut self, request: &RoutedRequest, outcome: Outcome, request_id: &str) {
-        let now_s = host::now().secs;
         self.metrics.outcome(&outcome);
         let chosen = &request.pod;
         match outcome {
@@ -594,7 +593,7 @@ impl Worker {
                 self.send_all(&messages, Audience::None, true);
             }
             Outcome::Failed | Outcome::ServedElsewhere { .. } => {
-                self.cluster.record_failure(chosen, now_s);
+                self.cluster.record_failure(chosen, host::now().secs);
                 self.recent.forget(chosen);
                 // Peers pass the pod over; the singleton clears what was learned on it.
                 let message = PeerMessage::Failed {
@@ -694,8 +693,9 @@ impl Worker {
     }
 
     /// Publishes this VM's changed load and sends the batch of charges when
-    /// due; every [`DUTY_TICK_MS`]: heartbeat, gauges, and the load again
-    /// while there is any (so it stays fresh for the peers).
+    /// due; every [`DUTY_TICK_MS`]: the batched counters, heartbeat, gauges,
+    /// and the load again while there is any (so it stays fresh for the
+    /// peers).
     pub fn on_tick(&mut self) {
         let now = host::now();
         let (now_s, now_ms) = (now.secs, now.millis);
@@ -719,6 +719,7 @@ impl Worker {
         if !duty {
             return;
         }
+        self.metrics.flush();
         self.debug_logging = host::debug_logging();
         self.peers.tick(now_s, now_ms);
         if self.peers.is_serving() {

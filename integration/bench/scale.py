@@ -317,7 +317,7 @@ def decision_latency(envoy: EnvoyProcess, probes: list[tuple[bytes, str | None]]
     teaching pass chose) and reads `kvroute.decision_us` for exactly these decisions."""
     name = "kvroute.decision_us"
     before = settled_buckets(envoy, name)
-    matched_before = envoy.stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
+    matched_before = envoy.settled_stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
     client = Client(envoy.listener_port)
     full, blocks = 0, 0
     try:
@@ -331,7 +331,7 @@ def decision_latency(envoy: EnvoyProcess, probes: list[tuple[bytes, str | None]]
         client.close()
     after = settled_buckets(envoy, name)
     samples = bucket_diff(after, before)
-    matched_after = envoy.stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
+    matched_after = envoy.settled_stats("kvroute.blocks.matched").get("wasmcustom.kvroute.blocks.matched", 0)
     return {"probes": len(probes), "fully_matched": full, "blocks_matched_header": blocks,
             "blocks_matched_counter": matched_after - matched_before,
             "samples": sum(c for _, _, c in samples),
@@ -374,7 +374,7 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
     run_load(envoy.listener_port, bodies, len(bodies), 1)  # warm: every variant once
     if index_work:
         envoy.wait_for_index_flush()
-        before = envoy.stats("kvroute.")
+        before = envoy.settled_stats("kvroute.")
     # The idle Envoy's own CPU (timers, the singleton's polls and flushes), for scale: it is part
     # of every reading, in proportion to its duration.
     idle0, t_idle = process_cpu_ns(envoy.pid), time.monotonic()
@@ -401,7 +401,7 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
                for name, value in connections1.items() if value - connections0.get(name, 0) > 0}}
     if index_work:
         envoy.wait_for_index_flush()
-        after = envoy.stats("kvroute.")
+        after = envoy.settled_stats("kvroute.")
         out["index_work"] = {k: after.get(name, 0) - before.get(name, 0) for k, name in INDEX_WORK.items()}
     return out
 

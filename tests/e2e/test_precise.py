@@ -244,7 +244,7 @@ def test_prompts_sharing_an_earlier_prompts_text_skip_the_call_out(stack):
     direct = {"model": MODEL, "prompt": system + " held by pod two", "max_tokens": 1}
     assert requests.post(sims.urls[2] + "/v1/completions", json=direct, timeout=30).status_code == 200
     settle(envoy, polls=5)
-    counters = lambda: envoy.stats("wasmcustom.kvroute.tokenizer")  # noqa: E731
+    counters = lambda: envoy.settled_stats("wasmcustom.kvroute.tokenizer")  # noqa: E731
     before = counters()
     decisions = []
     for i in range(10):

@@ -85,7 +85,7 @@ def test_four_workers_share_their_load_through_the_singletons_sum(sims):
         # Probes are sequential: what a probe's worker counts in flight there is the stream.
         assert all(d["inflight_requests"] >= 1 for d in on_hot), [d["raw"] for d in on_hot]
         assert_released(envoy, hot_system, "after the stream")
-        sum_reads = envoy.stats("wasmcustom.kvroute.peer").get("wasmcustom.kvroute.peer.sum_reads", 0)
+        sum_reads = envoy.settled_stats("wasmcustom.kvroute.peer").get("wasmcustom.kvroute.peer.sum_reads", 0)
         assert sum_reads > 0
 
 
@@ -226,7 +226,7 @@ def test_unknown_model_fails_open(gateway):
 
 
 def test_stats_explain_decisions(gateway):
-    stats = gateway.stats("wasmcustom.kvroute")
+    stats = gateway.settled_stats("wasmcustom.kvroute")
     for name in ["requests", "decision.prefix", "decision.load", "blocks.matched", "blocks.total",
                  "index.blocks", "index.bytes", "fallback.malformed"]:
         assert f"wasmcustom.kvroute.{name}" in stats, name

@@ -130,7 +130,7 @@ def filter_metric_definitions():
     """Stat names defined by the filter source, as (static names, regex patterns)."""
     sources = sorted((meshlib.ROOT / "src").rglob("*.rs"))
     text = "\n".join(p.read_text(encoding="utf-8") for p in sources)
-    static = set(re.findall(r'Metric::(?:counter|gauge|histogram)\("([^"{}]+)"\)', text))
+    static = set(re.findall(r'(?:Metric::(?:counter|gauge|histogram)|BatchedCounter::new)\("([^"{}]+)"\)', text))
     patterns = {re.sub(r"\{[a-z_]*\}", "{}", p)
                 for p in re.findall(r'format!\("(kvroute\.[^"]*\{[a-z_]*\}[^"]*)"', text)}
     return static, patterns

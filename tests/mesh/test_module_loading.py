@@ -112,7 +112,7 @@ def test_http_module_with_sha256_runs_filter_and_singleton(sims, origin, module_
         r = post(envoy)
         assert r.status_code == 200
         assert "x-vllm-sim-pod" in r.headers
-        assert envoy.stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter ran"
+        assert envoy.settled_stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter ran"
         # no indexer and no static endpoints: no pod is known, the request failed open
         assert envoy.stats("kvroute").get("wasmcustom.kvroute.fallback.no_endpoints") == 1
         assert r.headers["x-kvroute-decision"] == "fallback=no_endpoints"

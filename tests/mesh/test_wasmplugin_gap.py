@@ -64,4 +64,4 @@ def test_wasmplugin_generated_config_hangs(sims):
     with EnvoyProcess(filter_only_config(sims, as_wasmplugin=True)) as envoy:
         with pytest.raises(requests.exceptions.ReadTimeout):
             post(envoy, 4)
-        assert envoy.stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter saw it, then it stalled"
+        assert envoy.settled_stats("kvroute").get("wasmcustom.kvroute.requests") == 1, "the filter saw it, then it stalled"
