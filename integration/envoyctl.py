@@ -62,9 +62,12 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _hcm(cfg: dict) -> dict:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
 def _http_filters(cfg: dict) -> list:
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["http_filters"]
+    return _hcm(cfg)["http_filters"]
 
 
 # Indexer replicas (docs/operator-guide.md, "Two indexer replicas"): one priority per replica,
@@ -133,6 +136,10 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
         wasm_cfg["configuration"]["value"] = json.dumps(_merge(base, plugin or {}))
     else:
         del filters[0]
+        # The served header is kvroute's: Envoy alone does not add it.
+        for host in _hcm(cfg)["route_config"]["virtual_hosts"]:
+            for route in host["routes"]:
+                route.pop("response_headers_to_add", None)
         cfg.pop("bootstrap_extensions", None)
         del cluster["load_balancing_policy"]
         cluster["lb_policy"] = lb_policy

@@ -12,7 +12,7 @@ use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::header_map::HeaderMap;
 use kvroute_core::lookup::LookupError;
-use kvroute_core::outcome::{judge, judge_end, Outcome, Response};
+use kvroute_core::outcome::{judge, judge_end, names_a_host, Outcome, Response};
 use kvroute_core::request::{self, Prompt, PromptRequest};
 use kvroute_core::router::{hash_prompt, serving_model, Decision, HashedPrompt, NoRoute};
 use kvroute_core::token_memo::PromptText;
@@ -817,7 +817,15 @@ impl HttpContext for RequestFilter {
             return Action::Continue;
         }
         self.response_complete = end_of_stream;
-        let served_by = host::property(&["upstream", "address"]);
+        let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
+            return Action::Continue;
+        };
+        // The route's header spares the property read: docs/results/2026-12-04-overhead-host-calls.
+        let served_by = if config.served_header_from_route {
+            host::response_header(&config.served_header).filter(|v| names_a_host(v))
+        } else {
+            host::property(&["upstream", "address"])
+        };
         self.settle(served_by.as_deref());
         let explanation = self
             .explanation
@@ -833,13 +841,12 @@ impl HttpContext for RequestFilter {
                 .flatten()
                 .fold(text, |text, note| format!("{text}; {note}"))
             });
-        if let Ok(w) = self.worker.try_borrow() {
-            if let Some(text) = explanation.filter(|_| !w.config.decision_header.is_empty()) {
-                host::add_response_header(&w.config.decision_header, &text);
-            }
-            if let Some(pod) = served_by.filter(|_| !w.config.served_header.is_empty()) {
-                host::add_response_header(&w.config.served_header, &pod);
-            }
+        if let Some(text) = explanation.filter(|_| !config.decision_header.is_empty()) {
+            host::add_response_header(&config.decision_header, &text);
+        }
+        let added = !config.served_header.is_empty() && !config.served_header_from_route;
+        if let Some(pod) = served_by.filter(|_| added) {
+            host::add_response_header(&config.served_header, &pod);
         }
         Action::Continue
     }

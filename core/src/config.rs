@@ -390,6 +390,10 @@ pub struct Config {
     /// Response header naming the pod that really served (after Envoy's
     /// retries onto the fallbacks); empty: not added.
     pub served_header: String,
+    /// The route sets `served_header` itself (`%UPSTREAM_HOST%`, replacing
+    /// any value the pod sent): kvroute reads the serving pod from it
+    /// instead of Envoy's `upstream.address` property, a dearer host call.
+    pub served_header_from_route: bool,
     /// A pod that failed a request (5xx, reset, or a retry served elsewhere)
     /// is passed over for this long; 0: never passed over.
     pub failure_cooldown_seconds: u32,
@@ -428,6 +432,7 @@ impl Default for Config {
             fallback_endpoints: 2,
             decision_header: "x-kvroute-decision".into(),
             served_header: "x-gateway-destination-endpoint-served".into(),
+            served_header_from_route: false,
             failure_cooldown_seconds: 3,
             weights: Weights::default(),
             tier_discount: TierDiscount::default(),
@@ -507,6 +512,12 @@ impl Config {
             return Err(invalid(
                 "served_header",
                 "must be a lower-case HTTP header name or empty",
+            ));
+        }
+        if self.served_header_from_route && self.served_header.is_empty() {
+            return Err(invalid(
+                "served_header_from_route",
+                "needs served_header: the header the route sets",
             ));
         }
         if self.failure_cooldown_seconds > 3600 {
@@ -850,6 +861,10 @@ mod tests {
         );
         assert_eq!(err(r#"{"paths":["v1"]}"#).field, "paths[0]");
         assert_eq!(err(r#"{"served_header":"Served"}"#).field, "served_header");
+        assert_eq!(
+            err(r#"{"served_header":"","served_header_from_route":true}"#).field,
+            "served_header_from_route"
+        );
         assert_eq!(
             err(r#"{"failure_cooldown_seconds":7200}"#).field,
             "failure_cooldown_seconds"

@@ -18,6 +18,12 @@ pub struct Response<'a> {
     pub served_by: Option<&'a str>,
 }
 
+/// Whether a route's `%UPSTREAM_HOST%` header names a host: Envoy writes
+/// `-` (or nothing) when no upstream host was picked.
+pub fn names_a_host(value: &str) -> bool {
+    !value.is_empty() && value != "-"
+}
+
 /// The verdict on one routing decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome<'a> {
@@ -98,6 +104,13 @@ mod tests {
 
     fn judged(status: Option<u16>, served_by: Option<&str>) -> Outcome<'_> {
         judge("a:1", &Response { status, served_by })
+    }
+
+    #[test]
+    fn a_route_header_without_an_upstream_host_names_no_pod() {
+        assert!(names_a_host("10.0.0.7:8000"));
+        assert!(!names_a_host("-"));
+        assert!(!names_a_host(""));
     }
 
     #[test]

@@ -106,6 +106,21 @@ def test_the_served_pod_is_reported(envoy):
     assert r.headers[SERVED] == r.headers[POD] == decision(r)["pod"]
 
 
+def test_without_the_routes_header_the_served_pod_comes_from_the_upstream_address(pods):
+    """The shipped route sets the served header and kvroute reads it (served_header_from_route).
+    A route that does not: kvroute reads Envoy's upstream.address and adds the header, once."""
+    require_wasm()
+    cfg = yaml.safe_load(render_gateway(pods.addresses, {"served_header_from_route": False}))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        assert route.pop("response_headers_to_add")[0]["header"]["key"] == SERVED
+    with EnvoyProcess(yaml.safe_dump(cfg)) as proxy:
+        proxy.wait_for_peers()
+        r = chat(proxy, unique_system(), "who serves?")
+        assert r.status_code == 200
+        assert r.headers[SERVED] == r.headers[POD] == decision(r)["pod"]
+
+
 def test_a_refused_request_teaches_the_index_nothing(envoy):
     """An unknown model gets the pod's 404: its prompt must not stick to that pod."""
     system = unique_system(400)
