@@ -70,6 +70,15 @@ def _http_filters(cfg: dict) -> list:
     return _hcm(cfg)["http_filters"]
 
 
+def drop_route_response_headers(cfg: dict) -> list[str]:
+    """Removes the headers the gateway's routes add to responses (the served header, which
+    kvroute reads with served_header_from_route); returns their names."""
+    return [entry["header"]["key"]
+            for host in _hcm(cfg)["route_config"]["virtual_hosts"]
+            for route in host["routes"]
+            for entry in route.pop("response_headers_to_add", [])]
+
+
 # Indexer replicas (docs/operator-guide.md, "Two indexer replicas"): one priority per replica,
 # so the singleton polls one of them (its feed cursor belongs to that replica's epoch) and fails
 # over when it stops answering: a TCP health check marks it down within a second, and an outlier
@@ -137,9 +146,7 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     else:
         del filters[0]
         # The served header is kvroute's: Envoy alone does not add it.
-        for host in _hcm(cfg)["route_config"]["virtual_hosts"]:
-            for route in host["routes"]:
-                route.pop("response_headers_to_add", None)
+        drop_route_response_headers(cfg)
         cfg.pop("bootstrap_extensions", None)
         del cluster["load_balancing_policy"]
         cluster["lb_policy"] = lb_policy
