@@ -8,8 +8,12 @@ target, `direct` included, reaches the very same upstream; fast time scale so
 the pod answers in well under a millisecond of simulated time; vllm-sim's
 fallback tokenizer):
   direct          wrk -> the pod                               [baseline of the peers' hop]
-  envoy           Envoy, LB only (integration/bench/envoy/lb-only.yaml, LEAST_REQUEST)
+  envoy           Envoy, LB only: envoy/gateway.yaml without kvroute (its filter, singleton
+                  and served header), LEAST_REQUEST (envoy_bench.baseline)
   envoy+kvroute   the same Envoy with kvroute.wasm (approximate mode, default config)
+  envoy+kvroute-unrouted  envoy+kvroute whose `paths` name none the benchmark requests: what
+                  kvroute costs the traffic it does not route (Envoy calls the filter on every
+                  request; it reads the headers and lets the request through untouched)
   envoy+kvroute-precise  envoy/gateway-precise.yaml + kvroute-indexer: a chat request gets
                   its token ids from the tokenizer call-out to the pod's /tokenize, or from
                   the token memo once a worker has seen that body (16 variants: after the
@@ -23,7 +27,8 @@ fallback tokenizer):
   sglang-router   sglang-router launch --policy cache_aware
   vllm-router     vllm-router --policy cache_aware
 Bodies: OpenAI chat JSON of 4 KiB and 30 KiB (overhead/body.lua, 16 variants,
-max_tokens 1, not streamed). Runs are interleaved: every round runs every
+max_tokens 1 and not streamed unless --max-tokens and --stream say otherwise).
+Runs are interleaved: every round runs every
 target once per body size, in a rotated order, so drift on a shared machine
 hits all targets alike. Reported per target and size: median over rounds of
 wrk's p50 and p99, the added p50/p99 against the baseline (envoy+kvroute
@@ -56,6 +61,8 @@ import strategies  # noqa: E402
 from procs import proc_cpu_seconds, tree_cpu_seconds  # noqa: E402
 
 REPO = strategies.REPO
+# envoy+kvroute-unrouted's only routed path: the benchmark's requests go to /v1/chat/completions.
+UNROUTED_PATH = "/v1/kvroute-unrouted"
 LUA = os.path.join(HERE, "overhead", "body.lua")
 
 
@@ -92,8 +99,10 @@ def parse_wrk(out: str) -> Dict[str, Any]:
     return r
 
 
-def run_wrk(url: str, size: int, duration: int, connections: int, model: str) -> Dict[str, Any]:
-    env = dict(os.environ, BODY_BYTES=str(size), BODY_VARIANTS="16", BODY_MODEL=model)
+def run_wrk(url: str, size: int, duration: int, connections: int, model: str, max_tokens: int = 1,
+            stream: bool = False) -> Dict[str, Any]:
+    env = dict(os.environ, BODY_BYTES=str(size), BODY_VARIANTS="16", BODY_MODEL=model,
+               BODY_MAX_TOKENS=str(max_tokens), BODY_STREAM="1" if stream else "0")
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s", "-s", LUA, url]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration + 60)
     r = parse_wrk(p.stdout)
@@ -122,6 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "full profile). A request teaches a pod at most index.max_learn_share (1/8) of its capacity: with "
                          "the quick profile's 3,072 that is 384 chunks, so only the first 80 %% of a 30 KiB prompt and 19 %% "
                          "of a 128 KiB one could ever match")
+    ap.add_argument("--max-tokens", type=int, default=1, help="output tokens each request asks for")
+    ap.add_argument("--stream", action="store_true",
+                    help="answers streamed as server-sent events (one event per token): what the filter costs a "
+                         "streamed answer, whose every chunk Envoy hands to it")
     ap.add_argument("--targets", default="direct,envoy,envoy+kvroute,envoy+kvroute-precise,sglang-router,vllm-router")
     ap.add_argument("--wasm-variant", action="append", default=[], metavar="NAME=PATH",
                     help="also measure kvroute built as PATH, as target envoy+kvroute@NAME (repeatable)")
@@ -173,6 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             ("envoy", strategies.Strategy("ovh-envoy", "Envoy", "envoy_lb", {"policy": "least_request", **workers}), {}),
             ("envoy+kvroute", strategies.Strategy("ovh-kvroute", "Envoy + kvroute", "kvroute",
                                                   {"mode": "approximate", **workers}), {}),
+            ("envoy+kvroute-unrouted", strategies.Strategy(
+                "ovh-kvroute-unrouted", "Envoy + kvroute, path not routed", "kvroute",
+                {"mode": "approximate", "plugin": {"paths": [UNROUTED_PATH]}, **workers}), {}),
             ("envoy+kvroute-precise", strategies.Strategy("ovh-kvroute-precise", "Envoy + kvroute precise", "kvroute",
                                                           {"mode": "precise", "require_events": False, **workers}), {}),
             ("sglang-router", strategies.Strategy("ovh-sglang", "sglang-router", "sglang", {"policy": "cache_aware"}), {}),
@@ -200,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Warm every target once per size (connections, tries, caches) before measuring.
         for name, t in targets.items():
             for size in sizes:
-                run_wrk(t["url"], size, 2, args.connections, model)
+                run_wrk(t["url"], size, 2, args.connections, model, args.max_tokens, args.stream)
         runs: List[Dict[str, Any]] = []
         order = list(targets)
         for rnd in range(args.rounds):
@@ -210,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     t = targets[name]
                     pid = t["pid"]
                     c0 = tree_cpu_seconds(pid) if pid else None
-                    r = run_wrk(t["url"], size, args.duration, args.connections, model)
+                    r = run_wrk(t["url"], size, args.duration, args.connections, model, args.max_tokens, args.stream)
                     c1 = tree_cpu_seconds(pid) if pid else None
                     r.update({"round": rnd, "target": name, "size": size})
                     if c0 is not None and c1 is not None and r.get("requests"):
@@ -268,7 +284,7 @@ def baseline_of(target: str) -> Optional[str]:
     return "envoy" if target.startswith("envoy+kvroute@") else BASELINE.get(target)
 
 
-BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "envoy+kvroute-precise": "envoy",
+BASELINE = {"envoy": "direct", "envoy+kvroute": "envoy", "envoy+kvroute-unrouted": "envoy", "envoy+kvroute-precise": "envoy",
             "sglang-router": "direct", "vllm-router": "direct"}
 
 
@@ -303,7 +319,8 @@ def render(data: Dict[str, Any]) -> str:
          f"Command (from the repository root): `{meta['command']}`", "",
          f"wrk {' '.join(meta.get('wrk') or [])}, 1 thread, {meta['args']['connections']} connections, "
          f"{meta['args']['duration']} s per run, {meta['args']['rounds']} interleaved rounds; bodies: OpenAI chat JSON "
-         f"({', '.join(f'{s} B' for s in sizes)}), 16 variants, max_tokens 1, not streamed. Upstream: "
+         f"({', '.join(f'{s} B' for s in sizes)}), 16 variants, max_tokens {meta['args'].get('max_tokens', 1)}, "
+         f"{'streamed' if meta['args'].get('stream') else 'not streamed'}. Upstream: "
          f"{len(meta['pods'])} vllm-sim pods of {meta['args'].get('pod_blocks', 3072):,} KV blocks at --time-scale "
          f"{meta['args']['time_scale']}. Envoy --concurrency "
          f"{meta['args'].get('concurrency', 2)}. Machine: {meta['nproc']} cores "
@@ -344,7 +361,15 @@ def render(data: Dict[str, Any]) -> str:
     for n, t in data["targets"].items():
         kv = t.get("kvroute_counters") or {}
         decided = kv.get("kvroute.decision.prefix", 0) + kv.get("kvroute.decision.load", 0)
-        if n.startswith("envoy+kvroute") and not decided:
+        if n == "envoy+kvroute-unrouted":
+            # Its figure is only the untouched path's cost if kvroute really routed nothing.
+            routed = kv.get("kvroute.requests", 0)
+            if not kv:
+                L.append(f"- {n}: **kvroute's counters could not be read**: whether it was loaded is unknown")
+            else:
+                L.append(f"- {n}: kvroute loaded (its counters read) and counted {routed} requests on a routed path"
+                         + (" (none, as intended)" if not routed else ": **not the cost of unrouted traffic**"))
+        elif n.startswith("envoy+kvroute") and not decided:
             # A build that never decides (a throwaway variant, or a broken one) costs no routing.
             L.append(f"- {n}: made no routing decision: its CPU per request is not a routing cost")
         if kv:

@@ -314,6 +314,17 @@ def overhead_wasm_variants():
     runs[0]["non2xx"] = 7
     md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
     assert "**30720 B: 7 answers were errors**" in md, md
+    # The unrouted target's figure stands only when kvroute was loaded and routed none of its requests.
+    targets["envoy+kvroute-unrouted"] = {"kvroute_counters": {"kvroute.peers": 2}}
+    md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
+    assert "- envoy+kvroute-unrouted: kvroute loaded (its counters read) and counted 0 requests on a routed " \
+        "path (none, as intended)" in md, md
+    targets["envoy+kvroute-unrouted"]["kvroute_counters"]["kvroute.requests"] = 5
+    md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
+    assert "counted 5 requests on a routed path: **not the cost of unrouted traffic**" in md, md
+    targets["envoy+kvroute-unrouted"] = {}
+    md = overhead.render({"meta": meta, "targets": targets, "notes": {}, "runs": runs})
+    assert "- envoy+kvroute-unrouted: **kvroute's counters could not be read**" in md, md
     assert overhead.in_repo(os.path.join(overhead.REPO, "build", "x.wasm")) == os.path.join("build", "x.wasm")
     assert overhead.in_repo("/usr/bin/wrk") == "/usr/bin/wrk"
 

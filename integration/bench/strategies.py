@@ -295,6 +295,9 @@ def start_kvroute(strategy: Strategy, endpoints: List[str], workdir: str, cluste
         if profile.kvroute_overrides:  # run.py --kvroute-set, validated against the config schema there
             plugin = envoyctl._merge(plugin, profile.kvroute_overrides)
             notes.append(f"plugin-config overrides (run.py --kvroute-set): {json.dumps(profile.kvroute_overrides)}")
+        if strategy.params.get("plugin"):  # a target's own settings (overhead.py's envoy+kvroute-unrouted)
+            plugin = envoyctl._merge(plugin, strategy.params["plugin"])
+            notes.append(f"plugin-config settings of this target: {json.dumps(strategy.params['plugin'])}")
         t = kvroute_timers(sim.time_scale)
         notes.append(f"timers in wall time at time scale {sim.time_scale:g} (shipped simulated length): "
                      f"feed poll {t['poll_ms']} ms (100 ms), learned-entry TTL {t['ttl_seconds']} s (600 s), "

@@ -1,13 +1,17 @@
 -- wrk script for the router-cost benchmark: POST OpenAI chat bodies of a fixed size.
 -- Environment: BODY_BYTES (target size of the JSON body, e.g. 4096 or 30720),
 --              BODY_VARIANTS (distinct bodies cycled through, default 16),
---              BODY_MODEL (model name, default Qwen/Qwen3-32B).
+--              BODY_MODEL (model name, default Qwen/Qwen3-32B),
+--              BODY_MAX_TOKENS (output tokens asked for, default 1),
+--              BODY_STREAM (1: the answer is streamed as server-sent events; default not).
 -- Every variant has its own system prompt (so a prefix-aware router sees several
--- prefixes, as in real traffic) and asks for one output token, not streamed.
+-- prefixes, as in real traffic).
 
 local size = tonumber(os.getenv("BODY_BYTES") or "4096")
 local variants = tonumber(os.getenv("BODY_VARIANTS") or "16")
 local model = os.getenv("BODY_MODEL") or "Qwen/Qwen3-32B"
+local max_tokens = tonumber(os.getenv("BODY_MAX_TOKENS") or "1")
+local stream = os.getenv("BODY_STREAM") == "1"
 
 local words = {"alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
                "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"}
@@ -25,7 +29,8 @@ end
 
 local bodies = {}
 for v = 1, variants do
-  local head = '{"model":"' .. model .. '","max_tokens":1,"stream":false,"messages":[' ..
+  local head = '{"model":"' .. model .. '","max_tokens":' .. max_tokens .. ',"stream":' ..
+               tostring(stream) .. ',"messages":[' ..
                '{"role":"system","content":"tenant ' .. v .. ': '
   local tail = '"},{"role":"user","content":"question ' .. v .. '?"}]}'
   local pad = size - #head - #tail
