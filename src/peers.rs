@@ -134,6 +134,11 @@ impl Peers {
         self.registry.resolved(queues, singleton);
     }
 
+    /// The queues of the live peers of `audience`.
+    pub fn recipients(&self, audience: Audience) -> Vec<u32> {
+        self.registry.recipients(audience, false).collect()
+    }
+
     /// Sends to the live peers of `audience` (and the singleton when asked);
     /// returns how many queues took it.
     pub fn broadcast(&self, message: &[u8], audience: Audience, to_singleton: bool) -> usize {

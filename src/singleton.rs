@@ -17,6 +17,7 @@ use crate::ticker::Ticker;
 use kvroute_core::config::{Config, IndexerSettings};
 use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
+use kvroute_core::feed_forward::ListForwarding;
 use kvroute_core::hash::BlockHash;
 use kvroute_core::router::Cluster;
 use kvroute_core::wire::{self, PeerMessage};
@@ -56,6 +57,8 @@ pub struct Singleton {
     authorization: Option<String>,
     metrics: FeedMetrics,
     peers: Peers,
+    /// When the workers last got the whole pod list.
+    list_forwarding: ListForwarding,
     queue: Option<u32>,
     feed: FeedClient,
     /// The feed call in flight: its token and when it was sent (ms).
@@ -116,6 +119,7 @@ impl Singleton {
             authorization,
             metrics: FeedMetrics::define(),
             peers: Peers::observer(vm_id, now_s),
+            list_forwarding: ListForwarding::default(),
             queue: host::queue_register(SINGLETON_QUEUE),
             feed: FeedClient::new(poll_ms),
             feed_call: None,
@@ -393,13 +397,25 @@ impl Singleton {
             .apply_feed(&received.update, host::now().secs, 0);
     }
 
-    /// Every worker VM gets a feed update's pods and their load at once.
+    /// Every worker VM gets word of a feed update at once, with the pods and
+    /// their load when it may lack them (see `kvroute_core::feed_forward`).
     fn forward(&mut self, update: &FeedUpdate) {
+        let recipients = self.peers.recipients(Audience::All);
+        let full = self.list_forwarding.needs_full_list(
+            !update.pods_unchanged,
+            &recipients,
+            host::now().millis,
+        );
         let pods_and_load = FeedUpdate {
             epoch: update.epoch,
             cursor: update.cursor,
             snapshot: update.snapshot,
-            pods: update.pods.clone(),
+            pods: if full {
+                update.pods.clone()
+            } else {
+                Vec::new()
+            },
+            pods_unchanged: !full,
             ops: Vec::new(),
         };
         match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {

@@ -105,8 +105,9 @@ const MIN_RUN_BYTES: usize = 1;
 /// Smallest encoded learned entry: empty address + empty hash list.
 const MIN_LEARNED_ENTRY_BYTES: usize = 4 + 4;
 
-/// The routing state change of one feed message, with the complete pod list:
-/// what [`crate::router::Cluster::apply_feed`] consumes.
+/// The routing state change of one feed message, with the complete pod list
+/// (or word that it is unchanged): what [`crate::router::Cluster::apply_feed`]
+/// consumes.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct FeedUpdate {
     /// Identifies the indexer's delta log; changes when the indexer restarts.
@@ -118,6 +119,12 @@ pub struct FeedUpdate {
     pub snapshot: bool,
     /// The complete current pod set; ops refer to pods by index into it.
     pub pods: Vec<PodInfo>,
+    /// The pod list and its load are those of the previous update: `pods`
+    /// then repeats them (the singleton's copy) or is empty (what the
+    /// singleton forwards to the workers), and nothing adopts them again.
+    /// At 1,000 pods adopting the list costs every VM O(pods) work, at every
+    /// poll (docs/results/2026-12-04-feed-forward).
+    pub pods_unchanged: bool,
     /// Block operations, in order.
     pub ops: Vec<BlockOp>,
 }
@@ -315,8 +322,6 @@ pub enum FeedError {
     BadSpeed(u32),
     /// A packed key list whose keys do not ascend or with a bit set past its last key.
     BadKeyList,
-    /// A complete update was expected and the message has no pod list.
-    NoPodList,
     /// Bytes left after the message.
     TrailingBytes(usize),
 }
@@ -349,7 +354,6 @@ impl fmt::Display for FeedError {
                     "packed keys out of order or with a bit set past the last"
                 )
             }
-            FeedError::NoPodList => write!(f, "no pod list in a complete update"),
             FeedError::TrailingBytes(n) => write!(f, "{n} trailing bytes"),
         }
     }
@@ -453,7 +457,12 @@ pub fn encode(update: &FeedUpdate) -> Vec<u8> {
         },
         ..FeedMessage::default()
     };
-    encode_parts(&head, Lists::Pods(&update.pods), &update.ops)
+    let lists = if update.pods_unchanged {
+        Lists::None
+    } else {
+        Lists::Pods(&update.pods)
+    };
+    encode_parts(&head, lists, &update.ops)
 }
 
 enum Lists<'a> {
@@ -739,12 +748,12 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
 /// keeps the last list, can complete it.
 pub fn decode(bytes: &[u8]) -> Result<FeedUpdate, FeedError> {
     let m = decode_message(bytes)?;
-    let pods = m.pods.ok_or(FeedError::NoPodList)?;
     Ok(FeedUpdate {
         epoch: m.epoch,
         cursor: m.cursor,
         snapshot: matches!(m.kind, FeedKind::Page { number: 0, .. }),
-        pods,
+        pods_unchanged: m.pods.is_none(),
+        pods: m.pods.unwrap_or_default(),
         ops: m.ops,
     })
 }
@@ -802,6 +811,7 @@ mod tests {
             cursor: 42,
             snapshot: true,
             pods: pods(),
+            pods_unchanged: false,
             ops: vec![
                 BlockOp::Stored {
                     pod: 0,
@@ -986,9 +996,16 @@ mod tests {
         };
         let back = decode(&encode(&full)).unwrap();
         assert_eq!(back.ops[0].hashes(), [key]);
-        // Only a message with the pod list is a complete update.
+        // A message without the pod list leaves the last one in place.
         let idle = encode_message(&FeedMessage::default());
-        assert_eq!(decode(&idle), Err(FeedError::NoPodList));
+        let heartbeat = decode(&idle).unwrap();
+        assert!(heartbeat.pods_unchanged && heartbeat.pods.is_empty());
+        let unchanged = FeedUpdate {
+            pods: Vec::new(),
+            pods_unchanged: true,
+            ..full
+        };
+        assert_eq!(decode(&encode(&unchanged)), Ok(unchanged));
     }
 
     /// An idle poll (nothing changed) is the fixed header and an empty run list.

@@ -324,6 +324,7 @@ impl FeedClient {
                 cursor: self.cursor,
                 snapshot,
                 pods: self.pods.clone(),
+                pods_unchanged: m.pods.is_none() && m.load.is_none(),
                 ops: m.ops,
             },
             page,

@@ -7,6 +7,7 @@ pub mod codec;
 pub mod config;
 pub mod feed;
 pub mod feed_client;
+pub mod feed_forward;
 pub mod hash;
 pub mod header_map;
 pub mod index;

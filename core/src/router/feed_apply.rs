@@ -7,16 +7,18 @@ use crate::feed::{BlockOp, FeedUpdate};
 use crate::index::IndexOp;
 
 impl Cluster {
-    /// Applies an indexer feed update: the pod set and load it states, then
-    /// its block operations. Precise entries are trusted for `trust_for_s`.
+    /// Applies an indexer feed update: the pod set and load it states (unless
+    /// unchanged), then its block operations. Precise entries are trusted for `trust_for_s`.
     /// A snapshot page is applied as it comes: pages are ranges of the index
     /// key, so each lands on its own run of buckets and applying several in
     /// one pass would save no bucket round trip (core/benches/snapshot_load.rs).
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
-        if !update.pods.is_empty() || self.discovered {
-            self.adopt_pods(update);
+        if !update.pods_unchanged {
+            if !update.pods.is_empty() || self.discovered {
+                self.adopt_pods(update);
+            }
+            self.record_reported_load(update);
         }
-        self.record_reported_load(update);
         if let Some(mut index) = self.index.take() {
             let mut ops: Vec<IndexOp> = Vec::new();
             self.index_ops(update, &mut ops);

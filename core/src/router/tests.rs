@@ -44,6 +44,7 @@ fn load_report(pods: Vec<PodInfo>) -> FeedUpdate {
         cursor: 1,
         snapshot: false,
         pods,
+        pods_unchanged: false,
         ops: vec![],
     }
 }
@@ -366,6 +367,7 @@ fn feed_owns_pods_and_precise_entries_route() {
         cursor: 1,
         snapshot: true,
         pods: vec![pod("x:1"), pod("y:1")],
+        pods_unchanged: false,
         ops: vec![BlockOp::Stored {
             pod: 1,
             tier: Tier::Gpu,
@@ -381,6 +383,19 @@ fn feed_owns_pods_and_precise_entries_route() {
         "configured endpoints do not override discovery"
     );
     let d = cluster.decide(&c, &hashed, 101, 0).unwrap();
+    assert_eq!((d.pod.as_str(), d.matched_blocks), ("y:1", 8));
+    // What the singleton forwards when the list did not change: the pods
+    // stay, and the word that the feed is alive keeps precise entries trusted.
+    let heartbeat = FeedUpdate {
+        snapshot: false,
+        pods: Vec::new(),
+        pods_unchanged: true,
+        ops: Vec::new(),
+        ..update.clone()
+    };
+    cluster.apply_feed(&heartbeat, 104, 5);
+    assert_eq!(cluster.len(), 2, "an unchanged list keeps the pods");
+    let d = cluster.decide(&c, &hashed, 108, 0).unwrap();
     assert_eq!((d.pod.as_str(), d.matched_blocks), ("y:1", 8));
     let stale = cluster.decide(&c, &hashed, 200, 0).unwrap();
     assert_eq!(
@@ -431,6 +446,7 @@ fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
         cursor: 1,
         snapshot,
         pods: pods.clone(),
+        pods_unchanged: false,
         ops,
     };
     let stored = |(pod, tier, keys): &(u32, Tier, Vec<IndexKey>), range: &std::ops::Range<u64>| {
@@ -494,6 +510,7 @@ fn discovered_pods_of_unknown_capacity_get_the_configured_default() {
         cursor: 1,
         snapshot: true,
         pods: vec![fed_pod("x:1", 0)],
+        pods_unchanged: false,
         ops: vec![BlockOp::Stored {
             pod: 0,
             tier: Tier::Gpu,
@@ -745,6 +762,7 @@ fn speeds_survive_discovery_and_decode_pressure_is_released_at_the_end() {
                 ..fed_pod("s:1", 100)
             },
         ],
+        pods_unchanged: false,
         ops: vec![],
     };
     cluster.apply_feed(&update, 10, 5);

@@ -1,0 +1,71 @@
+//! What the singleton forwards to the worker VMs after each feed answer.
+//! Workers need the pod list with its load, and a word at every poll that
+//! the feed is alive (their trust in precise entries lapses without one);
+//! the block operations only the singleton applies (it writes the index).
+//! The whole list at every poll cost each worker O(pods) work ten times a
+//! second, idle or not: at 1,000 pods and `--concurrency 8` about 0.1 of a
+//! core (docs/results/2026-12-04-feed-forward). So it goes only when a
+//! worker may lack it.
+
+/// A forward carries the whole list at least this often, for a worker whose
+/// queue was full when the last one went.
+pub const FULL_LIST_EVERY_MS: u64 = 1_000;
+
+/// When the last whole list went, and to which queues.
+#[derive(Debug, Default)]
+pub struct ListForwarding {
+    sent_to: Vec<u32>,
+    sent_ms: Option<u64>,
+}
+
+impl ListForwarding {
+    /// Whether the forward of an update to `recipients` must carry the whole
+    /// pod list: it or its load changed, a recipient was not sent the last
+    /// one, or that one is [`FULL_LIST_EVERY_MS`] old.
+    pub fn needs_full_list(&mut self, changed: bool, recipients: &[u32], now_ms: u64) -> bool {
+        let newcomer = recipients.iter().any(|q| !self.sent_to.contains(q));
+        let due = self
+            .sent_ms
+            .is_none_or(|at| now_ms.saturating_sub(at) >= FULL_LIST_EVERY_MS);
+        let full = changed || newcomer || due;
+        if full {
+            self.sent_to = recipients.to_vec();
+            self.sent_ms = Some(now_ms);
+        }
+        full
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_whole_list_goes_when_it_changed_to_a_newcomer_or_once_a_second() {
+        let mut forwarding = ListForwarding::default();
+        assert!(
+            forwarding.needs_full_list(false, &[1, 2], 0),
+            "the first forward"
+        );
+        assert!(!forwarding.needs_full_list(false, &[1, 2], 100));
+        assert!(
+            forwarding.needs_full_list(true, &[1, 2], 200),
+            "the list changed"
+        );
+        assert!(!forwarding.needs_full_list(false, &[2, 1], 300));
+        assert!(
+            !forwarding.needs_full_list(false, &[2], 400),
+            "a worker left"
+        );
+        assert!(
+            forwarding.needs_full_list(false, &[2, 3], 500),
+            "a worker joined"
+        );
+        assert!(!forwarding.needs_full_list(false, &[2, 3], 1_499));
+        assert!(
+            forwarding.needs_full_list(false, &[2, 3], 1_500),
+            "a second passed"
+        );
+        assert!(!forwarding.needs_full_list(false, &[], 1_600));
+    }
+}
