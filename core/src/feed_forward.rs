@@ -42,30 +42,25 @@ mod tests {
 
     #[test]
     fn the_whole_list_goes_when_it_changed_to_a_newcomer_or_once_a_second() {
+        // (list changed, recipients, now ms, whole list expected, why)
+        let steps: [(bool, &[u32], u64, bool, &str); 9] = [
+            (false, &[1, 2], 0, true, "the first forward"),
+            (false, &[1, 2], 100, false, "nothing new"),
+            (true, &[1, 2], 200, true, "the list changed"),
+            (false, &[2, 1], 300, false, "the same workers"),
+            (false, &[2], 400, false, "a worker left"),
+            (false, &[2, 3], 500, true, "a worker joined"),
+            (false, &[2, 3], 1_499, false, "under a second since"),
+            (false, &[2, 3], 1_500, true, "a second passed"),
+            (false, &[], 1_600, false, "no worker"),
+        ];
         let mut forwarding = ListForwarding::default();
-        assert!(
-            forwarding.needs_full_list(false, &[1, 2], 0),
-            "the first forward"
-        );
-        assert!(!forwarding.needs_full_list(false, &[1, 2], 100));
-        assert!(
-            forwarding.needs_full_list(true, &[1, 2], 200),
-            "the list changed"
-        );
-        assert!(!forwarding.needs_full_list(false, &[2, 1], 300));
-        assert!(
-            !forwarding.needs_full_list(false, &[2], 400),
-            "a worker left"
-        );
-        assert!(
-            forwarding.needs_full_list(false, &[2, 3], 500),
-            "a worker joined"
-        );
-        assert!(!forwarding.needs_full_list(false, &[2, 3], 1_499));
-        assert!(
-            forwarding.needs_full_list(false, &[2, 3], 1_500),
-            "a second passed"
-        );
-        assert!(!forwarding.needs_full_list(false, &[], 1_600));
+        for (changed, recipients, now_ms, full, why) in steps {
+            assert_eq!(
+                forwarding.needs_full_list(changed, recipients, now_ms),
+                full,
+                "{why}"
+            );
+        }
     }
 }
