@@ -7,8 +7,8 @@
 //! core (docs/results/2026-12-04-feed-forward). So it goes only when a
 //! worker may lack it.
 
-/// A forward carries the whole list at least this often, for a worker whose
-/// queue was full when the last one went.
+/// A forward carries the whole list at least this often, for a worker that
+/// did not take the last one (its enqueue failed, or it could not decode it).
 pub const FULL_LIST_EVERY_MS: u64 = 1_000;
 
 /// When the last whole list went, and to which queues.
