@@ -187,7 +187,7 @@ pub struct BlockIndex {
     pods_dirty: bool,
     /// Publications of the pod table so far.
     pods_version: u64,
-    /// Publications so far (each head names its own).
+    /// Publications that rewrote a key so far (each head names the last).
     publications: u64,
     /// What the last publications rewrote, published for the readers.
     changes: ChangeLog,
@@ -1276,6 +1276,12 @@ mod tests {
     #[derive(Default)]
     struct SharedMap(RefCell<HashMap<String, Vec<u8>>>);
 
+    /// What one publication wrote.
+    struct Written {
+        keys: Vec<String>,
+        deferred: usize,
+    }
+
     impl published::KeyReader for SharedMap {
         fn read(&self, key: &str) -> Option<Vec<u8>> {
             self.0.borrow().get(key).cloned()
@@ -1297,10 +1303,27 @@ mod tests {
 
         /// [`SharedMap::flush`] by the writer `writer`.
         fn flush_as(&self, writer: u64, index: &mut BlockIndex, max: usize) -> usize {
-            let publication =
-                index.publish(max, writer, 1_000, &|id| Some(format!("pod-{}", id.slot())));
+            self.publish(writer, index, max, 1_000).deferred
+        }
+
+        /// One publication by `writer` with heartbeat `heartbeat_ms`, stored;
+        /// the keys it wrote.
+        fn publish(
+            &self,
+            writer: u64,
+            index: &mut BlockIndex,
+            max: usize,
+            heartbeat_ms: u64,
+        ) -> Written {
+            let publication = index.publish(max, writer, heartbeat_ms, &|id| {
+                Some(format!("pod-{}", id.slot()))
+            });
+            let keys = publication.writes.iter().map(|(k, _)| k.clone()).collect();
             self.0.borrow_mut().extend(publication.writes);
-            publication.deferred
+            Written {
+                keys,
+                deferred: publication.deferred,
+            }
         }
 
         fn lookup(&self, hashes: &[BlockHash], now_s: u32, rules: &MatchRules) -> Vec<PodMatch> {
@@ -1437,8 +1460,10 @@ mod tests {
         let mut view = published::PublishedView::default();
         let (first, (reads, _)) = shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
         assert_eq!(first.len(), 1);
-        // A heartbeat: a new head, nothing rewritten.
-        shared.flush(&mut index, usize::MAX);
+        // A heartbeat: a new head, nothing rewritten, and no change log for
+        // the readers to read.
+        let heartbeat = shared.publish(7, &mut index, usize::MAX, 1_001);
+        assert_eq!(heartbeat.keys, [published::HEAD_KEY]);
         let (same, (reads_after_heartbeat, reused)) =
             shared.lookup_in(&mut view, &c, 1, &TRUST_ALL);
         assert_eq!(

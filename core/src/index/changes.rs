@@ -21,7 +21,7 @@ pub struct Changed {
 }
 
 impl Changed {
-    fn ids(&self) -> usize {
+    pub(super) fn ids(&self) -> usize {
         self.buckets.len() + self.chunks.len()
     }
 

@@ -8,7 +8,8 @@
 //!   publication's number, the pod table's version, the bucket count and the
 //!   learned-age clock. Written last by every publication.
 //! - `changes`: which buckets and chunks the last publications rewrote
-//!   ([`super::changes`]), written just before the head. A reader keeps its
+//!   ([`super::changes`]), written just before the head by a publication
+//!   that rewrote any key (not by a heartbeat). A reader keeps its
 //!   copies of buckets and chunks until a publication rewrites them.
 //! - `pods`: per index pod id, its generations and address.
 //! - `b/<bucket>`: the bucket's slots and their ages (written once by each
@@ -57,8 +58,9 @@ pub struct Head {
     pub writer: u64,
     /// When the writer last flushed (ms since the epoch).
     pub heartbeat_ms: u64,
-    /// The writer's publications so far: one flush publishes in batches
-    /// within a millisecond, and each batch's head must differ.
+    /// The writer's publications that rewrote a key so far: one flush
+    /// publishes in batches within a millisecond, and the head of each batch
+    /// that rewrote a key must differ from the last.
     pub publication: u64,
     /// Bumped whenever the pod table is rewritten.
     pub pods_version: u64,
@@ -294,11 +296,16 @@ impl BlockIndex {
             }
             out.deferred = self.dirty_buckets.len() + self.unpublished.len();
         }
-        self.publications += 1;
-        changed.publication = self.publications;
-        self.changes.record(changed);
-        out.writes
-            .push((CHANGES_KEY.to_string(), self.changes.encode()));
+        // A publication that rewrote nothing (a heartbeat) keeps its number
+        // and the log as they are: readers then neither read the log nor drop
+        // anything, and the writer does not re-encode it ten times a second.
+        if !out.writes.is_empty() || changed.ids() > 0 {
+            self.publications += 1;
+            changed.publication = self.publications;
+            self.changes.record(changed);
+            out.writes
+                .push((CHANGES_KEY.to_string(), self.changes.encode()));
+        }
         let head = Head {
             writer,
             heartbeat_ms,
