@@ -417,6 +417,33 @@ fn feed_owns_pods_and_precise_entries_route() {
     );
 }
 
+/// The feed repeats its pod list every second: the same list again keeps
+/// the pod table as it is (its version, so workers keep their positions),
+/// and a changed one replaces it.
+#[test]
+fn the_same_pod_list_again_rebuilds_nothing() {
+    let (c, mut cluster) = four_pods();
+    let hashed = token_prompt(&c, "m", 64);
+    let routed = cluster.decide(&c, &hashed, 0, 0).unwrap().pod;
+    cluster.record_routed(&routed, 4, &[], 0);
+    let specs: Vec<PodSpec> = cluster.pods.iter().map(|p| p.spec.clone()).collect();
+    let version = cluster.pods_version();
+    cluster.set_pods(specs.clone());
+    assert_eq!(cluster.pods_version(), version);
+    assert_eq!(cluster.len(), 4);
+    let mut slower = specs;
+    slower[0].speed = 0.5;
+    cluster.set_pods(slower);
+    assert_ne!(cluster.pods_version(), version);
+    assert_eq!(cluster.pods[0].spec.speed, 0.5);
+    let kept = cluster
+        .pods
+        .iter()
+        .find(|p| p.spec.address == routed)
+        .unwrap();
+    assert_eq!(kept.load().requests, 1, "a pod that stays keeps its load");
+}
+
 /// A snapshot in pages by index-key range (what the indexer sends: every
 /// pod's keys of one range per page, ranges ascending) leaves the index
 /// as the same snapshot in one page does.
