@@ -397,25 +397,25 @@ impl Singleton {
             .apply_feed(&received.update, host::now().secs, 0);
     }
 
-    /// Every worker VM gets word of a feed update at once, with the pods and
-    /// their load when it may lack them (see `kvroute_core::feed_forward`).
+    /// Every worker VM gets the pods and their load when it may lack them,
+    /// which also renews its trust in precise entries (see
+    /// `kvroute_core::feed_forward`); between those, no word.
     fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
-        let full = self.list_forwarding.needs_full_list(
+        let due = self.list_forwarding.needs_full_list(
             !update.pods_unchanged,
             &recipients,
             host::now().millis,
         );
+        if !due {
+            return;
+        }
         let pods_and_load = FeedUpdate {
             epoch: update.epoch,
             cursor: update.cursor,
             snapshot: update.snapshot,
-            pods: if full {
-                update.pods.clone()
-            } else {
-                Vec::new()
-            },
-            pods_unchanged: !full,
+            pods: update.pods.clone(),
+            pods_unchanged: false,
             ops: Vec::new(),
         };
         match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {

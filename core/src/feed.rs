@@ -120,8 +120,8 @@ pub struct FeedUpdate {
     /// The complete current pod set; ops refer to pods by index into it.
     pub pods: Vec<PodInfo>,
     /// The pod list and its load are those of the previous update: `pods`
-    /// then repeats them (the singleton's copy) or is empty (what the
-    /// singleton forwards to the workers), and nothing adopts them again.
+    /// then repeats them (the singleton's copy) or is empty (a decoded
+    /// message that carried no list), and nothing adopts them again.
     /// At 1,000 pods adopting the list costs every VM O(pods) work, at every
     /// poll (docs/results/2026-12-04-feed-forward).
     pub pods_unchanged: bool,

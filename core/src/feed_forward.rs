@@ -1,14 +1,16 @@
-//! What the singleton forwards to the worker VMs after each feed answer.
-//! Workers need the pod list with its load, and a word at every poll that
-//! the feed is alive (their trust in precise entries lapses without one);
-//! the block operations only the singleton applies (it writes the index).
-//! The whole list at every poll cost each worker O(pods) work ten times a
-//! second, idle or not: at 1,000 pods and `--concurrency 8` about 0.1 of a
-//! core (docs/results/2026-12-04-feed-forward). So it goes only when a
-//! worker may lack it.
+//! When the singleton forwards the pod list to the worker VMs after a feed
+//! answer. Workers need the list with its load, and word that the feed is
+//! alive (their trust in precise entries lapses without it, after at least
+//! 5 s); the block operations only the singleton applies (it writes the
+//! index). The whole list at every poll cost each worker O(pods) work ten
+//! times a second, idle or not (docs/results/2026-12-04-feed-forward), and
+//! word at every poll woke every worker ten times a second
+//! (docs/results/2026-12-04-idle-feed). So the list goes when a worker may
+//! lack it, and at least once a second as that word; nothing in between.
 
-/// A forward carries the whole list at least this often, for a worker that
-/// did not take the last one (its enqueue failed, or it could not decode it).
+/// The list goes at least this often: it renews the workers' trust, and
+/// reaches a worker that did not take the last one (its enqueue failed, or
+/// it could not decode it).
 pub const FULL_LIST_EVERY_MS: u64 = 1_000;
 
 /// When the last whole list went, and to which queues.
