@@ -365,7 +365,9 @@ IDLE_READING_S = 1.0
 INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
               "written_back_early": "wasmcustom.kvroute.index.written_back_early",
               "blocks_already_taught": "wasmcustom.kvroute.blocks.already_taught",
-              "blocks_total": "wasmcustom.kvroute.blocks.total"}
+              "blocks_total": "wasmcustom.kvroute.blocks.total",
+              "lookup_reads": "wasmcustom.kvroute.index.lookup_reads",
+              "lookup_reused": "wasmcustom.kvroute.index.lookup_reused"}
 
 
 def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int,
@@ -404,6 +406,12 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
         after = envoy.settled_stats("kvroute.")
         out["index_work"] = {k: after.get(name, 0) - before.get(name, 0) for k, name in INDEX_WORK.items()}
     return out
+
+
+def per_request(cpu: dict, work: str) -> str:
+    """A counter of the reading's index work per request, or — without one."""
+    count = cpu.get("index_work", {}).get(work)
+    return "—" if count is None or not cpu.get("ok") else f"{count / cpu['ok']:.2f}"
 
 
 def added_cpu(cpu: dict, without_kvroute: dict) -> None:
@@ -977,8 +985,9 @@ def render(results: dict) -> str:
             f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
             f" {' / '.join(taught)} |")
     cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added | of which the idle Envoy's"
-                " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) | token ids: call-out / memo |",
-                "|---|---:|---:|---|---:|---:|---:|---|---:|---|---|"]
+                " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) | token ids: call-out / memo |"
+                " workers' index reads per request: from shared data / kept copies |",
+                "|---|---:|---:|---|---:|---:|---:|---|---:|---|---|---|"]
     for n, mode, c, r, by_mode in envoy_readings(results):
         if not r.get("cpu"):
             continue
@@ -993,7 +1002,8 @@ def render(results: dict) -> str:
                 f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
                 f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
                 f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |"
-                f" {x.get('tokenizer_ok', '—')} / {x.get('tokenizer_recalled', '—')} |")
+                f" {x.get('tokenizer_ok', '—')} / {x.get('tokenizer_recalled', '—')} |"
+                f" {per_request(x, 'lookup_reads')} / {per_request(x, 'lookup_reused')} |")
     memory = ["| mode | pods | c | when | Envoy RSS MB | tcmalloc allocated MB | held free: pageheap_free +"
               " thread caches MB | returned (pageheap_unmapped) MB | resident outside tcmalloc (V8, VMs' wasm"
               " memory, binary) MB | the singleton's wasm memory MB |",

@@ -126,3 +126,9 @@ def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
         # Each run: a 1-byte op and pod, a 1-byte count, one 5-byte key.
         assert delta["keys"] == 2 and delta["bytes"] == 41 + 2 * (2 + 5)
         pub.close()
+
+
+def test_index_reads_per_request_only_where_counted():
+    assert scale.per_request({"ok": 4, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "0.50"
+    assert scale.per_request({"ok": 4}, "lookup_reads") == "—"
+    assert scale.per_request({"ok": 0, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "—"
