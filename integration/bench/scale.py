@@ -15,7 +15,9 @@ Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
   cached (each probe sent once to teach, then again: only the second pass is counted, from
   the difference of Envoy's histogram buckets); added Envoy CPU per request for 30 KB and
   128 KB chat bodies (Envoy CPU per request with kvroute minus the same Envoy without it, same
-  load; 5,000 pods: c2 only). The Envoy without kvroute balances over as many pods as the load
+  load; 5,000 pods: c2 only). The Envoy without kvroute runs beside kvroute's, and each reading is
+  --cpu-rounds rounds of both, alternated: the added CPU is the median of the rounds'
+  differences. The Envoy without kvroute balances over as many pods as the load
   has prompt variants (CPU_VARIANTS), the most kvroute sends them to: both then reuse their
   upstream connections, and neither pays a new one per request. CPU is the on-CPU time of all Envoy's threads as the scheduler
   counts it (/proc/<pid>/task/*/schedstat, ns), reported to 0.1 µs per request.
@@ -55,6 +57,7 @@ import platform
 import random
 import re
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -370,18 +373,9 @@ INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
               "lookup_reused": "wasmcustom.kvroute.index.lookup_reused"}
 
 
-def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int,
-                          index_work: bool = True) -> dict:
-    """`index_work`: also the index writer's work during the reading (an Envoy with kvroute)."""
-    run_load(envoy.listener_port, bodies, len(bodies), 1)  # warm: every variant once
-    if index_work:
-        envoy.wait_for_index_flush()
-        before = envoy.settled_stats("kvroute.")
-    # The idle Envoy's own CPU (timers, the singleton's polls and flushes), for scale: it is part
-    # of every reading, in proportion to its duration.
-    idle0, t_idle = process_cpu_ns(envoy.pid), time.monotonic()
-    time.sleep(IDLE_READING_S)
-    idle_ns_per_s = (process_cpu_ns(envoy.pid) - idle0) / (time.monotonic() - t_idle)
+def load_reading(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int) -> dict:
+    """One reading: the load's answers, its seconds, and the on-CPU ns of all Envoy's threads and
+    of its main thread meanwhile, with the upstream connections it opened."""
     connections0 = envoy.stats(".upstream_cx_total")
     cpu0, main0 = process_cpu_ns(envoy.pid), task_cpu_ns(envoy.pid, envoy.pid)
     t0 = time.monotonic()
@@ -389,22 +383,74 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
     elapsed = time.monotonic() - t0
     cpu, main = process_cpu_ns(envoy.pid) - cpu0, task_cpu_ns(envoy.pid, envoy.pid) - main0
     connections1 = envoy.stats(".upstream_cx_total")
-    answered = max(1, counts["ok"])
-    out = {"requests": requests, **counts, "seconds": round(elapsed, 2),
-           "cpu_us_per_request": round(cpu / answered / 1e3, 1),
-           "main_thread_cpu_us_per_request": round(main / answered / 1e3, 1),
-           # schedstat counts ns; the figures are rounded to 0.1 µs (ticks gave 1e6 / CLK_TCK / requests)
-           "cpu_resolution_us": 0.1,
-           "idle_cpu_us_per_s": round(idle_ns_per_s / 1e3, 1),
-           "idle_cpu_us_per_request": round(idle_ns_per_s * elapsed / answered / 1e3, 1),
-           # new upstream connections (pods, tokenizer call-outs): each costs Envoy a connect
-           "upstream_connections_opened": {
-               name.removeprefix("cluster.").removesuffix(".upstream_cx_total"): value - connections0.get(name, 0)
-               for name, value in connections1.items() if value - connections0.get(name, 0) > 0}}
-    if index_work:
-        envoy.wait_for_index_flush()
-        after = envoy.settled_stats("kvroute.")
-        out["index_work"] = {k: after.get(name, 0) - before.get(name, 0) for k, name in INDEX_WORK.items()}
+    return {**counts, "seconds": elapsed, "cpu_ns": cpu, "main_ns": main,
+            "opened": {name: value - connections0.get(name, 0) for name, value in connections1.items()}}
+
+
+def pooled(readings: list[dict], requests: int) -> dict:
+    """Readings of one Envoy taken together: CPU per answered request."""
+    answered = max(1, sum(r["ok"] for r in readings))
+    opened: dict[str, int] = {}
+    for r in readings:
+        for name, n in r["opened"].items():
+            opened[name] = opened.get(name, 0) + n
+    return {"requests": requests, "ok": sum(r["ok"] for r in readings),
+            "failed": sum(r["failed"] for r in readings),
+            "seconds": round(sum(r["seconds"] for r in readings), 2),
+            "cpu_us_per_request": round(sum(r["cpu_ns"] for r in readings) / answered / 1e3, 1),
+            "main_thread_cpu_us_per_request": round(sum(r["main_ns"] for r in readings) / answered / 1e3, 1),
+            # schedstat counts ns; the figures are rounded to 0.1 µs (ticks gave 1e6 / CLK_TCK / requests)
+            "cpu_resolution_us": 0.1,
+            # new upstream connections (pods, tokenizer call-outs): each costs Envoy a connect
+            "upstream_connections_opened": {
+                name.removeprefix("cluster.").removesuffix(".upstream_cx_total"): n
+                for name, n in opened.items() if n > 0}}
+
+
+def paired_added(kvroute: list[dict], plain: list[dict]) -> list[float]:
+    """Per round, kvroute's Envoy CPU per answered request minus the plain Envoy's (µs)."""
+    def per_request(reading: dict) -> float:
+        return reading["cpu_ns"] / max(1, reading["ok"]) / 1e3
+    return [round(per_request(k) - per_request(p), 1) for k, p in zip(kvroute, plain)]
+
+
+def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int,
+                          plain: EnvoyProcess | None, rounds: int) -> dict:
+    """Envoy's CPU per request over `requests` requests in `rounds` readings, and the index
+    writer's work meanwhile. With `plain` (the same load's Envoy without kvroute, running beside
+    it), each round reads both, in alternating order, and the added CPU is the median over rounds
+    of kvroute's reading minus plain's: both see the same moment of the machine, which readings
+    of each taken minutes apart did not (plain Envoy's 30 KB reading at 1,000 pods and c2 moved
+    from 101 to 302 µs between runs)."""
+    per_round = max(1, requests // rounds)
+    for e in (envoy, plain):
+        if e is not None:
+            run_load(e.listener_port, bodies, len(bodies), 1)  # warm: every variant once
+    envoy.wait_for_index_flush()
+    before = envoy.settled_stats("kvroute.")
+    # The idle Envoy's own CPU (timers, the singleton's polls and flushes), for scale: it is part
+    # of every reading, in proportion to its duration.
+    idle0, t_idle = process_cpu_ns(envoy.pid), time.monotonic()
+    time.sleep(IDLE_READING_S)
+    idle_ns_per_s = (process_cpu_ns(envoy.pid) - idle0) / (time.monotonic() - t_idle)
+    with_kvroute: list[dict] = []
+    without: list[dict] = []
+    for r in range(rounds):
+        pair = [(envoy, with_kvroute), (plain, without)]
+        for e, readings in (pair if r % 2 == 0 else pair[::-1]):
+            if e is not None:
+                readings.append(load_reading(e, bodies, per_round, connections))
+    out = pooled(with_kvroute, per_round * rounds)
+    out["idle_cpu_us_per_s"] = round(idle_ns_per_s / 1e3, 1)
+    out["idle_cpu_us_per_request"] = round(idle_ns_per_s * out["seconds"] / max(1, out["ok"]) / 1e3, 1)
+    if without:
+        out["without_kvroute"] = pooled(without, per_round * rounds)
+        out["without_kvroute_cpu_us_per_request"] = out["without_kvroute"]["cpu_us_per_request"]
+        out["added_rounds_us"] = paired_added(with_kvroute, without)
+        out["added_cpu_us_per_request"] = round(statistics.median(out["added_rounds_us"]), 1)
+    envoy.wait_for_index_flush()
+    after = envoy.settled_stats("kvroute.")
+    out["index_work"] = {k: after.get(name, 0) - before.get(name, 0) for k, name in INDEX_WORK.items()}
     return out
 
 
@@ -412,12 +458,6 @@ def per_request(cpu: dict, work: str) -> str:
     """A counter of the reading's index work per request, or — without one."""
     count = cpu.get("index_work", {}).get(work)
     return "—" if count is None or not cpu.get("ok") else f"{count / cpu['ok']:.2f}"
-
-
-def added_cpu(cpu: dict, without_kvroute: dict) -> None:
-    """Adds to a CPU reading the same Envoy's reading without kvroute and the difference."""
-    cpu["without_kvroute_cpu_us_per_request"] = without_kvroute["cpu_us_per_request"]
-    cpu["added_cpu_us_per_request"] = round(cpu["cpu_us_per_request"] - without_kvroute["cpu_us_per_request"], 1)
 
 
 _FAILURE = re.compile(r"memory allocation|panicked|unexpected status|buffer size limit|exited with|"
@@ -460,7 +500,10 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
     pods = fleet.addresses
     plugin = {"endpoints": [{"address": a, "capacity_blocks": CAPACITY_BLOCKS} for a in pods]}
     result: dict[str, Any] = {}
-    with envoy_running(render_gateway(pods, plugin), concurrency, args.startup_timeout, result) as envoy:
+    base: dict[str, Any] = {}
+    result["envoy_without_kvroute"] = base
+    with plain_envoy(pods, concurrency, args, base) as plain, \
+            envoy_running(render_gateway(pods, plugin), concurrency, args.startup_timeout, result) as envoy:
         if envoy is None:
             return result
         envoy.wait_for_peers(timeout=60)
@@ -478,23 +521,23 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
         result["rss_after_probes_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
         result["memory_after_probes"] = allocator_memory(envoy)
         result["cpu"] = {f"{kb}KB": envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests,
-                                                          args.connections) for kb in (30, 128)}
-    base: dict[str, Any] = {}
+                                                          args.connections, plain, args.cpu_rounds)
+                         for kb in (30, 128)}
+    return result
+
+
+@contextlib.contextmanager
+def plain_envoy(pods: list[str], concurrency: int, args, result: dict):
+    """The same load's Envoy without kvroute, run beside kvroute's for paired CPU readings (None
+    when it did not start: the failure goes into `result`)."""
     # Over the whole fleet, least-request sends nearly every request to a pod it has no
     # connection to yet: the baseline would pay a connect per request that kvroute does not.
     baseline_pods = pods[:CPU_VARIANTS]
     with envoy_running(render_gateway(baseline_pods, kvroute=False), concurrency, args.startup_timeout,
-                       base) as plain:
+                       result) as plain:
         if plain is not None:
-            base["cpu"] = {f"{kb}KB": envoy_cpu_per_request(plain, chat_bodies(kb * 1024), args.cpu_requests,
-                                                            args.connections, index_work=False)
-                           for kb in (30, 128)}
-            base["rss_mb"] = round(rss_bytes(plain.pid) / 2**20, 1)
-    result["envoy_without_kvroute"] = base
-    for size, cpu in result["cpu"].items():
-        if "cpu" in base:
-            added_cpu(cpu, base["cpu"][size])
-    return result
+            result["rss_mb"] = round(rss_bytes(plain.pid) / 2**20, 1)
+        yield plain
 
 
 # ------------------------------------------------------------------ precise mode
@@ -716,8 +759,7 @@ def feed_bytes(indexer: IndexerProcess, source: KvEventSource, pods: int, rate: 
 
 
 def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, sequences: int,
-                  baseline: dict, args) -> dict:
-    """`baseline`: CPU per request of the Envoy without kvroute (same pods and concurrency)."""
+                  args) -> dict:
     pods = fleet.addresses
     # The tokenizer call-out's 50 ms timeout is widened: the stub pods tokenize in Python on a
     # busy 2-core machine, and a timed-out call-out would measure the byte fallback instead.
@@ -777,16 +819,19 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         # chat bodies without token ids: each request also makes the tokenizer call-out, or
         # (--token-memo-bytes) recalls its variant's token blocks
         result["cpu"] = {}
-        for kb in (30, 128):
-            before = envoy.stats("kvroute.tokenizer.")
-            cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections)
-            after = envoy.stats("kvroute.tokenizer.")
-            for outcome in ("ok", "failed", "recalled"):
-                key = f"wasmcustom.kvroute.tokenizer.{outcome}"
-                cpu[f"tokenizer_{outcome}"] = after.get(key, 0) - before.get(key, 0)
-            if f"{kb}KB" in baseline:
-                added_cpu(cpu, baseline[f"{kb}KB"])
-            result["cpu"][f"{kb}KB"] = cpu
+        # started only now: it must not share the machine with the snapshot's load
+        base: dict[str, Any] = {}
+        result["envoy_without_kvroute"] = base
+        with plain_envoy(pods, concurrency, args, base) as plain:
+            for kb in (30, 128):
+                before = envoy.stats("kvroute.tokenizer.")
+                cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections,
+                                            plain, args.cpu_rounds)
+                after = envoy.stats("kvroute.tokenizer.")
+                for outcome in ("ok", "failed", "recalled"):
+                    key = f"wasmcustom.kvroute.tokenizer.{outcome}"
+                    cpu[f"tokenizer_{outcome}"] = after.get(key, 0) - before.get(key, 0)
+                result["cpu"][f"{kb}KB"] = cpu
         # again after the probes and the CPU readings (and --settle-seconds more): what the
         # allocator, which returns freed pages at a bounded rate (memory_allocator_manager), gave back
         time.sleep(args.settle_seconds)
@@ -796,7 +841,7 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
     return result
 
 
-def precise(fleet: StubFleet, baselines: dict[int, dict], args) -> dict[str, Any]:
+def precise(fleet: StubFleet, args) -> dict[str, Any]:
     pods = fleet.addresses
     flags = [f"--max-pods={max(1024, len(pods))}", "--pod-timeout-seconds=0", "--scrape-interval-ms=0",
              "--queue-capacity=1000000"]
@@ -813,8 +858,7 @@ def precise(fleet: StubFleet, baselines: dict[int, dict], args) -> dict[str, Any
             result["fill_after_churn"] = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
             for c in ([] if args.no_envoy else args.concurrency):
                 log(f"precise N={len(pods)} c{c}: Envoy")
-                result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"],
-                                                baselines.get(c, {}), args)
+                result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"], args)
                 log(f"precise N={len(pods)} c{c}: {summary(result[f'c{c}'])}")
             result["indexer_rss_mb"] = round(indexer.rss_bytes() / 2**20, 1)
             result["indexer_metrics"] = {k: indexer.metric(k) for k in (
@@ -926,7 +970,7 @@ def envoy_readings(results: dict):
 
 def render(results: dict) -> str:
     rows = ["| mode | pods | c | Envoy RSS MB | index MB (the singleton's) | start s / routes on full index s |"
-            " decision_us p50 / p99 (fully matched / probes) | Envoy CPU µs/req 30 KB / 128 KB: added (without kvroute);"
+            " decision_us p50 / p99 (fully matched / probes) | Envoy CPU µs/req 30 KB / 128 KB: added, paired (without kvroute);"
             " schedstat, 0.1 µs resolution |",
             "|---|---:|---:|---:|---:|---|---|---|"]
     for n, mode, c, r, by_mode in envoy_readings(results):
@@ -984,21 +1028,22 @@ def render(results: dict) -> str:
             f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
             f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
             f" {' / '.join(taught)} |")
-    cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added | of which the idle Envoy's"
+    cpu_rows = ["| mode | pods | c | body | Envoy CPU µs/req | without kvroute | added: median of the paired rounds"
+                " (lowest to highest) | of which the idle Envoy's"
                 " (µs/s × s / req) | main thread | new upstream connections: pods / tokenizer (without kvroute) | token ids: call-out / memo |"
                 " workers' index reads per request: from shared data / kept copies |",
                 "|---|---:|---:|---|---:|---:|---:|---|---:|---|---|---|"]
     for n, mode, c, r, by_mode in envoy_readings(results):
         if not r.get("cpu"):
             continue
-        plain = r.get("envoy_without_kvroute", {}).get("cpu", {}) if mode == "approximate" else \
-            by_mode.get("approximate", {}).get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
         for size, x in r["cpu"].items():
             opened = x.get("upstream_connections_opened", {})
-            base = plain.get(size, {}).get("upstream_connections_opened", {})
+            base = x.get("without_kvroute", {}).get("upstream_connections_opened", {})
+            rounds = x.get("added_rounds_us")
+            spread = f" ({fmt(min(rounds))} to {fmt(max(rounds))})" if rounds else ""
             cpu_rows.append(
                 f"| {mode} | {n} | {c} | {size} | {fmt(x.get('cpu_us_per_request'))} |"
-                f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))} |"
+                f" {fmt(x.get('without_kvroute_cpu_us_per_request'))} | {fmt(x.get('added_cpu_us_per_request'))}{spread} |"
                 f" {fmt(x.get('idle_cpu_us_per_request'))} ({fmt(x.get('idle_cpu_us_per_s'))} × {x.get('seconds')}"
                 f" / {x.get('ok')}) | {fmt(x.get('main_thread_cpu_us_per_request'))} |"
                 f" {opened.get('vllm', 0)} / {opened.get('vllm_tokenizer', 0)} ({base.get('vllm', '—')}) |"
@@ -1037,14 +1082,17 @@ def main() -> None:
                     help="fleet sizes run in approximate mode at --concurrency 2 only (default 5000; quick none)")
     ap.add_argument("--concurrency", default="2,8")
     ap.add_argument("--probes", type=int, default=None, help="fully cached decisions measured per Envoy")
-    ap.add_argument("--cpu-requests", type=int, default=None)
+    ap.add_argument("--cpu-requests", type=int, default=None,
+                    help="requests per CPU reading of each Envoy, in --cpu-rounds rounds")
+    ap.add_argument("--cpu-rounds", type=int, default=5,
+                    help="rounds per CPU reading: each reads kvroute's Envoy and the one without, alternated,"
+                         " and the added CPU is the median of the rounds' differences")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--churn-seconds", type=float, default=None)
     ap.add_argument("--max-churn-blocks-s", type=int, default=20_000,
                     help="cap on generated stored blocks/s over the fleet (above: a lower per-pod rate, extrapolated)")
     ap.add_argument("--precise-only", action="store_true",
-                    help="skip approximate mode for the --pods fleets (precise mode then reports Envoy CPU per "
-                         "request without the added-by-kvroute difference)")
+                    help="skip approximate mode for the --pods fleets")
     ap.add_argument("--no-envoy", action="store_true",
                     help="precise mode: fill the indexer and measure the feed only, start no Envoy")
     ap.add_argument("--settle-seconds", type=float, default=0,
@@ -1085,9 +1133,7 @@ def main() -> None:
                 runs["approximate"][f"c{c}"] = approximate(fleet, c, args)
                 log(f"approximate N={n} c{c}: {summary(runs['approximate'][f'c{c}'])}")
             if n not in big:
-                baselines = {c: runs["approximate"].get(f"c{c}", {}).get("envoy_without_kvroute", {}).get("cpu", {})
-                             for c in args.concurrency}
-                runs["precise"] = precise(fleet, baselines, args)
+                runs["precise"] = precise(fleet, args)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     results["seconds"] = round(time.monotonic() - t0)
     results["checks"] = verify(results)

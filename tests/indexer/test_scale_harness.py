@@ -132,3 +132,14 @@ def test_index_reads_per_request_only_where_counted():
     assert scale.per_request({"ok": 4, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "0.50"
     assert scale.per_request({"ok": 4}, "lookup_reads") == "—"
     assert scale.per_request({"ok": 0, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "—"
+
+
+def test_added_cpu_is_paired_by_round():
+    def reading(us_per_request: float, ok: int = 100) -> dict:
+        return {"ok": ok, "failed": 0, "seconds": 0.1, "cpu_ns": us_per_request * 1e3 * ok, "main_ns": 0,
+                "opened": {}}
+    kvroute = [reading(300), reading(210), reading(250)]
+    plain = [reading(200), reading(110), reading(145)]
+    assert scale.paired_added(kvroute, plain) == [100.0, 100.0, 105.0]
+    together = scale.pooled(kvroute, 300)
+    assert (together["ok"], together["cpu_us_per_request"]) == (300, 253.3)
