@@ -402,11 +402,9 @@ impl Singleton {
     /// `kvroute_core::feed_forward`); between those, no word.
     fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
-        let due = self.list_forwarding.needs_full_list(
-            !update.pods_unchanged,
-            &recipients,
-            host::now().millis,
-        );
+        let due =
+            self.list_forwarding
+                .list_due(!update.pods_unchanged, &recipients, host::now().millis);
         if !due {
             return;
         }

@@ -13,7 +13,7 @@
 /// it could not decode it).
 pub const FULL_LIST_EVERY_MS: u64 = 1_000;
 
-/// When the last whole list went, and to which queues.
+/// When the last list went, and to which queues.
 #[derive(Debug, Default)]
 pub struct ListForwarding {
     sent_to: Vec<u32>,
@@ -21,10 +21,10 @@ pub struct ListForwarding {
 }
 
 impl ListForwarding {
-    /// Whether the forward of an update to `recipients` must carry the whole
-    /// pod list: it or its load changed, a recipient was not sent the last
-    /// one, or that one is [`FULL_LIST_EVERY_MS`] old.
-    pub fn needs_full_list(&mut self, changed: bool, recipients: &[u32], now_ms: u64) -> bool {
+    /// Whether the pod list goes to `recipients` after this feed answer: it
+    /// or its load changed, a recipient was not sent the last one, or that
+    /// one is [`FULL_LIST_EVERY_MS`] old.
+    pub fn list_due(&mut self, changed: bool, recipients: &[u32], now_ms: u64) -> bool {
         let newcomer = recipients.iter().any(|q| !self.sent_to.contains(q));
         let due = self
             .sent_ms
@@ -59,7 +59,7 @@ mod tests {
         let mut forwarding = ListForwarding::default();
         for (changed, recipients, now_ms, full, why) in steps {
             assert_eq!(
-                forwarding.needs_full_list(changed, recipients, now_ms),
+                forwarding.list_due(changed, recipients, now_ms),
                 full,
                 "{why}"
             );

@@ -904,6 +904,13 @@ def verify(results: dict) -> dict[str, Any]:
                                    d["blocks_matched_counter"] == d["blocks_matched_header"] > 0))
                 for size, cpu in r.get("cpu", {}).items():
                     checks.append((f"{where}: {size} load all answered 200", cpu["failed"] == 0 and cpu["ok"] > 0))
+                    checks.append((f"{where}: {size} load routed by kvroute",
+                                   cpu.get("index_work", {}).get("blocks_total", 0) > 0))
+                    plain = cpu.get("without_kvroute")
+                    if plain is not None:
+                        checks.append((f"{where}: {size} Envoy without kvroute answered all 200, every round paired",
+                                       plain["failed"] == 0 and plain["ok"] > 0
+                                       and len(cpu.get("added_rounds_us", [])) == results.get("cpu_rounds")))
                     if "tokenizer_ok" in cpu:
                         recalled = cpu.get("tokenizer_recalled", 0)
                         checks.append((f"{where}: {size} requests all got token ids (call-out or token memo)",
@@ -1119,6 +1126,7 @@ def main() -> None:
                                "argv": sys.argv[1:], "machine": machine(), "capacity_blocks": CAPACITY_BLOCKS,
                                "fill": FILL, "sequence_blocks": SEQUENCE_BLOCKS, "concurrency": args.concurrency,
                                "route_timeout_s": args.route_timeout, "cpu_requests": args.cpu_requests,
+                               "cpu_rounds": args.cpu_rounds,
                                "token_memo_bytes": args.token_memo_bytes,
                                "fleets": {}}
     log(f"Envoy CPU per request: on-CPU ns of its threads (schedstat) over {args.cpu_requests} requests, "

@@ -85,13 +85,13 @@ def test_verify_flags_a_failed_start_a_decision_that_did_not_match_and_a_short_f
                 "blocks_matched_counter": 1024}
     results = {"fleets": {"8": {
         "approximate": {"c2": {"started": True, "decision": dict(decision),
-                               "cpu": {"30KB": {"ok": 5, "failed": 0}}}},
+                               "cpu": {"30KB": {"ok": 5, "failed": 0, "index_work": {"blocks_total": 40}}}}},
         "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10},
                     "c2": {"started": True, "routes_on_full_index": True, "decision": dict(decision)},
                     "c8": {"started": False}}}}}
     assert scale.verify(results)["failed"] == ["precise N=8 c8: Envoy started"]
     results["fleets"]["8"]["precise"]["c8"] = {"started": True, "routes_on_full_index": True}
-    assert scale.verify(results) == {"made": 13, "failed": []}
+    assert scale.verify(results) == {"made": 14, "failed": []}
     results["fleets"]["8"]["approximate"]["c2"]["decision"].update(fully_matched=1, blocks_matched_counter=0)
     results["fleets"]["8"]["precise"]["fill"]["indexed_entries"] = 9
     results["fleets"]["8"]["precise"]["c8"]["routes_on_full_index"] = False
@@ -100,6 +100,18 @@ def test_verify_flags_a_failed_start_a_decision_that_did_not_match_and_a_short_f
         "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
         "precise N=8 c8: routed on the full index",
         "precise N=8: indexer holds every entry sent"]
+
+
+def test_verify_flags_cpu_readings_not_routed_or_not_paired():
+    reading = {"ok": 5, "failed": 0, "index_work": {"blocks_total": 0},
+               "without_kvroute": {"ok": 5, "failed": 1}, "added_rounds_us": [90.0, 95.0]}
+    results = {"cpu_rounds": 5, "fleets": {"8": {"approximate": {"c2": {"started": True, "cpu": {"30KB": reading}}}}}}
+    assert scale.verify(results)["failed"] == [
+        "approximate N=8 c2: 30KB load routed by kvroute",
+        "approximate N=8 c2: 30KB Envoy without kvroute answered all 200, every round paired"]
+    reading.update(index_work={"blocks_total": 40}, without_kvroute={"ok": 5, "failed": 0},
+                   added_rounds_us=[90.0, 95.0, 80.0, 99.0, 101.0])
+    assert scale.verify(results)["failed"] == []
 
 
 def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):

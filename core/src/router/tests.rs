@@ -384,8 +384,9 @@ fn feed_owns_pods_and_precise_entries_route() {
     );
     let d = cluster.decide(&c, &hashed, 101, 0).unwrap();
     assert_eq!((d.pod.as_str(), d.matched_blocks), ("y:1", 8));
-    // What the singleton forwards when the list did not change: the pods
-    // stay, and the word that the feed is alive keeps precise entries trusted.
+    // An update whose list did not change (the feed client's between lists):
+    // the pods stay, and the word that the feed is alive keeps precise
+    // entries trusted.
     let heartbeat = FeedUpdate {
         snapshot: false,
         pods: Vec::new(),
