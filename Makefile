@@ -36,6 +36,10 @@ $(VENV)/.installed: integration/requirements.txt
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r integration/requirements.txt
 	touch $@
 
+.PHONY: wrk
+wrk: ## wrk, the HTTP load generator of the CPU readings (Debian package)
+	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+
 .PHONY: run
 run: build native venv ## local demo: 4 simulated vLLM pods behind Envoy with kvroute on 127.0.0.1:10000
 	$(PY) integration/run_local.py
@@ -62,7 +66,7 @@ unit: ## cargo test --workspace
 	cargo test --workspace
 
 .PHONY: e2e
-e2e: build native venv ## every pytest suite (tests/), with the real Envoy at --concurrency 2
+e2e: build native venv wrk ## every pytest suite (tests/), with the real Envoy at --concurrency 2
 	KVROUTE_SIM_BIN=target/release/vllm-sim KVROUTE_INDEXER_BIN=target/release/kvroute-indexer \
 	  $(PY) -m pytest tests
 

@@ -29,8 +29,7 @@ BENCH_TIME_SCALE ?= 0.25
 bench-full-scaled: bench-prereqs ## the same at sim.time_scale BENCH_TIME_SCALE (0.25: ~3 hours)
 	$(BENCH_PY) integration/bench/run.py --profile full --set sim.time_scale=$(BENCH_TIME_SCALE) $(BENCH_ARGS)
 
-bench-overhead: bench-prereqs ## router cost: kvroute vs the same Envoy, and the peers' HTTP hop (wrk)
-	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+bench-overhead: bench-prereqs wrk ## router cost: kvroute vs the same Envoy, and the peers' HTTP hop (wrk)
 	$(BENCH_PY) integration/bench/overhead.py $(OVERHEAD_ARGS)
 
 bench-report: bench-venv ## re-render report.md and plot.png of a run: RUN=build/bench/<run>
@@ -51,5 +50,5 @@ bench-phases-wasm: ## a routed request's phases (parse, hash, lookup) as the fil
 
 SCALE_ARGS ?=
 .PHONY: bench-scale
-bench-scale: venv build native ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)
+bench-scale: venv build native wrk ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)
 	$(PY) integration/bench/scale.py $(SCALE_ARGS)

