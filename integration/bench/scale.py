@@ -20,7 +20,8 @@ Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
   both, alternated: the added CPU is the median of the rounds' differences. The Envoy without
   kvroute balances over as many pods as the load has prompt variants (CPU_VARIANTS), the most
   kvroute sends them to: both then reuse their upstream connections, and neither pays a new one
-  per request. CPU is the on-CPU time of all Envoy's threads as the scheduler counts it (/proc/<pid>/task/*/schedstat, ns), reported to 0.1 µs per request.
+  per request. CPU is the on-CPU time of all Envoy's threads as the scheduler counts it
+  (/proc/<pid>/task/*/schedstat, ns), reported to 0.1 µs per request.
 Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1,000:
   the indexer filled to 70 % of capacity by synthetic vLLM KV events over ZMQ (BlockStored
   batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed

@@ -51,9 +51,9 @@ def version() -> list[str]:
 
 
 def run(url: str, script: str, env: dict[str, str], connections: int, duration: int) -> dict[str, Any]:
-    """One wrk run of `duration` seconds at most (a script may stop it sooner), one thread,
-    `connections` keep-alive connections: its parsed summary and exit code, with the end of its
-    output when it failed."""
+    """One wrk run of `duration` seconds (a script's `wrk.thread:stop()` does not end it sooner:
+    wrk waits out `-d`), one thread, `connections` keep-alive connections: its parsed summary and
+    exit code, with the end of its output when it failed."""
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s", "-s", script, url]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration + 60)
     r = parse(p.stdout)
