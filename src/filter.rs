@@ -8,6 +8,7 @@ use crate::remote::{self, PendingLookup};
 use crate::worker::{RoutedRequest, SharedWorker, Taught};
 use kvroute_core::admission::sheds;
 use kvroute_core::budget::client_key;
+use kvroute_core::codec::CodecError;
 use kvroute_core::config::{Admission, Config};
 use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::header_map::HeaderMap;
@@ -527,11 +528,10 @@ impl RequestFilter {
 
     /// Judges the response against the decision and acts on the verdict; a
     /// successful answer waits for its end ([`RequestFilter::settle_end`]).
-    fn settle(&mut self, served_by: Option<&str>) {
+    fn settle(&mut self, status: Option<u16>, served_by: Option<&str>) {
         let Some(request) = self.unsettled.take() else {
             return;
         };
-        let status = host::response_header(":status").and_then(|s| s.parse().ok());
         let outcome = judge(&request.pod, &Response { status, served_by });
         if outcome == Outcome::Confirmed {
             self.answering = Some(request);
@@ -605,25 +605,45 @@ fn inject_tenant_salt(
     Ok(())
 }
 
-/// The request headers: read at once, or (should the proxy's map not
-/// decode) one host call per header as before.
-enum RequestHeaders<'a> {
+/// A callback's headers: read at once, or (should the proxy's map not
+/// decode) one host call per header read with the given reader.
+enum Headers<'a> {
     Read(&'a HeaderMap<'a>),
-    OneByOne,
+    OneByOne(fn(&str) -> Option<String>),
 }
 
-impl RequestHeaders<'_> {
+impl<'a> Headers<'a> {
+    /// The headers in `decoded` (what the proxy serialized, decoded), or
+    /// `one_by_one` when there is no map; `which` names them in the log line.
+    fn of(
+        decoded: &'a Option<Result<HeaderMap<'a>, CodecError>>,
+        one_by_one: fn(&str) -> Option<String>,
+        which: &str,
+    ) -> Headers<'a> {
+        match decoded {
+            Some(Ok(map)) => Headers::Read(map),
+            Some(Err(e)) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!("kvroute: {which} headers unreadable at once ({e}); reading them one by one"),
+                );
+                Headers::OneByOne(one_by_one)
+            }
+            None => Headers::OneByOne(one_by_one),
+        }
+    }
+
     fn get(&self, name: &str) -> Option<String> {
         match self {
-            RequestHeaders::Read(map) => map.get(name),
-            RequestHeaders::OneByOne => host::request_header(name),
+            Headers::Read(map) => map.get(name),
+            Headers::OneByOne(read) => read(name),
         }
     }
 
     fn may_contain(&self, name: &str) -> bool {
         match self {
-            RequestHeaders::Read(map) => map.contains(name),
-            RequestHeaders::OneByOne => true,
+            Headers::Read(map) => map.contains(name),
+            Headers::OneByOne(_) => true,
         }
     }
 }
@@ -724,18 +744,8 @@ impl HttpContext for RequestFilter {
         drop(w);
         // One host call for every header this callback reads.
         let serialized = host::request_header_map();
-        let map = serialized.as_deref().map(HeaderMap::decode);
-        let headers = match &map {
-            Some(Ok(map)) => RequestHeaders::Read(map),
-            Some(Err(e)) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("kvroute: request headers unreadable at once ({e}); reading them one by one"),
-                );
-                RequestHeaders::OneByOne
-            }
-            None => RequestHeaders::OneByOne,
-        };
+        let decoded = serialized.as_deref().map(HeaderMap::decode);
+        let headers = Headers::of(&decoded, host::request_header, "request");
         // A client must never pick the pod: drop any value it sent.
         if headers.may_contain(&config.destination_header)
             && host::set_request_header(&config.destination_header, None).is_err()
@@ -820,13 +830,20 @@ impl HttpContext for RequestFilter {
         let Some(config) = self.worker.try_borrow().ok().map(|w| w.config.clone()) else {
             return Action::Continue;
         };
+        // One host call for the status and the served header.
+        let serialized = host::response_header_map();
+        let decoded = serialized.as_deref().map(HeaderMap::decode);
+        let headers = Headers::of(&decoded, host::response_header, "response");
         // The route's header spares the property read: docs/results/2026-12-04-overhead-host-calls.
         let served_by = if config.served_header_from_route {
-            host::response_header(&config.served_header).filter(|v| names_a_host(v))
+            headers
+                .get(&config.served_header)
+                .filter(|v| names_a_host(v))
         } else {
             host::property(&["upstream", "address"])
         };
-        self.settle(served_by.as_deref());
+        let status = headers.get(":status").and_then(|s| s.parse().ok());
+        self.settle(status, served_by.as_deref());
         let explanation = self
             .explanation
             .take()

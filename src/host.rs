@@ -79,13 +79,22 @@ extern "C" {
 /// (read with `kvroute_core::header_map::HeaderMap`). The SDK's own reader
 /// would panic on a header name that is not UTF-8.
 pub fn request_header_map() -> Option<Bytes> {
+    header_map(MapType::HttpRequestHeaders)
+}
+
+/// Every response header in one host call (see [`request_header_map`]).
+pub fn response_header_map() -> Option<Bytes> {
+    header_map(MapType::HttpResponseHeaders)
+}
+
+fn header_map(map: MapType) -> Option<Bytes> {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: on success the host hands over a buffer of `size` bytes that
     // it allocated through this module's `proxy_on_memory_allocate` (the
     // SDK's, a `Vec<u8>` of that capacity): ownership passes to the Vec.
     unsafe {
-        let status = proxy_get_header_map_pairs(MapType::HttpRequestHeaders, &mut data, &mut size);
+        let status = proxy_get_header_map_pairs(map, &mut data, &mut size);
         if status != Status::Ok || data.is_null() {
             return None;
         }
