@@ -6,9 +6,16 @@
 //!
 //! Bounded by entries and by hashes held; an entry lives two flush periods
 //! (by then its flush has landed).
+//!
+//! Every routed request looks entries up and records one or two. An entry
+//! keeps inline what tells it apart and what matches it whole (its pod's
+//! key, its first and last hash), so that comparing it reads neither its
+//! hash list nor its pod's name: each would be a cache miss, the VM's state
+//! being cold by then (docs/results/2026-12-05-c8-phases).
 
 use crate::hash::{shared_prefix, BlockHash};
 use std::collections::VecDeque;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Recent decisions kept at most.
 pub const RECENT_ENTRIES: usize = 256;
@@ -18,10 +25,36 @@ pub const RECENT_HASHES: usize = 1 << 16;
 #[derive(Debug, Clone)]
 struct Recent {
     at_ms: u64,
+    /// [`pod_key`] of `pod`.
+    pod_key: u64,
     pod: String,
-    /// `hashes[0]`, kept inline: most entries are told apart by it alone.
+    /// `hashes[0]`: most entries are told apart by it alone.
     first: BlockHash,
+    /// The last of `hashes`: a chained hash covers its prefix, so a prompt
+    /// with it at the same place holds the whole entry.
+    last: BlockHash,
     hashes: Vec<BlockHash>,
+}
+
+impl Recent {
+    /// How many leading blocks of `hashes` this entry holds (both are
+    /// chains: equal hashes at one place mean equal prefixes up to it).
+    fn shared_with(&self, hashes: &[BlockHash]) -> usize {
+        let n = self.hashes.len();
+        if hashes.get(n.wrapping_sub(1)) == Some(&self.last) {
+            return n;
+        }
+        shared_prefix(&self.hashes, hashes)
+    }
+
+    fn is_for(&self, key: u64, pod: &str) -> bool {
+        self.pod_key == key && self.pod == pod
+    }
+}
+
+/// A pod's name as a number, compared before the name itself.
+fn pod_key(pod: &str) -> u64 {
+    xxh3_64(pod.as_bytes())
 }
 
 #[derive(Debug, Clone, Default)]
@@ -46,18 +79,19 @@ impl RecentRoutes {
 
     /// `pod` was taught `hashes` at `now_ms`.
     pub fn record(&mut self, pod: &str, hashes: &[BlockHash], now_ms: u64) {
-        let Some(&first) = hashes.first() else {
+        let hashes = &hashes[..hashes.len().min(RECENT_HASHES)];
+        let (Some(&first), Some(&last)) = (hashes.first(), hashes.last()) else {
             return;
         };
-        let hashes = &hashes[..hashes.len().min(RECENT_HASHES)];
+        let key = pod_key(pod);
         // A prompt sent again to the same pod (the common case under
         // prefix affinity) renews its entry: no copy of its hashes, and
         // lookups compare one entry instead of one per repeat.
         let repeat = self.entries.iter().rposition(|e| {
             e.first == first
+                && e.last == last
                 && e.hashes.len() == hashes.len()
-                && e.pod == pod
-                && shared_prefix(&e.hashes, hashes) == hashes.len()
+                && e.is_for(key, pod)
         });
         let entry = match repeat.and_then(|i| self.entries.remove(i)) {
             Some(renewed) => Recent {
@@ -68,8 +102,10 @@ impl RecentRoutes {
                 self.hashes += hashes.len();
                 Recent {
                     at_ms: now_ms,
+                    pod_key: key,
                     pod: pod.to_string(),
                     first,
+                    last,
                     hashes: hashes.to_vec(),
                 }
             }
@@ -102,18 +138,25 @@ impl RecentRoutes {
         {
             self.pop_oldest();
         }
-        let mut out: Vec<(&str, usize)> = Vec::new();
         let Some(&first) = hashes.first() else {
-            return out;
+            return Vec::new();
         };
+        // Pods told apart by key: one pod's entries share it.
+        let mut found: Vec<(u64, &str, usize)> = Vec::new();
         for entry in self.entries.iter().filter(|e| e.first == first) {
-            let blocks = shared_prefix(&entry.hashes, hashes);
-            match out.iter_mut().find(|(pod, _)| *pod == entry.pod) {
-                Some(known) => known.1 = known.1.max(blocks),
-                None => out.push((entry.pod.as_str(), blocks)),
+            let blocks = entry.shared_with(hashes);
+            match found
+                .iter_mut()
+                .find(|(key, pod, _)| entry.is_for(*key, pod))
+            {
+                Some(known) => known.2 = known.2.max(blocks),
+                None => found.push((entry.pod_key, entry.pod.as_str(), blocks)),
             }
         }
-        out
+        found
+            .into_iter()
+            .map(|(_, pod, blocks)| (pod, blocks))
+            .collect()
     }
 
     /// The longest prefix of `hashes` this VM taught `pod` at or after
@@ -128,15 +171,16 @@ impl RecentRoutes {
         let Some(&first) = hashes.first() else {
             return 0;
         };
+        let key = pod_key(pod);
         self.entries
             .iter()
             .filter(|e| {
                 e.first == first
                     && e.at_ms >= since_ms
                     && now_ms.saturating_sub(e.at_ms) <= self.keep_ms
-                    && e.pod == pod
+                    && e.is_for(key, pod)
             })
-            .map(|e| shared_prefix(&e.hashes, hashes))
+            .map(|e| e.shared_with(hashes))
             .max()
             .unwrap_or(0)
     }
@@ -164,6 +208,23 @@ mod tests {
         recent.forget("b");
         assert_eq!(recent.matches(&hashes(&[1, 2, 3, 5]), 240), vec![("a", 2)]);
         assert!(recent.matches(&hashes(&[]), 260).is_empty());
+    }
+
+    #[test]
+    fn an_entry_matches_whole_or_in_part() {
+        let mut recent = RecentRoutes::new(200);
+        recent.record("a", &hashes(&[1, 2, 3]), 0);
+        recent.record("b", &hashes(&[1, 2, 3]), 0);
+        recent.record("a", &hashes(&[1, 2]), 0);
+        let mut got = recent.matches(&hashes(&[1, 2, 3, 4]), 10);
+        got.sort_unstable();
+        // Whole entries (their last hash found in place), one line per pod.
+        assert_eq!(got, vec![("a", 3), ("b", 3)]);
+        // A prompt shorter than an entry, and one that parts inside it.
+        let mut got = recent.matches(&hashes(&[1, 2]), 10);
+        got.sort_unstable();
+        assert_eq!(got, vec![("a", 2), ("b", 2)]);
+        assert_eq!(recent.taught_since("b", &hashes(&[1, 2, 9]), 0, 10), 2);
     }
 
     #[test]
