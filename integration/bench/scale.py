@@ -310,11 +310,13 @@ def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.2) -> 
 
 
 def settled_buckets(envoy: EnvoyProcess, name: str) -> list[tuple[float, float, int]]:
-    """The histogram once it holds every decision counted so far: counters are live, but the
-    workers' histograms reach the admin endpoint only at Envoy's stats flush."""
+    """The histogram once it holds every decision made so far: the workers add their decision
+    counters to Envoy's stats at their duty tick, and their histograms reach the admin endpoint
+    only at Envoy's stats flush."""
+    counters = envoy.settled_stats("kvroute.decision.")
+    decisions = sum(counters.get(f"wasmcustom.kvroute.decision.{k}", 0) for k in ("prefix", "load"))
+
     def read() -> list | None:
-        counters = envoy.stats("kvroute.decision.")
-        decisions = sum(counters.get(f"wasmcustom.kvroute.decision.{k}", 0) for k in ("prefix", "load"))
         buckets = histogram_buckets(envoy, name)
         return buckets if sum(c for _, _, c in buckets) >= decisions else None
     return wait_for(read, 30) or histogram_buckets(envoy, name)
