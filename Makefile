@@ -20,7 +20,7 @@ help: ## this list: every make target with one line
 all: build native ## the filter and the native companions (build + native)
 
 .PHONY: build
-build: ## the filter: optimised release kvroute.wasm (LTO, stripped) (adds the wasm32-wasip1 target if missing)
+build: ## the filter: optimised release kvroute.wasm, LTO and stripped (adds the wasm32-wasip1 target if missing)
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	cargo build --release --target wasm32-wasip1 -p kvroute
 	@ls -l $(WASM)

@@ -67,7 +67,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -227,22 +226,17 @@ def parse_decision(header: str) -> dict[str, Any]:
             "unit": matched[1] if len(matched) > 1 else ""}
 
 
-def run_load(port: int, bodies: list[bytes], requests: int, connections: int) -> dict[str, int]:
-    """Sends `requests` bodies round-robin over `connections` keep-alive connections."""
-    def worker(slot: int) -> dict[str, int]:
-        client = Client(port)
-        counts = {"ok": 0, "failed": 0}
-        try:
-            for i in range(slot, requests, connections):
-                status, _ = client.post(bodies[i % len(bodies)])
-                counts["ok" if status == 200 else "failed"] += 1
-        finally:
-            client.close()
-        return counts
-
-    with ThreadPoolExecutor(connections) as pool:
-        results = list(pool.map(worker, range(connections)))
-    return {k: sum(r[k] for r in results) for k in ("ok", "failed")}
+def post_each(port: int, bodies: list[bytes]) -> dict[str, int]:
+    """Sends each body once, in order, over one keep-alive connection."""
+    client = Client(port)
+    counts = {"ok": 0, "failed": 0}
+    try:
+        for body in bodies:
+            status, _ = client.post(body)
+            counts["ok" if status == 200 else "failed"] += 1
+    finally:
+        client.close()
+    return counts
 
 
 # ------------------------------------------------------------------ Envoy readings
@@ -382,8 +376,8 @@ INDEX_WORK = {"read_back": "wasmcustom.kvroute.index.read_back",
 
 def wrk_load(port: int, body_file: str, seconds: int, connections: int) -> dict[str, int]:
     """wrk POSTing the bodies of `body_file` in turn over `connections` keep-alive connections for
-    `seconds`: the Python clients of `run_load` would take about one of the machine's two cores
-    from the Envoy being read."""
+    `seconds`: Python clients would take about one of the machine's two cores from the Envoy
+    being read."""
     env = dict(os.environ, BODY_FILE=body_file)
     r = wrk.run(f"http://127.0.0.1:{port}/", str(LOAD_SCRIPT), env, connections, seconds)
     if r["rc"] != 0 or "requests" not in r:
@@ -443,7 +437,7 @@ def envoy_cpu_per_request(envoy: EnvoyProcess, bodies: list[bytes], seconds: int
     from 101 to 302 µs between runs)."""
     for e in (envoy, plain):
         if e is not None:
-            run_load(e.listener_port, bodies, len(bodies), 1)  # warm: every variant once
+            post_each(e.listener_port, bodies)  # warm: every variant once
     envoy.wait_for_index_flush()
     before = envoy.settled_stats("kvroute.")
     # The idle Envoy's own CPU (timers, the singleton's polls and flushes), for scale: it is part
@@ -532,7 +526,7 @@ def approximate(fleet: StubFleet, concurrency: int, args) -> dict[str, Any]:
         result["memory_after_start"] = allocator_memory(envoy)
         # Teach, then probe: each sequence is learned on the pod of its first decision.
         taught = [token_request(sequence_tokens(i, 0)) for i in range(args.probes)]
-        teach = run_load(envoy.listener_port, taught, len(taught), 1)
+        teach = post_each(envoy.listener_port, taught)
         result["teach"] = teach
         envoy.wait_for_index_flush()  # the singleton publishes what the teaching pass taught
         result["decision"] = decision_latency(envoy, [(body, None) for body in taught])
@@ -1116,7 +1110,7 @@ def main() -> None:
     ap.add_argument("--cpu-rounds", type=int, default=5,
                     help="rounds per CPU reading: each reads kvroute's Envoy and the one without, alternated,"
                          " and the added CPU is the median of the rounds' differences")
-    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--connections", type=int, default=4, help="wrk's keep-alive connections in the CPU readings")
     ap.add_argument("--churn-seconds", type=float, default=None)
     ap.add_argument("--max-churn-blocks-s", type=int, default=20_000,
                     help="cap on generated stored blocks/s over the fleet (above: a lower per-pod rate, extrapolated)")
