@@ -31,9 +31,10 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   snapshot is loaded and published, `feed.snapshots` ≥ 1 with nothing deferred, and then an
   8k-token prompt of a random pod is fully matched on that pod; or the failure as the result), its RSS,
   `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
-  CPU per chat request including the tokenizer call-out (every request: `tokenizer.memo_bytes`
-  is 0 unless --token-memo-bytes gives the workers a token memo, which then recalls the
-  variants' token blocks and spares their call-outs; the counts of each are checked). Both modes also record the CPU of
+  CPU per chat request including the tokenizer call-out (the workers' token memo, the plugin's
+  default `tokenizer.memo_bytes` unless --token-memo-bytes says otherwise, recalls the variants'
+  token blocks after their first call-outs; with 0 every request makes the call-out; the counts
+  of each are checked). Both modes also record the CPU of
   Envoy's main thread, where the singleton (the index's one writer) runs: per request, and in
   precise mode from start until the index is routable.
 Every RSS is read with Envoy's allocator figures (admin `GET /memory`: live heap, free memory
@@ -82,6 +83,9 @@ from proctools import stop_pid, wait_ready  # noqa: E402
 import wrk  # noqa: E402
 
 CAPACITY_BLOCKS = 19_208  # one Qwen3-32B pod
+# The plugin's default tokenizer.memo_bytes, so that a run reads the shipped setting.
+PLUGIN_MEMO_BYTES = json.loads((REPO / "schema" / "plugin-config.schema.json").read_text())[
+    "properties"]["tokenizer"]["properties"]["memo_bytes"]["default"]
 FILL = 0.70
 BLOCK_SIZE = 16
 SEQUENCE_BLOCKS = 512  # an 8k-token prompt
@@ -1122,8 +1126,10 @@ def main() -> None:
                     help="precise mode: idle this long after the CPU readings before the last RSS reading")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
-    ap.add_argument("--token-memo-bytes", type=int, default=0,
-                    help="precise mode: the workers' tokenizer.memo_bytes (0: every chat request makes the call-out)")
+    ap.add_argument("--token-memo-bytes", type=int, default=PLUGIN_MEMO_BYTES,
+                    help="precise mode: the workers' tokenizer.memo_bytes (default: the plugin's, "
+                         f"{PLUGIN_MEMO_BYTES}; "
+                         "0: every chat request makes the call-out)")
     ap.add_argument("--results-dir", default=None)
     args = ap.parse_args()
     wrk.require()
