@@ -86,18 +86,88 @@ impl From<serde_json::Error> for ParseError {
     }
 }
 
-#[derive(Deserialize)]
+/// The fields of a request body kvroute reads; the rest are skipped.
+const READ_FIELDS: [&str; 5] = [
+    "model",
+    "messages",
+    "prompt",
+    "prompt_token_ids",
+    "cache_salt",
+];
+
+/// What [`READ_FIELDS`] hold.
+#[derive(Default)]
 struct RawRequest<'a> {
-    #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
     messages: Option<Vec<RawMessage<'a>>>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
-    #[serde(borrow, default)]
+    prompt: Option<PromptValue<'a>>,
+    prompt_token_ids: Option<PromptValue<'a>>,
     cache_salt: Option<Cow<'a, str>>,
+}
+
+/// `prompt` or `prompt_token_ids` as read in the body's one pass: an array
+/// of ids is parsed where it stands (serde would first scan it to find its
+/// end, half the cost of an 8k-id body); any other value is kept raw.
+enum PromptValue<'a> {
+    Ids(Vec<u32>),
+    Raw(&'a RawValue),
+}
+
+impl<'a> RawRequest<'a> {
+    /// Reads a request body: a JSON object whose other fields are skipped.
+    /// A field given twice is an error, as serde's derive makes it.
+    fn read(body: &'a [u8]) -> Result<RawRequest<'a>, ParseError> {
+        let mut raw = RawRequest::default();
+        let mut seen: Vec<Cow<'a, str>> = Vec::new();
+        walk_object(body, "request", |key, value| {
+            if READ_FIELDS.contains(&key.as_ref()) {
+                if seen.contains(&key) {
+                    return Err(ParseError::Malformed(format!(
+                        "request: duplicate field `{key}`"
+                    )));
+                }
+                seen.push(key.clone());
+            }
+            let used = match key.as_ref() {
+                "model" => read_into(&mut raw.model, value)?,
+                "messages" => read_into(&mut raw.messages, value)?,
+                "cache_salt" => read_into(&mut raw.cache_salt, value)?,
+                "prompt" => read_prompt_value(&mut raw.prompt, value)?,
+                "prompt_token_ids" => read_prompt_value(&mut raw.prompt_token_ids, value)?,
+                _ => json_value::<IgnoredAny>(value)?.1,
+            };
+            Ok(used)
+        })?;
+        Ok(raw)
+    }
+}
+
+/// Reads a field's value (`null` is none) into `slot`; the bytes it took.
+fn read_into<'a, T: Deserialize<'a>>(
+    slot: &mut Option<T>,
+    value: &'a [u8],
+) -> Result<usize, ParseError> {
+    let (read, used) = json_value::<Option<T>>(value)?;
+    *slot = read;
+    Ok(used)
+}
+
+/// Reads `prompt` or `prompt_token_ids`: an array whose first element is a
+/// number goes to the id scanner, anything else is kept raw.
+fn read_prompt_value<'a>(
+    slot: &mut Option<PromptValue<'a>>,
+    value: &'a [u8],
+) -> Result<usize, ParseError> {
+    let open = skip_whitespace(value, 0);
+    let first = skip_whitespace(value, open + 1);
+    if value.get(open) == Some(&b'[') && value.get(first).is_some_and(u8::is_ascii_digit) {
+        let (ids, used) = parse_token_ids(value)?;
+        *slot = Some(PromptValue::Ids(ids));
+        return Ok(used);
+    }
+    let (raw, used) = json_value::<Option<&RawValue>>(value)?;
+    *slot = raw.map(PromptValue::Raw);
+    Ok(used)
 }
 
 #[derive(Deserialize)]
@@ -167,13 +237,19 @@ struct RawPart<'a> {
 /// Parses a chat or completion body. Unknown fields are ignored, as an
 /// OpenAI-compatible server does.
 pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
-    let raw: RawRequest = serde_json::from_slice(body)?;
+    let raw = RawRequest::read(body)?;
     let model = raw.model.map(Cow::into_owned).unwrap_or_default();
     let mut multimodal = false;
     let prompt = if let Some(tokens) = raw.prompt_token_ids {
-        Prompt::Tokens(parse_token_ids(tokens.get().as_bytes())?.0)
+        Prompt::Tokens(match tokens {
+            PromptValue::Ids(ids) => ids,
+            PromptValue::Raw(raw) => parse_token_ids(raw.get().as_bytes())?.0,
+        })
     } else if let Some(prompt) = raw.prompt {
-        parse_prompt(prompt)?
+        match prompt {
+            PromptValue::Ids(ids) => Prompt::Tokens(ids),
+            PromptValue::Raw(raw) => parse_prompt(raw)?,
+        }
     } else if let Some(messages) = raw.messages {
         let (text, parts) = render_messages(&messages)?;
         multimodal = parts;
@@ -469,13 +545,38 @@ pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
 /// object is walked here; keys and the other fields' values are read by
 /// serde, the `tokens` array by the token-id scanner.
 pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
-    let bad = |what: &str| ParseError::Malformed(format!("tokenize answer: {what}"));
+    let mut tokens = None;
+    walk_object(body, "tokenize answer", |key, value| {
+        if key != "tokens" {
+            return Ok(json_value::<IgnoredAny>(value)?.1);
+        }
+        if tokens.is_some() {
+            return Err(ParseError::Malformed(
+                "tokenize answer: duplicate field `tokens`".into(),
+            ));
+        }
+        let (ids, used) = parse_token_ids(value)?;
+        tokens = Some(ids);
+        Ok(used)
+    })?;
+    tokens.ok_or_else(|| ParseError::Malformed("tokenize answer: missing field `tokens`".into()))
+}
+
+/// Walks the JSON object that is the whole of `body` (`what` names it in
+/// errors): keys are read by serde, and `field(key, rest)` reads the value at
+/// the start of `rest` and returns the bytes it took. Hand-walked so that the
+/// largest values, token-id arrays, are scanned once.
+fn walk_object<'a>(
+    body: &'a [u8],
+    what: &str,
+    mut field: impl FnMut(Cow<'a, str>, &'a [u8]) -> Result<usize, ParseError>,
+) -> Result<(), ParseError> {
+    let bad = |problem: &str| ParseError::Malformed(format!("{what}: {problem}"));
     let mut i = skip_whitespace(body, 0);
     if body.get(i) != Some(&b'{') {
         return Err(bad("expected an object"));
     }
     i = skip_whitespace(body, i + 1);
-    let mut tokens = None;
     if body.get(i) == Some(&b'}') {
         i += 1;
     } else {
@@ -486,16 +587,7 @@ pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
                 return Err(bad("expected ':' after a key"));
             }
             i = skip_whitespace(body, i + 1);
-            if key == "tokens" {
-                if tokens.is_some() {
-                    return Err(bad("duplicate field `tokens`"));
-                }
-                let (ids, used) = parse_token_ids(&body[i..])?;
-                tokens = Some(ids);
-                i += used;
-            } else {
-                i += json_value::<IgnoredAny>(&body[i..])?.1;
-            }
+            i += field(key, &body[i..])?;
             i = skip_whitespace(body, i);
             match body.get(i) {
                 Some(b',') => i = skip_whitespace(body, i + 1),
@@ -510,7 +602,7 @@ pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
     if skip_whitespace(body, i) != body.len() {
         return Err(bad("text after the object"));
     }
-    tokens.ok_or_else(|| bad("missing field `tokens`"))
+    Ok(())
 }
 
 /// The JSON value at the start of `bytes` (after any whitespace) and the
@@ -949,8 +1041,49 @@ mod tests {
                     break;
                 }
             }
-            let _ = parse_request(&body);
+            // Whatever the object walk accepts is JSON.
+            if parse_request(&body).is_ok() {
+                assert!(
+                    serde_json::from_slice::<IgnoredAny>(&body).is_ok(),
+                    "{:?}",
+                    String::from_utf8_lossy(&body)
+                );
+            }
             let _ = tokenize_call_body(&body);
+        }
+    }
+
+    #[test]
+    fn fields_are_read_in_any_order_and_once() {
+        let r =
+            parse_request(br#"{"prompt":[7, 8,9 ],"model":"m","cache_salt":"s","n":1}"#).unwrap();
+        assert_eq!(r.model, "m");
+        assert_eq!(r.prompt, Prompt::Tokens(vec![7, 8, 9]));
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        // Token ids given last still win, past values holding braces and quotes.
+        let r = parse_request(
+            br#"{"prompt":"p","x":[1,{"y":"}\"]"}],"prompt_token_ids":[3],"model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![3]));
+        // An escaped key names its field.
+        let r = parse_request(br#"{"pr\u006fmpt":[4]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![4]));
+        for bad in [
+            r#"{"model":"a","prompt":"p","model":"b"}"#,
+            r#"{"prompt":[1],"prompt":[2]}"#,
+            r#"{"prompt":null,"prompt":"p"}"#,
+            r#"{"prompt":[1,2]"#,
+            r#"{"prompt":[1,2]}x"#,
+            r#"{"prompt":[1,2],}"#,
+            r#"{"prompt" [1]}"#,
+            r#"{prompt:[1]}"#,
+            r#"{"prompt":[1,2] "model":"m"}"#,
+        ] {
+            assert!(
+                matches!(parse_request(bad.as_bytes()), Err(ParseError::Malformed(_))),
+                "{bad}"
+            );
         }
     }
 

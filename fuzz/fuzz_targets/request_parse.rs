@@ -1,8 +1,9 @@
 //! The filter's request path on arbitrary bodies: parsing, the tokenizer
-//! call-out helpers, hashing and the tenant-salt rewrite never panic; a parsed
-//! prompt always hashes to at most `max_blocks` blocks; a rewritten body is
-//! JSON (a value whenever the input was) and parses with the tenant's salt;
-//! a `/tokenize` answer (an object) reads as serde reads it into `Vec<u32>`.
+//! call-out helpers, hashing and the tenant-salt rewrite never panic; a body
+//! that parses is JSON and its prompt hashes to at most `max_blocks` blocks;
+//! a rewritten body is JSON (a value whenever the input was) and parses with
+//! the tenant's salt; a `/tokenize` answer (an object) reads as serde reads
+//! it into `Vec<u32>`.
 #![no_main]
 
 use kvroute_core::config::Config;
@@ -15,6 +16,8 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let config = Config::default();
     if let Ok(request) = parse_request(data) {
+        // The object walk accepts only JSON.
+        assert!(serde_json::from_slice::<serde::de::IgnoredAny>(data).is_ok());
         let hashed = hash_prompt(&config, &request);
         assert!(hashed.hashes.len() <= config.max_blocks);
     }
