@@ -58,7 +58,9 @@ lint: ## rustfmt check and clippy -D warnings, native and wasm32-wasip1
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p kvroute -p kvroute-core --all-targets -- -D warnings
-	# The fuzz targets (a crate of their own, built otherwise only by cargo fuzz) must compile.
+	# The fuzz targets (a crate of their own, built otherwise only by cargo fuzz) must be
+	# formatted and compile.
+	cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 	cargo check --manifest-path fuzz/Cargo.toml --bins
 
 .PHONY: unit

@@ -27,9 +27,15 @@ struct Garbage<'a> {
 impl<'a> Garbage<'a> {
     fn cut(data: &'a [u8]) -> Garbage<'a> {
         let (lengths, body) = data.split_at(data.len().min(2));
-        let head_len = lengths.first().map_or(0, |&n| usize::from(n)).min(body.len());
+        let head_len = lengths
+            .first()
+            .map_or(0, |&n| usize::from(n))
+            .min(body.len());
         let (head, body) = body.split_at(head_len);
-        let pods_len = lengths.get(1).map_or(0, |&n| usize::from(n)).min(body.len());
+        let pods_len = lengths
+            .get(1)
+            .map_or(0, |&n| usize::from(n))
+            .min(body.len());
         let (pods, rest) = body.split_at(pods_len);
         Garbage { head, pods, rest }
     }
@@ -114,7 +120,10 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(mut head) = Head::decode(reader.head) {
             head.publication = head.publication.wrapping_add(1);
             let next = head.encode();
-            let reader = Garbage { head: &next, ..reader };
+            let reader = Garbage {
+                head: &next,
+                ..reader
+            };
             if view.refresh(&reader, u64::MAX, u64::MAX).is_ok() {
                 let source = view.source(&reader).expect("a refreshed view is a source");
                 out.clear();

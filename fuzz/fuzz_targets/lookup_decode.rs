@@ -19,8 +19,14 @@ fuzz_target!(|data: &[u8]| {
         blocks: 64,
     };
     if let Ok(candidates) = decode_answer(data, prompt.hashes.len()) {
-        let decision = decide(&Config::default(), &prompt, &candidates, &InFlight::default(), 7)
-            .expect("a valid answer ranks");
+        let decision = decide(
+            &Config::default(),
+            &prompt,
+            &candidates,
+            &InFlight::default(),
+            7,
+        )
+        .expect("a valid answer ranks");
         assert!(candidates.iter().any(|c| c.address == decision.pod));
         assert!(decision.matched_blocks <= prompt.hashes.len());
     }
