@@ -50,5 +50,5 @@ bench-phases-wasm: ## a routed request's phases (parse, hash, lookup) as the fil
 
 SCALE_ARGS ?=
 .PHONY: bench-scale
-bench-scale: venv build native wrk ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~8 min; SCALE_ARGS=--quick: ~2)
+bench-scale: venv build native wrk ## fleet scale (issue 10): Envoy RSS, decision_us, CPU/request, feed bytes on 8-5,000 stub pods (~14 min; SCALE_ARGS=--quick: ~2)
 	$(PY) integration/bench/scale.py $(SCALE_ARGS)
