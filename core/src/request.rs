@@ -86,23 +86,18 @@ impl From<serde_json::Error> for ParseError {
     }
 }
 
-/// The fields of a request body kvroute reads; the rest are skipped.
-const READ_FIELDS: [&str; 5] = [
-    "model",
-    "messages",
-    "prompt",
-    "prompt_token_ids",
-    "cache_salt",
-];
+/// A field of a body as read: `None` until the body gives it, `Some(None)`
+/// when it gives `null`.
+type Given<T> = Option<Option<T>>;
 
-/// What [`READ_FIELDS`] hold.
+/// The fields of a request body kvroute reads; the rest are skipped.
 #[derive(Default)]
 struct RawRequest<'a> {
-    model: Option<Cow<'a, str>>,
-    messages: Option<Vec<RawMessage<'a>>>,
-    prompt: Option<PromptValue<'a>>,
-    prompt_token_ids: Option<PromptValue<'a>>,
-    cache_salt: Option<Cow<'a, str>>,
+    model: Given<Cow<'a, str>>,
+    messages: Given<Vec<RawMessage<'a>>>,
+    prompt: Given<PromptValue<'a>>,
+    prompt_token_ids: Given<PromptValue<'a>>,
+    cache_salt: Given<Cow<'a, str>>,
 }
 
 /// `prompt` or `prompt_token_ids` as read in the body's one pass: an array
@@ -115,58 +110,62 @@ enum PromptValue<'a> {
 
 impl<'a> RawRequest<'a> {
     /// Reads a request body: a JSON object whose other fields are skipped.
-    /// A field given twice is an error, as serde's derive makes it.
     fn read(body: &'a [u8]) -> Result<RawRequest<'a>, ParseError> {
+        const WHAT: &str = "request";
         let mut raw = RawRequest::default();
-        let mut seen: Vec<Cow<'a, str>> = Vec::new();
-        walk_object(body, "request", |key, value| {
-            if READ_FIELDS.contains(&key.as_ref()) {
-                if seen.contains(&key) {
-                    return Err(ParseError::Malformed(format!(
-                        "request: duplicate field `{key}`"
-                    )));
-                }
-                seen.push(key.clone());
-            }
-            let used = match key.as_ref() {
-                "model" => read_into(&mut raw.model, value)?,
-                "messages" => read_into(&mut raw.messages, value)?,
-                "cache_salt" => read_into(&mut raw.cache_salt, value)?,
-                "prompt" => read_prompt_value(&mut raw.prompt, value)?,
-                "prompt_token_ids" => read_prompt_value(&mut raw.prompt_token_ids, value)?,
-                _ => json_value::<IgnoredAny>(value)?.1,
-            };
-            Ok(used)
+        walk_object(body, WHAT, |key, value| match key.as_ref() {
+            "model" => read_into(&mut raw.model, WHAT, &key, value),
+            "messages" => read_into(&mut raw.messages, WHAT, &key, value),
+            "cache_salt" => read_into(&mut raw.cache_salt, WHAT, &key, value),
+            "prompt" => read_prompt_value(&mut raw.prompt, WHAT, &key, value),
+            "prompt_token_ids" => read_prompt_value(&mut raw.prompt_token_ids, WHAT, &key, value),
+            _ => Ok(json_value::<IgnoredAny>(value)?.1),
         })?;
         Ok(raw)
     }
 }
 
-/// Reads a field's value (`null` is none) into `slot`; the bytes it took.
+/// Refuses a field the body gives twice, as serde's derive does.
+fn first_time<T>(slot: &Option<T>, what: &str, key: &str) -> Result<(), ParseError> {
+    match slot {
+        Some(_) => Err(ParseError::Malformed(format!(
+            "{what}: duplicate field `{key}`"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Reads a field's value into `slot`; the bytes it took.
 fn read_into<'a, T: Deserialize<'a>>(
-    slot: &mut Option<T>,
+    slot: &mut Given<T>,
+    what: &str,
+    key: &str,
     value: &'a [u8],
 ) -> Result<usize, ParseError> {
+    first_time(slot, what, key)?;
     let (read, used) = json_value::<Option<T>>(value)?;
-    *slot = read;
+    *slot = Some(read);
     Ok(used)
 }
 
 /// Reads `prompt` or `prompt_token_ids`: an array whose first element is a
 /// number goes to the id scanner, anything else is kept raw.
 fn read_prompt_value<'a>(
-    slot: &mut Option<PromptValue<'a>>,
+    slot: &mut Given<PromptValue<'a>>,
+    what: &str,
+    key: &str,
     value: &'a [u8],
 ) -> Result<usize, ParseError> {
+    first_time(slot, what, key)?;
     let open = skip_whitespace(value, 0);
     let first = skip_whitespace(value, open + 1);
     if value.get(open) == Some(&b'[') && value.get(first).is_some_and(u8::is_ascii_digit) {
         let (ids, used) = parse_token_ids(value)?;
-        *slot = Some(PromptValue::Ids(ids));
+        *slot = Some(Some(PromptValue::Ids(ids)));
         return Ok(used);
     }
     let (raw, used) = json_value::<Option<&RawValue>>(value)?;
-    *slot = raw.map(PromptValue::Raw);
+    *slot = Some(raw.map(PromptValue::Raw));
     Ok(used)
 }
 
@@ -238,19 +237,19 @@ struct RawPart<'a> {
 /// OpenAI-compatible server does.
 pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
     let raw = RawRequest::read(body)?;
-    let model = raw.model.map(Cow::into_owned).unwrap_or_default();
+    let model = raw.model.flatten().map(Cow::into_owned).unwrap_or_default();
     let mut multimodal = false;
-    let prompt = if let Some(tokens) = raw.prompt_token_ids {
+    let prompt = if let Some(tokens) = raw.prompt_token_ids.flatten() {
         Prompt::Tokens(match tokens {
             PromptValue::Ids(ids) => ids,
             PromptValue::Raw(raw) => parse_token_ids(raw.get().as_bytes())?.0,
         })
-    } else if let Some(prompt) = raw.prompt {
+    } else if let Some(prompt) = raw.prompt.flatten() {
         match prompt {
             PromptValue::Ids(ids) => Prompt::Tokens(ids),
             PromptValue::Raw(raw) => parse_prompt(raw)?,
         }
-    } else if let Some(messages) = raw.messages {
+    } else if let Some(messages) = raw.messages.flatten() {
         let (text, parts) = render_messages(&messages)?;
         multimodal = parts;
         Prompt::Text(text)
@@ -263,6 +262,7 @@ pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
         // vLLM refuses an empty salt; as routing scope it means none.
         cache_salt: raw
             .cache_salt
+            .flatten()
             .filter(|s| !s.is_empty())
             .map(Cow::into_owned),
         multimodal,
@@ -545,21 +545,18 @@ pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
 /// object is walked here; keys and the other fields' values are read by
 /// serde, the `tokens` array by the token-id scanner.
 pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
+    const WHAT: &str = "tokenize answer";
     let mut tokens = None;
-    walk_object(body, "tokenize answer", |key, value| {
+    walk_object(body, WHAT, |key, value| {
         if key != "tokens" {
             return Ok(json_value::<IgnoredAny>(value)?.1);
         }
-        if tokens.is_some() {
-            return Err(ParseError::Malformed(
-                "tokenize answer: duplicate field `tokens`".into(),
-            ));
-        }
+        first_time(&tokens, WHAT, &key)?;
         let (ids, used) = parse_token_ids(value)?;
         tokens = Some(ids);
         Ok(used)
     })?;
-    tokens.ok_or_else(|| ParseError::Malformed("tokenize answer: missing field `tokens`".into()))
+    tokens.ok_or_else(|| ParseError::Malformed(format!("{WHAT}: missing field `tokens`")))
 }
 
 /// Walks the JSON object that is the whole of `body` (`what` names it in
