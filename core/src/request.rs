@@ -18,6 +18,9 @@ use std::collections::BTreeMap;
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
+mod token_ids;
+use token_ids::parse_token_ids;
+
 /// Separates a message's role from its content in the rendering.
 const ROLE_END: u8 = 0x1f;
 /// Ends a message in the rendering.
@@ -299,88 +302,6 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
             "prompt must be a string, token ids or an array of them".into(),
         )),
     }
-}
-
-/// A JSON array of token ids (`[1, 2, 3]`) at the start of `bytes`, and the
-/// bytes consumed. Hand-rolled because token arrays are the largest bodies
-/// kvroute sees and serde's generic number path costs ~10 ns per id; anything
-/// but non-negative integers that fit u32, written as JSON writes them (no
-/// leading zero), is an error.
-fn parse_token_ids(bytes: &[u8]) -> Result<(Vec<u32>, usize), ParseError> {
-    let bad = |what: &str| ParseError::Malformed(format!("token ids: {what}"));
-    let mut i = skip_whitespace(bytes, 0);
-    if bytes.get(i) != Some(&b'[') {
-        return Err(bad("expected an array"));
-    }
-    i = skip_whitespace(bytes, i + 1);
-    let mut ids = Vec::with_capacity(bytes.len() / 6);
-    if bytes.get(i) == Some(&b']') {
-        return Ok((ids, i + 1));
-    }
-    loop {
-        let (id, end) = match short_id(bytes, i) {
-            Some((id, digits)) => (id, i + digits),
-            None => long_id(bytes, i).map_err(bad)?,
-        };
-        ids.push(id);
-        i = skip_whitespace(bytes, end);
-        match bytes.get(i) {
-            Some(b',') => i = skip_whitespace(bytes, i + 1),
-            Some(b']') => return Ok((ids, i + 1)),
-            _ => return Err(bad("expected ',' or ']' after an id")),
-        }
-    }
-}
-
-/// The id written at `bytes[start..]`, digit by digit, and the position
-/// after it: any length, and every malformed id ([`short_id`] takes the
-/// common short ones).
-fn long_id(bytes: &[u8], start: usize) -> Result<(u32, usize), &'static str> {
-    let mut i = start;
-    let mut value: u64 = 0;
-    while i < bytes.len() {
-        let digit = bytes[i].wrapping_sub(b'0');
-        if digit > 9 {
-            break;
-        }
-        value = value * 10 + u64::from(digit);
-        if value > u64::from(u32::MAX) {
-            return Err("id does not fit in 32 bits");
-        }
-        i += 1;
-    }
-    match i - start {
-        0 => Err("expected a non-negative integer"),
-        1 => Ok((value as u32, i)),
-        _ if bytes[start] == b'0' => Err("leading zero"),
-        _ => Ok((value as u32, i)),
-    }
-}
-
-/// The id written at `bytes[at..]` in one to seven digits (no leading zero)
-/// and its digit count, read eight bytes at a time; `None` when those eight
-/// bytes are not such an id and the next (then the slow path decides).
-/// Branch-free over the digits: token ids' lengths vary at random, and a
-/// loop's exit mispredicts about once an id.
-fn short_id(bytes: &[u8], at: usize) -> Option<(u32, usize)> {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    let chunk = u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?);
-    let values = chunk.wrapping_sub(ONES * u64::from(b'0'));
-    // A byte's top bit is set in one of these when it is below '0', above
-    // '9' or not ASCII; a borrow or carry only reaches bytes after it.
-    let not_digit = (values | chunk.wrapping_add(ONES * 0x46) | chunk) & (ONES * 0x80);
-    let digits = (not_digit.trailing_zeros() / 8) as usize;
-    if digits == 0 || digits == 8 || (digits > 1 && bytes[at] == b'0') {
-        return None;
-    }
-    // The digits moved to the top bytes (leading zeros below), then summed
-    // pairwise: 8 digits make at most 99,999,999, which fits u32.
-    let mut v = values << (8 * (8 - digits));
-    v = v.wrapping_mul(10).wrapping_add(v >> 8);
-    v = ((v & 0x0000_00ff_0000_00ff).wrapping_mul(100 + (1_000_000 << 32))
-        + ((v >> 16) & 0x0000_00ff_0000_00ff).wrapping_mul(1 + (10_000 << 32)))
-        >> 32;
-    Some((v as u32, digits))
 }
 
 /// The position of the first non-whitespace byte (JSON whitespace) from `i`.
@@ -686,33 +607,6 @@ mod tests {
             tokens(r#"{"model":"m","prompt":[ [4,5], [6] ]}"#),
             vec![4, 5]
         );
-    }
-
-    #[test]
-    fn token_id_arrays() {
-        assert_eq!(parse_token_ids(b"[]").unwrap(), (vec![], 2));
-        assert_eq!(
-            parse_token_ids(b" [ 0 ,4294967295\n]x").unwrap(),
-            (vec![0, u32::MAX], 18)
-        );
-        for bad in [
-            "",
-            "[",
-            "[1",
-            "[1,]",
-            "[,1]",
-            "[-1]",
-            "[1.5]",
-            "[1e3]",
-            "[4294967296]",
-            "[99999999999999999999999]",
-            "[\"1\"]",
-            "[01]",
-            "[1,007]",
-            "1",
-        ] {
-            assert!(parse_token_ids(bad.as_bytes()).is_err(), "{bad}");
-        }
     }
 
     #[test]
