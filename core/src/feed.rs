@@ -787,6 +787,11 @@ mod tests {
 
     const KEY_MAX: u64 = (1 << INDEX_KEY_BITS) - 1;
 
+    /// Lowercase hex of `bytes`, as the pinned wire vectors are written.
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     fn pods() -> Vec<PodInfo> {
         vec![
             PodInfo {
@@ -1084,12 +1089,8 @@ mod tests {
                 BlockOp::Cleared { pod: 0 },
             ],
         };
-        let hex: String = encode_message(&m)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
         assert_eq!(
-            hex,
+            hex(&encode_message(&m)),
             concat!(
                 "4b565246",
                 "0300",
@@ -1131,9 +1132,8 @@ mod tests {
         };
         let bytes = encode_message(&packed_run);
         assert_eq!(bytes.len(), 41 + 2 + 39);
-        let hex: String = bytes[41..].iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(
-            hex,
+            hex(&bytes[41..]),
             concat!(
                 "0c",
                 "08",
@@ -1144,12 +1144,8 @@ mod tests {
         let learned = LearnedBatch {
             entries: vec![("a:1".into(), vec![BlockHash::new(9)])],
         };
-        let hex: String = encode_learned(&learned)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
         assert_eq!(
-            hex,
+            hex(&encode_learned(&learned)),
             concat!(
                 "4b56524c",
                 "0100",

@@ -75,18 +75,49 @@ fn pod(i: usize) -> String {
 }
 
 fn msg(pod: &str, seq: u64, events: Vec<KvEvent>) -> Incoming {
+    Incoming {
+        topic: format!("kv@{pod}@Qwen/Qwen3-32B").into_bytes(),
+        seq: seq.to_be_bytes().to_vec(),
+        payload: payload(events),
+        identity: None,
+        received_ms: 0,
+    }
+}
+
+/// A batch of `events` as a pod publishes it.
+fn payload(events: Vec<KvEvent>) -> Vec<u8> {
     let batch = EventBatch {
         ts: 1.7e9,
         events,
         data_parallel_rank: Some(0),
     };
-    Incoming {
-        topic: format!("kv@{pod}@Qwen/Qwen3-32B").into_bytes(),
-        seq: seq.to_be_bytes().to_vec(),
-        payload: encode_batch(&batch, Encoding::Map, HashForm::Uint),
-        identity: None,
-        received_ms: 0,
+    encode_batch(&batch, Encoding::Map, HashForm::Uint)
+}
+
+/// One chain of `len` random blocks as BlockStored events of
+/// `BLOCKS_PER_EVENT` blocks, each with its blocks' hashes.
+fn chain_events(rng: &mut Rng, len: usize) -> Vec<(KvEvent, Vec<u64>)> {
+    let mut events = Vec::new();
+    let mut parent = None;
+    let mut done = 0;
+    while done < len {
+        let n = BLOCKS_PER_EVENT.min(len - done);
+        let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
+        let tokens: Vec<u32> = rng.tokens(n, BLOCK);
+        let event = KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.clone(),
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size: BLOCK as u32,
+            medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
+            group_idx: Some(0),
+            ..BlockStored::default()
+        });
+        parent = hashes.last().copied();
+        events.push((event, hashes));
+        done += n;
     }
+    events
 }
 
 /// Messages that fill every pod with `BLOCKS_PER_POD` blocks: the groups'
@@ -100,26 +131,10 @@ fn fill_messages(rng: &mut Rng) -> (Vec<Incoming>, Vec<Vec<u64>>) {
         let mut blocks = 0;
         while blocks < BLOCKS_PER_POD {
             let len = per_group.min(BLOCKS_PER_POD - blocks);
-            let mut parent = None;
-            let mut done = 0;
-            while done < len {
-                let n = BLOCKS_PER_EVENT.min(len - done);
-                let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
-                let tokens: Vec<u32> = rng.tokens(n, BLOCK);
-                let ev = KvEvent::BlockStored(BlockStored {
-                    block_hashes: hashes.clone(),
-                    parent_block_hash: parent,
-                    token_ids: tokens,
-                    block_size: BLOCK as u32,
-                    medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
-                    group_idx: Some(0),
-                    ..BlockStored::default()
-                });
-                parent = hashes.last().copied();
+            for (ev, hashes) in chain_events(rng, len) {
                 held_p.extend(&hashes);
                 msgs.push(msg(&pod(p), seq, vec![ev]));
                 seq += 1;
-                done += n;
             }
             blocks += len;
         }
@@ -172,38 +187,40 @@ fn index_of(pods: usize, feed_log_hashes: usize, capacity: usize, growth: Growth
     ix
 }
 
-/// The payloads of one chain of `len` blocks: BlockStored events of
-/// `BLOCKS_PER_EVENT` blocks, each encoded once for all the pods storing it.
+/// A churn message's events: `victims` removed (with or without a medium
+/// tag: vLLM sends both forms) and `BLOCKS_PER_EVENT` new random blocks
+/// stored, whose hashes come back too.
+fn evict_and_store(
+    rng: &mut Rng,
+    victims: Vec<u64>,
+    medium: Option<kvroute_indexer::vllm_wire::Medium>,
+) -> (Vec<KvEvent>, Vec<u64>) {
+    let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
+    let tokens: Vec<u32> = rng.tokens(BLOCKS_PER_EVENT, BLOCK);
+    let events = vec![
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: victims,
+            group_idx: medium.as_ref().map(|_| 0),
+            medium,
+        }),
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.clone(),
+            parent_block_hash: None,
+            token_ids: tokens,
+            block_size: BLOCK as u32,
+            ..BlockStored::default()
+        }),
+    ];
+    (events, hashes)
+}
+
+/// The payloads of one chain of `len` blocks, each encoded once for all
+/// the pods storing it.
 fn chain(rng: &mut Rng, len: usize) -> Vec<Vec<u8>> {
-    let mut payloads = Vec::new();
-    let mut parent = None;
-    let mut done = 0;
-    while done < len {
-        let n = BLOCKS_PER_EVENT.min(len - done);
-        let hashes: Vec<u64> = (0..n).map(|_| rng.next()).collect();
-        let tokens: Vec<u32> = rng.tokens(n, BLOCK);
-        parent = {
-            let last = hashes.last().copied();
-            let ev = KvEvent::BlockStored(BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: parent,
-                token_ids: tokens,
-                block_size: BLOCK as u32,
-                medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
-                group_idx: Some(0),
-                ..BlockStored::default()
-            });
-            let batch = EventBatch {
-                ts: 1.7e9,
-                events: vec![ev],
-                data_parallel_rank: Some(0),
-            };
-            payloads.push(encode_batch(&batch, Encoding::Map, HashForm::Uint));
-            last
-        };
-        done += n;
-    }
-    payloads
+    chain_events(rng, len)
+        .into_iter()
+        .map(|(ev, _)| payload(vec![ev]))
+        .collect()
 }
 
 /// Seconds in `Index::handle`: wall clock, and this thread's on-CPU time.
@@ -547,23 +564,12 @@ fn main() {
     for i in 0..20_000usize {
         let p = i % PODS;
         let victims: Vec<u64> = churn_held[p].drain(..BLOCKS_PER_EVENT).collect();
-        let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
-        churn_held[p].extend(&hashes);
-        let tokens: Vec<u32> = rng.tokens(BLOCKS_PER_EVENT, BLOCK);
-        let events = vec![
-            KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: victims,
-                medium: Some(kvroute_indexer::vllm_wire::Medium::Gpu),
-                group_idx: Some(0),
-            }),
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: None,
-                token_ids: tokens,
-                block_size: BLOCK as u32,
-                ..BlockStored::default()
-            }),
-        ];
+        let (events, stored) = evict_and_store(
+            &mut rng,
+            victims,
+            Some(kvroute_indexer::vllm_wire::Medium::Gpu),
+        );
+        churn_held[p].extend(&stored);
         churn.push(msg(&pod(p), seqs[p], events));
         seqs[p] += 1;
     }
@@ -629,22 +635,7 @@ fn main() {
         let p = r % PODS;
         for _ in 0..(140 / BLOCKS_PER_EVENT) {
             let victims: Vec<u64> = held2[p].drain(..BLOCKS_PER_EVENT).collect();
-            let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| rng.next()).collect();
-            let tokens: Vec<u32> = rng.tokens(BLOCKS_PER_EVENT, BLOCK);
-            let events = vec![
-                KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: victims,
-                    medium: None,
-                    group_idx: None,
-                }),
-                KvEvent::BlockStored(BlockStored {
-                    block_hashes: hashes,
-                    parent_block_hash: None,
-                    token_ids: tokens,
-                    block_size: BLOCK as u32,
-                    ..BlockStored::default()
-                }),
-            ];
+            let (events, _) = evict_and_store(&mut rng, victims, None);
             ix.handle(&msg(&pod(p), seqs2[p], events), 0);
             seqs2[p] += 1;
         }

@@ -46,6 +46,21 @@ fn tokens(start: u32, blocks: usize) -> Vec<u32> {
     (start..start + 16 * blocks as u32).collect()
 }
 
+/// A batch storing block `i` of one chain: vLLM hash 10 + i, its parent's
+/// 10 + i − 1, tokens `toks[16 i .. 16 (i + 1)]`.
+fn chain_link(toks: &[u32], i: usize) -> EventBatch {
+    let parent = i.checked_sub(1).map(|p| 10 + p as u64);
+    batch(
+        vec![stored(
+            &[10 + i as u64],
+            parent,
+            toks[16 * i..16 * (i + 1)].to_vec(),
+            None,
+        )],
+        0,
+    )
+}
+
 fn stored(hashes: &[u64], parent: Option<u64>, toks: Vec<u32>, medium: Option<Medium>) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: hashes.to_vec(),
@@ -424,22 +439,7 @@ fn gaps_are_filled_from_the_replay_socket_in_order() {
         ..IndexConfig::default()
     });
     let toks = tokens(0, 4);
-    let ev = |i: usize| {
-        let parent = if i == 0 {
-            None
-        } else {
-            Some(10 + i as u64 - 1)
-        };
-        batch(
-            vec![stored(
-                &[10 + i as u64],
-                parent,
-                toks[16 * i..16 * (i + 1)].to_vec(),
-                None,
-            )],
-            0,
-        )
-    };
+    let ev = |i: usize| chain_link(&toks, i);
     assert!(ix.handle(&msg(POD, 0, &ev(0)), 0).is_none());
     // seq 1 and 2 lost; 3 arrives: replay requested, 3 is buffered (its parent is missing).
     let req = ix.handle(&msg(POD, 3, &ev(3)), 0).expect("replay request");
@@ -1279,22 +1279,7 @@ fn golden_capture_sequence_applies() {
 #[test]
 fn joining_a_running_publisher_replays_its_buffer_from_zero() {
     let toks = tokens(0, 3);
-    let ev = |i: usize| {
-        let parent = if i == 0 {
-            None
-        } else {
-            Some(10 + i as u64 - 1)
-        };
-        batch(
-            vec![stored(
-                &[10 + i as u64],
-                parent,
-                toks[16 * i..16 * (i + 1)].to_vec(),
-                None,
-            )],
-            0,
-        )
-    };
+    let ev = |i: usize| chain_link(&toks, i);
     // Without a replay endpoint: applied as is, counted.
     let mut ix = index();
     assert!(ix.handle(&msg(POD, 2, &ev(0)), 0).is_none());

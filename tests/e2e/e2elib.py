@@ -16,6 +16,8 @@ MODEL = "Qwen/Qwen3-32B"
 LOAD_BATCH_WAIT_S = 0.1
 DECISION = "x-kvroute-decision"
 POD = "x-vllm-sim-pod"
+# The shipped gateway config names the pod that served a response in this header.
+SERVED = "x-gateway-destination-endpoint-served"
 
 
 def require_wasm() -> None:

@@ -14,11 +14,10 @@ import pytest
 import requests
 import yaml
 
-from e2elib import MODEL, POD, chat, decision, gateway, require_wasm, unique_system, wait_for
+from e2elib import MODEL, POD, SERVED, chat, decision, gateway, require_wasm, unique_system, wait_for
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, drop_route_response_headers, render_gateway
 from simcluster import PodFleet
 
-SERVED = "x-gateway-destination-endpoint-served"
 MiB = 1 << 20
 
 

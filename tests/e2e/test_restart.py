@@ -9,10 +9,8 @@ import time
 import pytest
 import requests
 
-from e2elib import MODEL, chat, decision, gateway, unique_system, wait_for
+from e2elib import MODEL, SERVED, chat, decision, gateway, unique_system, wait_for
 from simcluster import PodFleet
-
-SERVED = "x-gateway-destination-endpoint-served"
 
 
 @pytest.fixture(scope="module")
