@@ -188,8 +188,8 @@ fn index_of(pods: usize, feed_log_hashes: usize, capacity: usize, growth: Growth
 }
 
 /// A churn message's events: `victims` removed (with or without a medium
-/// tag: vLLM sends both forms) and `BLOCKS_PER_EVENT` new random blocks
-/// stored, whose hashes come back too.
+/// tag: the decoder reads both forms) and `BLOCKS_PER_EVENT` new random
+/// blocks stored, whose hashes come back too.
 fn evict_and_store(
     rng: &mut Rng,
     victims: Vec<u64>,
