@@ -784,6 +784,7 @@ pub fn decode_learned(bytes: &[u8]) -> Result<LearnedBatch, FeedError> {
 mod tests {
     use super::*;
     use crate::hash::{hashes, keys, INDEX_KEY_BITS};
+    use crate::test_rng::xorshift;
 
     const KEY_MAX: u64 = (1 << INDEX_KEY_BITS) - 1;
 
@@ -915,15 +916,8 @@ mod tests {
 
     /// `n` ascending pseudo-random keys over the whole key range.
     fn spread_keys(n: usize, seed: u64) -> Vec<u64> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut keys: Vec<u64> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x & KEY_MAX
-            })
-            .collect();
+        let mut next = xorshift(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut keys: Vec<u64> = (0..n).map(|_| next() & KEY_MAX).collect();
         keys.sort_unstable();
         keys
     }

@@ -21,5 +21,7 @@ pub mod registry;
 pub mod request;
 pub mod router;
 pub mod score;
+#[cfg(test)]
+mod test_rng;
 pub mod token_memo;
 pub mod wire;

@@ -18,15 +18,12 @@ use std::collections::BTreeMap;
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
+mod json_string;
+mod messages;
 mod token_ids;
+use json_string::read_string;
+use messages::{read_messages, render_messages, RawMessage};
 use token_ids::parse_token_ids;
-
-/// Separates a message's role from its content in the rendering.
-const ROLE_END: u8 = 0x1f;
-/// Ends a message in the rendering.
-const MESSAGE_END: u8 = 0x1e;
-/// Brackets the digest of a non-text part.
-const PART_MARK: u8 = 0x1d;
 
 /// What the filter hashes for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,9 +102,11 @@ struct RawRequest<'a> {
 
 /// `prompt` or `prompt_token_ids` as read in the body's one pass: an array
 /// of ids is parsed where it stands (serde would first scan it to find its
-/// end, half the cost of an 8k-id body); any other value is kept raw.
+/// end, half the cost of an 8k-id body), a string by the string reader;
+/// any other value is kept raw.
 enum PromptValue<'a> {
     Ids(Vec<u32>),
+    Text(Cow<'a, str>),
     Raw(&'a RawValue),
 }
 
@@ -116,9 +115,14 @@ impl<'a> RawRequest<'a> {
     fn read(body: &'a [u8]) -> Result<RawRequest<'a>, ParseError> {
         const WHAT: &str = "request";
         let mut raw = RawRequest::default();
-        walk_object(body, WHAT, |key, value| match key.as_ref() {
+        walk_body(body, WHAT, |key, value| match key.as_ref() {
             "model" => read_into(&mut raw.model, WHAT, &key, value),
-            "messages" => read_into(&mut raw.messages, WHAT, &key, value),
+            "messages" => {
+                first_time(&raw.messages, WHAT, &key)?;
+                let (messages, used) = read_messages(value)?;
+                raw.messages = Some(messages);
+                Ok(used)
+            }
             "cache_salt" => read_into(&mut raw.cache_salt, WHAT, &key, value),
             "prompt" => read_prompt_value(&mut raw.prompt, WHAT, &key, value),
             "prompt_token_ids" => read_prompt_value(&mut raw.prompt_token_ids, WHAT, &key, value),
@@ -152,7 +156,8 @@ fn read_into<'a, T: Deserialize<'a>>(
 }
 
 /// Reads `prompt` or `prompt_token_ids`: an array whose first element is a
-/// number goes to the id scanner, anything else is kept raw.
+/// number goes to the id scanner, a string to the string reader, anything
+/// else is kept raw.
 fn read_prompt_value<'a>(
     slot: &mut Given<PromptValue<'a>>,
     what: &str,
@@ -167,73 +172,14 @@ fn read_prompt_value<'a>(
         *slot = Some(Some(PromptValue::Ids(ids)));
         return Ok(used);
     }
+    if value.get(open) == Some(&b'"') {
+        let (text, used) = read_string(&value[open..])?;
+        *slot = Some(Some(PromptValue::Text(text)));
+        return Ok(open + used);
+    }
     let (raw, used) = json_value::<Option<&RawValue>>(value)?;
     *slot = Some(raw.map(PromptValue::Raw));
     Ok(used)
-}
-
-#[derive(Deserialize)]
-struct RawMessage<'a> {
-    #[serde(borrow)]
-    role: Cow<'a, str>,
-    #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<RawContent<'a>>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-}
-
-/// A message's content, read in the body's one pass: a text prompt is
-/// most of a chat body, and reading it as a raw value first scanned it
-/// twice. Text is borrowed when it has no escapes.
-enum RawContent<'a> {
-    Text(Cow<'a, str>),
-    Parts(Vec<&'a RawValue>),
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(ContentVisitor(std::marker::PhantomData))
-    }
-}
-
-struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
-
-impl<'de: 'a, 'a> serde::de::Visitor<'de> for ContentVisitor<'a> {
-    type Value = RawContent<'a>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("message content: a string, parts or null")
-    }
-
-    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Self::Value, E> {
-        Ok(RawContent::Text(Cow::Borrowed(text)))
-    }
-
-    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
-        Ok(RawContent::Text(Cow::Owned(text.to_owned())))
-    }
-
-    fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
-        Ok(RawContent::Text(Cow::Owned(text)))
-    }
-
-    fn visit_seq<S: serde::de::SeqAccess<'de>>(self, mut seq: S) -> Result<Self::Value, S::Error> {
-        let mut parts = Vec::new();
-        while let Some(part) = seq.next_element::<&'de RawValue>()? {
-            parts.push(part);
-        }
-        Ok(RawContent::Parts(parts))
-    }
-}
-
-#[derive(Deserialize)]
-struct RawPart<'a> {
-    #[serde(borrow, rename = "type")]
-    kind: Cow<'a, str>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
 }
 
 /// Parses a chat or completion body. Unknown fields are ignored, as an
@@ -245,11 +191,17 @@ pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
     let prompt = if let Some(tokens) = raw.prompt_token_ids.flatten() {
         Prompt::Tokens(match tokens {
             PromptValue::Ids(ids) => ids,
+            PromptValue::Text(_) => {
+                return Err(ParseError::Malformed(
+                    "prompt_token_ids must be an array of token ids".into(),
+                ))
+            }
             PromptValue::Raw(raw) => parse_token_ids(raw.get().as_bytes())?.0,
         })
     } else if let Some(prompt) = raw.prompt.flatten() {
         match prompt {
             PromptValue::Ids(ids) => Prompt::Tokens(ids),
+            PromptValue::Text(text) => Prompt::Text(text.into_owned().into_bytes()),
             PromptValue::Raw(raw) => parse_prompt(raw)?,
         }
     } else if let Some(messages) = raw.messages.flatten() {
@@ -272,17 +224,12 @@ pub fn parse_request(body: &[u8]) -> Result<PromptRequest, ParseError> {
     })
 }
 
-/// `prompt` of a completion: a string, an array of strings, an array of
-/// token ids or an array of such arrays. Dispatch on the first bytes so the
-/// body is not buffered twice (serde's untagged enums would).
+/// `prompt` of a completion, other than a string: an array of strings, an
+/// array of token ids or an array of such arrays. Dispatch on the first
+/// bytes so the body is not buffered twice (serde's untagged enums would).
 fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
     let text = raw.get().trim_start();
     match text.as_bytes().first() {
-        Some(b'"') => Ok(Prompt::Text(
-            serde_json::from_str::<Cow<str>>(text)?
-                .into_owned()
-                .into_bytes(),
-        )),
         Some(b'[') => match text[1..].trim_start().as_bytes().first() {
             Some(b'"') => {
                 let batch: Vec<Cow<str>> = serde_json::from_str(text)?;
@@ -314,79 +261,6 @@ fn skip_whitespace(bytes: &[u8], mut i: usize) -> usize {
 
 fn first_of<T>(batch: Vec<T>) -> Result<T, ParseError> {
     batch.into_iter().next().ok_or(ParseError::NoPrompt)
-}
-
-/// Canonical rendering of chat messages: for each message
-/// `role[:name] 0x1F content 0x1E`, where content is the text (string content
-/// or the text parts in order) and each non-text part is `0x1D type:digest 0x1D`
-/// with the XXH3 digest of its canonical JSON (keys sorted). Earlier messages
-/// render the same whatever follows, so conversations share prefixes. Also
-/// tells whether any content part was not text.
-fn render_messages(messages: &[RawMessage]) -> Result<(Vec<u8>, bool), ParseError> {
-    if messages.is_empty() {
-        return Err(ParseError::NoPrompt);
-    }
-    let mut out = Vec::with_capacity(
-        messages
-            .iter()
-            .map(|m| match &m.content {
-                Some(RawContent::Text(text)) => text.len(),
-                Some(RawContent::Parts(parts)) => parts.iter().map(|p| p.get().len()).sum(),
-                None => 0,
-            })
-            .sum::<usize>()
-            + 16,
-    );
-    let mut non_text = false;
-    for message in messages {
-        out.extend_from_slice(message.role.as_bytes());
-        if let Some(name) = &message.name {
-            out.push(b':');
-            out.extend_from_slice(name.as_bytes());
-        }
-        out.push(ROLE_END);
-        if let Some(content) = &message.content {
-            non_text |= render_content(content, &mut out)?;
-        }
-        if let Some(calls) = message.tool_calls {
-            push_digest("tool_calls", calls, &mut out)?;
-        }
-        out.push(MESSAGE_END);
-    }
-    Ok((out, non_text))
-}
-
-/// Renders one message's content; true when it had a non-text part.
-fn render_content(content: &RawContent, out: &mut Vec<u8>) -> Result<bool, ParseError> {
-    let mut non_text = false;
-    match content {
-        RawContent::Text(text) => out.extend_from_slice(text.as_bytes()),
-        RawContent::Parts(parts) => {
-            for part in parts {
-                let parsed: RawPart = serde_json::from_str(part.get())?;
-                match (parsed.kind.as_ref(), parsed.text) {
-                    ("text", Some(t)) => out.extend_from_slice(t.as_bytes()),
-                    (kind, _) => {
-                        non_text = true;
-                        push_digest(kind, part, out)?
-                    }
-                }
-            }
-        }
-    }
-    Ok(non_text)
-}
-
-fn push_digest(kind: &str, raw: &RawValue, out: &mut Vec<u8>) -> Result<(), ParseError> {
-    // Canonical JSON (serde_json's map is sorted) so key order and spacing of
-    // the client do not change the digest.
-    let canonical = serde_json::from_str::<serde_json::Value>(raw.get())?.to_string();
-    out.push(PART_MARK);
-    out.extend_from_slice(kind.as_bytes());
-    out.push(b':');
-    out.extend_from_slice(format!("{:016x}", xxh3_64(canonical.as_bytes())).as_bytes());
-    out.push(PART_MARK);
-    Ok(())
 }
 
 /// The `cache_salt` of a tenant (tenant isolation): a digest of its identity,
@@ -468,7 +342,7 @@ pub fn tokenize_call_body(body: &[u8]) -> Option<Vec<u8>> {
 pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
     const WHAT: &str = "tokenize answer";
     let mut tokens = None;
-    walk_object(body, WHAT, |key, value| {
+    walk_body(body, WHAT, |key, value| {
         if key != "tokens" {
             return Ok(json_value::<IgnoredAny>(value)?.1);
         }
@@ -481,46 +355,55 @@ pub fn parse_tokenize_response(body: &[u8]) -> Result<Vec<u32>, ParseError> {
 }
 
 /// Walks the JSON object that is the whole of `body` (`what` names it in
-/// errors): keys are read by serde, and `field(key, rest)` reads the value at
-/// the start of `rest` and returns the bytes it took. Hand-walked so that the
-/// largest values, token-id arrays, are scanned once.
-fn walk_object<'a>(
+/// errors), as [`walk_object`] does.
+fn walk_body<'a>(
     body: &'a [u8],
     what: &str,
-    mut field: impl FnMut(Cow<'a, str>, &'a [u8]) -> Result<usize, ParseError>,
+    field: impl FnMut(Cow<'a, str>, &'a [u8]) -> Result<usize, ParseError>,
 ) -> Result<(), ParseError> {
-    let bad = |problem: &str| ParseError::Malformed(format!("{what}: {problem}"));
-    let mut i = skip_whitespace(body, 0);
-    if body.get(i) != Some(&b'{') {
-        return Err(bad("expected an object"));
-    }
-    i = skip_whitespace(body, i + 1);
-    if body.get(i) == Some(&b'}') {
-        i += 1;
-    } else {
-        loop {
-            let (key, used) = json_value::<Cow<str>>(&body[i..])?;
-            i = skip_whitespace(body, i + used);
-            if body.get(i) != Some(&b':') {
-                return Err(bad("expected ':' after a key"));
-            }
-            i = skip_whitespace(body, i + 1);
-            i += field(key, &body[i..])?;
-            i = skip_whitespace(body, i);
-            match body.get(i) {
-                Some(b',') => i = skip_whitespace(body, i + 1),
-                Some(b'}') => {
-                    i += 1;
-                    break;
-                }
-                _ => return Err(bad("expected ',' or '}' after a value")),
-            }
-        }
-    }
-    if skip_whitespace(body, i) != body.len() {
-        return Err(bad("text after the object"));
+    let used = walk_object(body, what, field)?;
+    if skip_whitespace(body, used) != body.len() {
+        return Err(ParseError::Malformed(format!(
+            "{what}: text after the object"
+        )));
     }
     Ok(())
+}
+
+/// Walks the JSON object at the start of `value` (after whitespace; `what`
+/// names it in errors): keys are read by serde, and `field(key, rest)`
+/// reads the value at the start of `rest` and returns the bytes it took.
+/// The bytes the object took. Hand-walked so that the largest values,
+/// token-id arrays and message texts, are scanned once by their own readers.
+fn walk_object<'a>(
+    value: &'a [u8],
+    what: &str,
+    mut field: impl FnMut(Cow<'a, str>, &'a [u8]) -> Result<usize, ParseError>,
+) -> Result<usize, ParseError> {
+    let bad = |problem: &str| ParseError::Malformed(format!("{what}: {problem}"));
+    let mut i = skip_whitespace(value, 0);
+    if value.get(i) != Some(&b'{') {
+        return Err(bad("expected an object"));
+    }
+    i = skip_whitespace(value, i + 1);
+    if value.get(i) == Some(&b'}') {
+        return Ok(i + 1);
+    }
+    loop {
+        let (key, used) = json_value::<Cow<str>>(&value[i..])?;
+        i = skip_whitespace(value, i + used);
+        if value.get(i) != Some(&b':') {
+            return Err(bad("expected ':' after a key"));
+        }
+        i = skip_whitespace(value, i + 1);
+        i += field(key, &value[i..])?;
+        i = skip_whitespace(value, i);
+        match value.get(i) {
+            Some(b',') => i = skip_whitespace(value, i + 1),
+            Some(b'}') => return Ok(i + 1),
+            _ => return Err(bad("expected ',' or '}' after a value")),
+        }
+    }
 }
 
 /// The JSON value at the start of `bytes` (after any whitespace) and the
@@ -536,6 +419,7 @@ fn json_value<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<(T, usize), Par
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::xorshift;
 
     fn text(body: &str) -> Vec<u8> {
         match parse_request(body.as_bytes()).unwrap().prompt {
@@ -599,6 +483,10 @@ mod tests {
     fn completion_prompt_forms() {
         assert_eq!(text(r#"{"model":"m","prompt":"hello"}"#), b"hello");
         assert_eq!(
+            text(r#"{"model":"m","prompt":"caf\u00e9\n"}"#),
+            "café\n".as_bytes()
+        );
+        assert_eq!(
             text(r#"{"model":"m","prompt":["first","second"]}"#),
             b"first"
         );
@@ -653,6 +541,12 @@ mod tests {
                 matches!(e, ParseError::Malformed(_))
             }),
             (br#"{"model":"m","prompt":7}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":"m","prompt_token_ids":"1 2"}"#, |e| {
+                matches!(e, ParseError::Malformed(_))
+            }),
+            (br#"{"model":"m","prompt":"bad \x"}"#, |e| {
                 matches!(e, ParseError::Malformed(_))
             }),
             (br#"{"model":7,"prompt":"p"}"#, |e| {
@@ -863,13 +757,7 @@ mod tests {
             b"{ \"token_strs\" : [\"a\\u00e9\", \"b\"],\n\"tokens\":[ 12 , 4294967295 ] }",
             br#"{"tokens":[1,2,3],"extra":{"deep":[1.5e3,-2,true,"x"]}}"#,
         ];
-        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         let mut read = 0;
         for _ in 0..50_000 {
             let mut body = seeds[(next() % seeds.len() as u64) as usize].to_vec();
@@ -909,13 +797,7 @@ mod tests {
             br#"{"model":"m","prompt":"plain","prompt_token_ids":[5,6]}"#,
             br#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}"#,
         ];
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for _ in 0..50_000 {
             let seed = seeds[(next() % seeds.len() as u64) as usize];
             let mut body = seed.to_vec();

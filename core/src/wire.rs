@@ -204,6 +204,7 @@ pub(crate) fn pod(r: &mut Reader<'_>) -> Result<String, WireError> {
 mod tests {
     use super::*;
     use crate::hash::hashes;
+    use crate::test_rng::xorshift;
 
     fn sample() -> Vec<PeerMessage> {
         vec![
@@ -247,13 +248,11 @@ mod tests {
         for cut in 0..bytes.len() {
             assert!(decode_batch(&bytes[..cut]).is_err(), "cut at {cut}");
         }
-        let mut x: u64 = 0x1234_5678;
+        let mut next = xorshift(0x1234_5678);
         for _ in 0..20_000 {
             let mut corrupt = bytes.clone();
             for _ in 0..3 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = next();
                 let i = (x as usize) % corrupt.len();
                 corrupt[i] = (x >> 32) as u8;
             }

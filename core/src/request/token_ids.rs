@@ -202,6 +202,7 @@ fn short_id(bytes: &[u8], at: usize) -> Option<(u32, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::xorshift;
 
     #[test]
     fn token_id_arrays() {
@@ -235,13 +236,7 @@ mod tests {
     /// really be taken.
     #[test]
     fn two_walks_read_as_one_walk_reads() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         let (mut taken, mut valid) = (0, 0);
         for round in 0..3_000 {
             let separator = [",", ", ", " ,\n  "][round % 3];
