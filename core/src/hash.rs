@@ -22,8 +22,8 @@
 //! In wasm, which has no 64 × 64 → 128-bit multiply, XXH3 cost ~35 ns per
 //! 64-byte chunk and XXH64 ~18 (v1 used XXH3). Seeded by the chunk before
 //! (v2), each XXH64 waited for the one before it; unseeded, the CPU overlaps
-//! them and only the mix is chained: 29 KB hash in 4.6–5.0 µs instead of
-//! 6.0–6.5 in node's V8.
+//! them and only the mix is chained: 30 KB hash in 4.8–5.2 µs instead of
+//! 6.2–6.7 in node's V8 (`make bench-phases-wasm`, alternated runs).
 //! Token blocks keep XXH3: the indexer hashes them too, from vLLM's events.
 //! Because every hash seeds the next, a match of block i implies blocks 0..i
 //! matched: longest-prefix search can bisect instead of probing every block.

@@ -19,6 +19,9 @@ const MESSAGE_END: u8 = 0x1e;
 /// Brackets the digest of a non-text part.
 const PART_MARK: u8 = 0x1d;
 
+/// Names a message in errors.
+const WHAT: &str = "message";
+
 /// One message of `messages`, as read.
 pub(super) struct RawMessage<'a> {
     role: Cow<'a, str>,
@@ -75,7 +78,6 @@ pub(super) fn read_messages(
 
 /// The message object at the start of `value`, and the bytes it took.
 fn read_message(value: &[u8]) -> Result<(RawMessage<'_>, usize), ParseError> {
-    const WHAT: &str = "message";
     let mut role: Given<Cow<str>> = None;
     let mut name: Given<Cow<str>> = None;
     let mut content: Given<RawContent> = None;
@@ -106,7 +108,7 @@ fn read_content<'a>(
     key: &str,
     value: &'a [u8],
 ) -> Result<usize, ParseError> {
-    first_time(slot, "message", key)?;
+    first_time(slot, WHAT, key)?;
     if value.first() == Some(&b'"') {
         let (text, used) = read_string(value)?;
         *slot = Some(Some(RawContent::Text(text)));
