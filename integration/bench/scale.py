@@ -27,7 +27,7 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   batches of 512-block sequences, built as tests/indexer/indexer_harness.py builds them); feed
   snapshot size, idle poll size, delta bytes per second while every pod stores and removes
   200 blocks/s (fewer when that exceeds --max-churn-blocks-s, then extrapolated); then per
-  `--concurrency`: time for a new Envoy to route on the full index (from its start until the
+  `--concurrency`: time for a new Envoy to route on the full index (from its process's start until the
   snapshot is loaded and published, `feed.snapshots` ≥ 1 with nothing deferred, and then an
   8k-token prompt of a random pod is fully matched on that pod; or the failure as the result), its RSS,
   `kvroute.index.blocks`, `kvroute.decision_us` p50/p99 of fully matched decisions, and added
@@ -497,7 +497,6 @@ def envoy_running(config: str, concurrency: int, timeout: float, result: dict):
     """Yields the started Envoy, or None when it did not start: the failure (exit, log lines)
     goes into `result` as the measurement. Stops it by its PID on the way out."""
     envoy = EnvoyProcess(config, concurrency=concurrency, startup_timeout=timeout)
-    t0 = time.monotonic()
     try:
         envoy.start()
     except RuntimeError as e:
@@ -505,7 +504,7 @@ def envoy_running(config: str, concurrency: int, timeout: float, result: dict):
         envoy.__exit__(None, None, None)
         yield None
         return
-    result.update(started=True, startup_s=round(time.monotonic() - t0, 2))
+    result.update(started=True, startup_s=round(time.monotonic() - envoy.started_at, 2))
     try:
         yield envoy
     finally:
@@ -794,11 +793,12 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
     check = (rng.randrange(len(pods) - last, len(pods)), rng.randrange(sequences))
     order = [(rng.randrange(len(pods) - last), rng.randrange(sequences)) for _ in range(args.probes)]
     probes = iter(order)
-    t0 = time.monotonic()
     result: dict[str, Any] = {}
     with envoy_running(config, concurrency, args.startup_timeout, result) as envoy:
         if envoy is None:
             return result
+        # from the process's start (not the harness's own work before it)
+        t0 = envoy.started_at
         client = Client(envoy.listener_port)
 
         def loaded() -> bool:
