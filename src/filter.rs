@@ -459,8 +459,7 @@ impl RequestFilter {
         }
         m.blocks_matched.add(decision.matched_blocks as u64);
         m.blocks_total.add(decision.total_blocks as u64);
-        m.decision_us
-            .record(host::now().micros.saturating_sub(started.micros));
+        m.decision_us.record(started.elapsed_us());
         let explanation = decision.explain();
         if w.debug_logging {
             host::log(

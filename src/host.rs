@@ -14,6 +14,13 @@ pub struct Now {
     pub micros: u64,
 }
 
+impl Now {
+    /// Microseconds from this moment to the host's clock now.
+    pub fn elapsed_us(self) -> u64 {
+        now().micros.saturating_sub(self.micros)
+    }
+}
+
 pub fn now() -> Now {
     let micros = hostcalls::get_current_time()
         .ok()

@@ -224,6 +224,8 @@ pub struct IndexMetrics {
     pub dropped: Metric,
     /// Shared-data keys written by index flushes.
     pub flushed: Metric,
+    /// Main-thread µs spent in index flushes (encoding and writing keys).
+    pub flush_us: Metric,
     /// Changed keys the last flush left for the next (its bound was reached).
     pub deferred: Metric,
     /// Buckets the singleton holds in memory (its working set).
@@ -248,6 +250,7 @@ impl IndexMetrics {
             evicted: Metric::gauge("kvroute.index.evicted"),
             dropped: Metric::gauge("kvroute.index.dropped"),
             flushed: Metric::counter("kvroute.index.flushed"),
+            flush_us: Metric::counter("kvroute.index.flush_us"),
             deferred: Metric::gauge("kvroute.index.deferred"),
             resident_buckets: Metric::gauge("kvroute.index.resident_buckets"),
             resident_bytes: Metric::gauge("kvroute.index.resident_bytes"),
@@ -268,6 +271,8 @@ pub struct FeedMetrics {
     pub pages: Metric,
     pub bytes: Metric,
     pub latency_ms: Metric,
+    /// Main-thread µs spent decoding and applying feed answers.
+    pub apply_us: Metric,
     pub pods: Metric,
     pub learned_sent: Metric,
     pub learned_refused: Metric,
@@ -282,6 +287,7 @@ impl FeedMetrics {
             pages: Metric::counter("kvroute.feed.pages"),
             bytes: Metric::counter("kvroute.feed.bytes"),
             latency_ms: Metric::histogram("kvroute.feed.latency_ms"),
+            apply_us: Metric::counter("kvroute.feed.apply_us"),
             pods: Metric::gauge("kvroute.feed.pods"),
             learned_sent: Metric::counter("kvroute.feed.learned_sent"),
             learned_refused: Metric::counter("kvroute.feed.learned_refused"),

@@ -43,6 +43,9 @@ const MAX_RESIDENT_BYTES: usize = 9 << 20;
 /// (the indexer is slow or down, and the queue must stay bounded).
 const MAX_PENDING_LEARNED: usize = 1 << 16;
 
+/// The tick that applies a feed answer after its callback returned.
+const APPLY_AFTER_MS: u64 = 1;
+
 pub struct Singleton {
     /// The proxy's one block index, and the pods it names.
     cluster: Cluster,
@@ -63,8 +66,11 @@ pub struct Singleton {
     feed: FeedClient,
     /// The feed call in flight: its token and when it was sent (ms).
     feed_call: Option<(u32, u64)>,
+    /// A feed answer applied at the next tick, after the call for the one
+    /// that follows it has left (see [`Singleton::on_http_call_response`]).
+    unapplied: Option<Received>,
     learned_call: Option<u32>,
-    /// Snapshot pages received and not applied yet, and their hashes.
+    /// Confirmed decisions waiting for the next learned report, and their hashes.
     pending: LearnedBatch,
     pending_hashes: usize,
     failing: bool,
@@ -123,6 +129,7 @@ impl Singleton {
             queue: host::queue_register(SINGLETON_QUEUE),
             feed: FeedClient::new(poll_ms),
             feed_call: None,
+            unapplied: None,
             learned_call: None,
             pending: LearnedBatch::default(),
             pending_hashes: 0,
@@ -151,6 +158,10 @@ impl Singleton {
     /// Sums the workers' load every tick; the other duties every duty
     /// period.
     pub fn on_tick(&mut self) {
+        if let Some(received) = self.unapplied.take() {
+            self.apply(received);
+            self.ticker.set_period(self.tick_period_ms());
+        }
         let now = host::now();
         let (now_s, now_ms) = (now.secs, now.millis);
         self.load_summer
@@ -159,9 +170,7 @@ impl Singleton {
             return;
         }
         self.peers.tick(now_s, now_ms);
-        let period = LoadSummer::period_ms(self.peers.serving_load_keys().len())
-            .map_or(self.duty_ms, |share| share.min(self.duty_ms));
-        self.ticker.set_period(period);
+        self.ticker.set_period(self.tick_period_ms());
         if now_ms.saturating_sub(self.last_flush_ms) >= u64::from(self.flush_ms) {
             self.last_flush_ms = now_ms;
             self.flush(now_ms);
@@ -200,11 +209,18 @@ impl Singleton {
         }
     }
 
+    /// The tick: the duty period, shorter while the workers' load is summed.
+    fn tick_period_ms(&self) -> u64 {
+        LoadSummer::period_ms(self.peers.serving_load_keys().len())
+            .map_or(self.duty_ms, |share| share.min(self.duty_ms))
+    }
+
     /// Publishes what changed in the index since the last flush (pod
     /// table, new sets, buckets, then the head with its heartbeat).
     /// Published in batches of [`FLUSH_BATCH_WRITES`] keys: the encoded
     /// buckets of a whole flush are never in memory at once.
     fn flush(&mut self, now_ms: u64) {
+        let started = host::now();
         let mut room = MAX_FLUSH_WRITES;
         let mut written = 0;
         let deferred = loop {
@@ -231,6 +247,7 @@ impl Singleton {
         };
         let m = &self.index_metrics;
         m.flushed.add(written);
+        m.flush_us.add(started.elapsed_us());
         m.deferred.record(deferred as u64);
         if let Some(index) = self.cluster.index() {
             let stats = index.stats();
@@ -324,7 +341,8 @@ impl Singleton {
             return;
         }
         self.feed_call = None;
-        let now_ms = host::now().millis;
+        let answered = host::now();
+        let now_ms = answered.millis;
         self.metrics
             .latency_ms
             .record(now_ms.saturating_sub(started_ms));
@@ -340,23 +358,36 @@ impl Singleton {
             None => FeedResponse::NoResponse,
         };
         let outcome = self.feed.on_response(now_ms, response);
-        // The next page (or waiting deltas) is asked for before this answer is
-        // applied: the indexer prepares it while the index takes this one.
+        self.metrics.apply_us.add(answered.elapsed_us());
+        // The next page (or waiting deltas) is asked for at once. Envoy sends
+        // the call only once this callback returns, so the answer is applied
+        // at a tick a millisecond later: the indexer then prepares the next
+        // answer while the index takes this one, instead of after it.
+        let mut asked = false;
         if let Some(request) = self.feed.follow_up(now_ms) {
             if let Some(indexer) = self.indexer.clone() {
-                self.send_feed(&indexer, request, now_ms);
+                asked = self.send_feed(&indexer, request, now_ms);
             }
         }
         match outcome {
             Ok(received) => {
                 self.metrics.bytes.add(body_size as u64);
-                self.received(received);
+                if let Some(earlier) = self.unapplied.take() {
+                    self.apply(earlier);
+                }
+                if asked {
+                    self.unapplied = Some(received);
+                    self.ticker.set_period(APPLY_AFTER_MS);
+                } else {
+                    self.apply(received);
+                }
             }
             Err(fault) => self.failed(&fault.to_string()),
         }
     }
 
-    fn send_feed(&mut self, indexer: &IndexerSettings, request: FeedRequest, now_ms: u64) {
+    /// Sends a feed call; true when it left.
+    fn send_feed(&mut self, indexer: &IndexerSettings, request: FeedRequest, now_ms: u64) -> bool {
         let path = format!("{}?{}", indexer.feed_path, request.query());
         match host::http_call(
             &indexer.cluster,
@@ -366,14 +397,25 @@ impl Singleton {
             None,
             indexer.timeout_ms,
         ) {
-            Ok(token) => self.feed_call = Some((token, now_ms)),
+            Ok(token) => {
+                self.feed_call = Some((token, now_ms));
+                true
+            }
             Err(status) => {
                 let fault = self.feed.on_response(now_ms, FeedResponse::NotSent);
                 if let Err(fault) = fault {
                     self.failed(&format!("{fault}: {status:?}"));
                 }
+                false
             }
         }
+    }
+
+    /// Applies a feed answer, timed (`kvroute.feed.apply_us`).
+    fn apply(&mut self, received: Received) {
+        let started = host::now();
+        self.received(received);
+        self.metrics.apply_us.add(started.elapsed_us());
     }
 
     /// Counts an applied feed answer and passes its update on.

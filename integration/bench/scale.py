@@ -36,7 +36,8 @@ Precise mode (kvroute-indexer with `--pod ADDRESS@MODEL` per pod), per N up to 1
   token blocks after their first call-outs; with 0 every request makes the call-out; the counts
   of each are checked). Both modes also record the CPU of
   Envoy's main thread, where the singleton (the index's one writer) runs: per request, and in
-  precise mode from start until the index is routable.
+  precise mode from start until the index is routable (with the singleton's own share of it:
+  `kvroute.feed.apply_us` and `kvroute.index.flush_us`).
 Every RSS is read with Envoy's allocator figures (admin `GET /memory`: live heap, free memory
 tcmalloc holds, memory returned to the OS); in precise mode both are read again after the CPU
 readings and --settle-seconds of idle.
@@ -815,6 +816,12 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         loaded_at = wait_for(loaded, args.route_timeout, interval=0.05)
         result["snapshot_loaded_s"] = round(time.monotonic() - t0, 2) if loaded_at else None
         result["main_thread_cpu_s_to_load"] = round(main_thread_cpu_seconds(envoy.pid), 2)
+        # of which the singleton's own wasm work: feed answers decoded and applied, and flushes
+        singleton_us = envoy.stats("kvroute.")
+        result["singleton_s_to_load"] = {
+            "feed_apply": round(singleton_us.get("wasmcustom.kvroute.feed.apply_us", 0) / 1e6, 2),
+            "index_flush": round(singleton_us.get("wasmcustom.kvroute.index.flush_us", 0) / 1e6, 2),
+        }
         ok = bool(loaded_at) and routed()
         client.close()
         result["routes_on_full_index"] = ok
@@ -1039,19 +1046,23 @@ def render(results: dict) -> str:
                     f" {f['idle_poll_bytes']} | {f['block_events_per_s']} ({f['churn_blocks_per_pod_s']}+"
                     f"{f['churn_blocks_per_pod_s']}) | {f['delta_bytes_per_s']} | {f['bytes_per_block_event']}"
                     f" ({f['bytes_per_block_event_all_in']}) | {f['delta_bytes_per_s_at_200_per_pod']}{extrapolated} |")
-    writer = ["| mode | pods | c | snapshot loaded and published s | the singleton's wasm memory MB |"
+    writer = ["| mode | pods | c | snapshot loaded and published s | main thread CPU s until then:"
+              " all / feed answers decoded and applied / index flushes | the singleton's wasm memory MB |"
               " Envoy main thread µs/req 30 KB / 128 KB |"
               " buckets read back 30 KB / 128 KB | blocks not re-taught / prompt blocks, 30 KB / 128 KB |",
-              "|---|---:|---:|---|---|---|---|---|"]
+              "|---|---:|---:|---|---|---|---|---|---|"]
     for n, mode, c, r, by_mode in envoy_readings(results):
         if not r.get("cpu"):
             continue
+        split = r.get("singleton_s_to_load", {})
+        load_cpu = (f"{fmt(r.get('main_thread_cpu_s_to_load'))} / {fmt(split.get('feed_apply'))} /"
+                    f" {fmt(split.get('index_flush'))}" if mode == "precise" else "—")
         cpu = [r["cpu"][k] for k in ("30KB", "128KB") if k in r["cpu"]]
         work = [x.get("index_work", {}) for x in cpu]
         taught = [f"{fmt(w.get('blocks_already_taught'))} / {fmt(w.get('blocks_total'))}" for w in work]
         writer.append(
             f"| {mode} | {n} | {c} | {fmt(r.get('snapshot_loaded_s')) if mode == 'precise' else '—'} |"
-            f" {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
+            f" {load_cpu} | {fmt(r.get('writer_memory_mb')) if mode == 'precise' else '—'} |"
             f" {' / '.join(fmt(x.get('main_thread_cpu_us_per_request')) for x in cpu)} |"
             f" {' / '.join(fmt(w.get('read_back')) for w in work)} |"
             f" {' / '.join(taught)} |")

@@ -414,3 +414,33 @@ def test_hot_restart_loses_the_proxy_index_and_the_feed_refills_it(stack, precis
             assert [d["matched"] for d in after] == [0] * len(prompts)
             envoy.wait_for_index_flush()
             assert all(route(p)["matched"] > 0 for p in prompts), "learned again"
+
+
+def test_a_snapshot_of_many_pages_loads_whole_into_a_new_gateway():
+    """A new gateway takes the indexer's snapshot page by page (`--feed-max-hashes` 16 here: a
+    dozen pages), asking for each next page before it applies the one in hand, then routes every
+    prompt on the blocks its pod truly holds, those of the last pages included."""
+    require_wasm()
+    indexer = IndexerProcess((), "--scrape-interval-ms=200", "--feed-max-hashes", "16")
+    with SimCluster(pods=2, time_scale=0.2, num_gpu_blocks=CAPACITY, kv_events_endpoint=indexer.zmq_endpoint) as sims:
+        indexer.pods = sims.addresses
+        with indexer:
+            prompts = [(pod, tokens(300 + 10 * pod + i, 24)) for pod in range(2) for i in range(4)]
+            for pod, ids in prompts:
+                direct_completion(sims, pod, ids)
+            for pod in range(2):
+                wait_for("indexer sees the blocks", lambda pod=pod: indexer.blocks(sims.addresses[pod]) >= 4 * 24)
+            config = render_gateway(sims.addresses, {"default_capacity_blocks": CAPACITY},
+                                    template=GATEWAY_PRECISE, indexer=indexer.address)
+            with EnvoyProcess(config) as envoy:
+                envoy.wait_for_peers()
+                wait_for("the snapshot loaded", lambda: envoy.stats("wasmcustom.kvroute.feed.snapshots").get(
+                    "wasmcustom.kvroute.feed.snapshots", 0) >= 1)
+                envoy.wait_for_index_flush()
+                pages = envoy.stats("wasmcustom.kvroute.feed.pages")["wasmcustom.kvroute.feed.pages"]
+                assert pages >= 12, f"{pages} pages: the snapshot must come in many"
+                for pod, ids in prompts:
+                    d = decision(routed_completion(envoy, ids + [1, 2, 3]))
+                    assert (d["pod"], d["matched"], d["domain"]) == (sims.addresses[pod], 24, "tokens"), d["raw"]
+                applied = envoy.stats("wasmcustom.kvroute.feed.apply_us")["wasmcustom.kvroute.feed.apply_us"]
+                assert applied > 0, "the singleton counts the time it spends on feed answers"
