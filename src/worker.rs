@@ -379,8 +379,14 @@ impl Worker {
     /// probes of the chain, where teaching and reporting every chunk again
     /// would cost the singleton and the indexer a write each.
     pub fn teach_byte_fallback(&mut self, pod: &str, hashes: Vec<BlockHash>, now: Now) -> Taught {
-        let in_index = self.taught_in_index(pod, &hashes, now);
-        let already_taught = in_index.max(self.sent_this_epoch(pod, &hashes, now));
+        // A prompt this VM sent whole in the epoch (a repeated one) needs no
+        // lookup: the index cannot show more.
+        let sent = self.sent_this_epoch(pod, &hashes, now);
+        let already_taught = if sent == hashes.len() {
+            sent
+        } else {
+            self.taught_in_index(pod, &hashes, now).max(sent)
+        };
         self.teach(pod, &hashes, already_taught, now.millis);
         Taught {
             hashes,
