@@ -843,19 +843,22 @@ impl HttpContext for RequestFilter {
         };
         let status = headers.get(":status").and_then(|s| s.parse().ok());
         self.settle(status, served_by.as_deref());
+        let (lookup_note, index_note) = (self.lookup_note.take(), self.index_note.take());
         let explanation = self
             .explanation
             .take()
             .or_else(|| self.fallback.map(|c| format!("fallback={}", c.name())))
-            .map(|text| {
-                [
-                    self.tokens_note.map(str::to_owned),
-                    self.lookup_note.take(),
-                    self.index_note.take(),
-                ]
-                .into_iter()
-                .flatten()
-                .fold(text, |text, note| format!("{text}; {note}"))
+            .map(|mut text| {
+                let notes = [
+                    self.tokens_note,
+                    lookup_note.as_deref(),
+                    index_note.as_deref(),
+                ];
+                for note in notes.into_iter().flatten() {
+                    text.push_str("; ");
+                    text.push_str(note);
+                }
+                text
             });
         if let Some(text) = explanation.filter(|_| !config.decision_header.is_empty()) {
             host::add_response_header(&config.decision_header, &text);
