@@ -25,8 +25,9 @@
 //! them and only the mix is chained: 30 KB hash in 4.8–5.2 µs instead of
 //! 6.2–6.7 in node's V8 (`make bench-phases-wasm`, alternated runs).
 //! Token blocks keep XXH3: the indexer hashes them too, from vLLM's events.
-//! Because every hash seeds the next, a match of block i implies blocks 0..i
-//! matched: longest-prefix search can bisect instead of probing every block.
+//! Because every hash is computed from the one before (its seed, or the
+//! mix's input), a match of block i implies blocks 0..i matched:
+//! longest-prefix search can bisect instead of probing every block.
 //!
 //! ## Extra keys (cache salt, multimodal inputs)
 //!
