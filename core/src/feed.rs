@@ -938,6 +938,19 @@ mod tests {
             assert_eq!(packed(&mut r, n), Ok(keys), "{n} keys");
             assert!(r.is_empty());
         }
+        // Keys bunched at both ends: the unary part holds runs of zeros
+        // longer than the decoder's 56-bit window.
+        for n in [3, 100, 1000, 13_445] {
+            let mut keys: Vec<u64> = (0..n as u64 - 1).collect();
+            keys.push(KEY_MAX);
+            let mut out = Vec::new();
+            put_packed(&mut out, &keys);
+            assert_eq!(
+                packed(&mut Reader::new(&out), n),
+                Ok(keys),
+                "{n} bunched keys"
+            );
+        }
         // Never more than 5 bytes a key; fewer as runs grow.
         assert_eq!(packed_len(1), 5);
         assert_eq!(packed_len(2), 10);

@@ -80,27 +80,45 @@ struct BitReader<'a> {
 }
 
 impl BitReader<'_> {
-    /// `bits` bits; the caller checked they lie within `limit`.
+    /// The next `bits` bits (at most 56) without moving on; bits past the
+    /// input read as zeros. One unaligned word read instead of a loop per byte.
+    fn peek(&self, bits: u32) -> u64 {
+        let at = usize::try_from(self.pos / 8).unwrap_or(usize::MAX);
+        let rest = self.bytes.get(at..).unwrap_or_default();
+        let word = match rest.first_chunk::<8>() {
+            Some(eight) => u64::from_le_bytes(*eight),
+            None => rest
+                .iter()
+                .rev()
+                .fold(0u64, |word, &byte| (word << 8) | u64::from(byte)),
+        };
+        (word >> (self.pos % 8)) & ((1u64 << bits) - 1)
+    }
+
+    /// `bits` bits (at most [`KEY_BITS`]); the caller checked they lie
+    /// within `limit`.
     fn get(&mut self, bits: u32) -> u64 {
-        let mut v = 0u64;
-        let mut got = 0;
-        while got < bits {
-            let byte = self
-                .bytes
-                .get((self.pos / 8) as usize)
-                .copied()
-                .unwrap_or(0);
-            let offset = (self.pos % 8) as u32;
-            let take = (8 - offset).min(bits - got);
-            v |= (u64::from(byte >> offset) & ((1u64 << take) - 1)) << got;
-            got += take;
-            self.pos += u64::from(take);
-        }
+        let v = self.peek(bits);
+        self.pos += u64::from(bits);
         v
     }
 
-    fn bit(&mut self) -> Option<bool> {
-        (self.pos < self.limit).then(|| self.get(1) == 1)
+    /// The zeros before the next one bit, which is read too; `None` when
+    /// `limit` comes first.
+    fn unary(&mut self) -> Option<u64> {
+        let mut zeros = 0u64;
+        while self.pos < self.limit {
+            let window = (self.limit - self.pos).min(56) as u32;
+            let word = self.peek(window);
+            if word != 0 {
+                let skipped = word.trailing_zeros();
+                self.pos += u64::from(skipped) + 1;
+                return Some(zeros + u64::from(skipped));
+            }
+            zeros += u64::from(window);
+            self.pos += u64::from(window);
+        }
+        None
     }
 }
 
@@ -142,26 +160,17 @@ pub(super) fn packed(r: &mut Reader<'_>, n: usize) -> Result<Vec<u64>, FeedError
     if low < KEY_BITS {
         let mut high = 0u64;
         for key in &mut keys {
-            loop {
-                match reader.bit() {
-                    Some(true) => break,
-                    Some(false) => high += 1,
-                    None => return Err(FeedError::BadKeyList),
-                }
-            }
+            high += reader.unary().ok_or(FeedError::BadKeyList)?;
             *key |= high << low;
         }
     }
-    // One encoding per list: its keys ascend.
     if keys.windows(2).any(|w| w[0] > w[1]) {
         return Err(FeedError::BadKeyList);
     }
     // The rest of the unary part and the padding are zeros.
     reader.limit = bytes.len() as u64 * 8;
-    while let Some(bit) = reader.bit() {
-        if bit {
-            return Err(FeedError::BadKeyList);
-        }
+    if reader.unary().is_some() {
+        return Err(FeedError::BadKeyList);
     }
     Ok(keys)
 }
