@@ -452,8 +452,9 @@ impl BlockIndex {
     /// `blocks` is scratch space: 8 bytes per block.
     fn apply_in_bucket_order(&mut self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>, now_s: u32) {
         let hashes_of = |op: &IndexOp<'_>| op.keys().len();
-        // Block positions are numbered across the operations in 32 bits: a
-        // longer run (never a feed answer's) is taken in parts.
+        // A block is named by its operation and its index in it, 32 bits
+        // each: a list of more blocks (never a feed answer's) is taken in
+        // parts.
         let mut total = 0usize;
         for (end, op) in ops.iter().enumerate() {
             if total + hashes_of(op) > u32::MAX as usize && end > 0 {
@@ -463,18 +464,7 @@ impl BlockIndex {
             }
             total += hashes_of(op);
         }
-        // Where each operation's blocks start in the numbering.
-        let mut starts: Vec<u64> = Vec::with_capacity(ops.len());
-        blocks.clear();
-        let mut position = 0u64;
-        for op in ops {
-            starts.push(position);
-            for &h in op.keys() {
-                blocks.push(((self.bucket_of(key_of(h)) as u64) << 32) | position);
-                position += 1;
-            }
-        }
-        self.sort_by_bucket(ops, blocks);
+        let runs = self.sort_by_bucket(ops, total, blocks);
         let epoch = self.epoch(now_s);
         if ops.iter().any(|op| matches!(op, IndexOp::Stored(..))) {
             self.latest_epoch = epoch;
@@ -490,28 +480,24 @@ impl BlockIndex {
             })
             .collect();
         let mut transitions: Vec<Transition> = vec![None; ops.len()];
-        // One bucket's blocks at a time, as (operation, index in it).
-        let mut run: Vec<(usize, usize)> = Vec::new();
+        let key_at = |block: u64| key_of(ops[op_of(block)].keys()[index_of(block)]);
         let mut new_keys: Vec<u64> = Vec::new();
         let mut seen: Vec<u64> = Vec::new();
-        let mut at = 0;
-        while at < blocks.len() {
-            let b = (blocks[at] >> 32) as usize;
-            run.clear();
-            while let Some(&block) = blocks.get(at).filter(|&&block| (block >> 32) as usize == b) {
-                let position = block & u64::from(u32::MAX);
-                let o = starts.partition_point(|&s| s <= position) - 1;
-                run.push((o, (position - starts[o]) as usize));
-                at += 1;
-            }
+        let mut start = 0;
+        // One bucket's blocks at a time.
+        for (b, end) in runs {
+            let run = &blocks[start..end];
+            start = end;
             new_keys.clear();
-            for &(o, i) in &run {
-                if let (IndexOp::Stored(_, _, hashes), Some(_)) = (ops[o], members[o]) {
-                    new_keys.push(key_of(hashes[i]));
+            for &block in run {
+                let o = op_of(block);
+                if let (IndexOp::Stored(..), Some(_)) = (ops[o], members[o]) {
+                    new_keys.push(key_at(block));
                 }
             }
             self.reserve(b, &new_keys, &mut seen);
-            for &(o, i) in &run {
+            for &block in run {
+                let (o, i) = (op_of(block), index_of(block));
                 match ops[o] {
                     IndexOp::Stored(_, _, hashes) => {
                         if let Some(member) = members[o] {
@@ -528,35 +514,73 @@ impl BlockIndex {
         }
     }
 
-    /// Orders `blocks` ((bucket, position) of each block of `ops`, in
-    /// position order) by bucket, a bucket's blocks in position order so a
-    /// block's operations stay in order. A snapshot page's blocks fill a
-    /// narrow run of buckets (pages are key ranges): a counting sort over
-    /// that run takes two passes instead of a comparison sort's log n.
-    fn sort_by_bucket(&self, ops: &[IndexOp<'_>], blocks: &mut [u64]) {
-        let bucket = |block: u64| (block >> 32) as usize;
-        let (lo, hi) = blocks.iter().fold((usize::MAX, 0), |(lo, hi), &block| {
-            (lo.min(bucket(block)), hi.max(bucket(block)))
+    /// Fills `blocks` with the `total` blocks of `ops`, each as
+    /// [`block_of`] (operation, index in it), ordered by bucket, a bucket's
+    /// blocks in the operations' order so a block's operations stay in
+    /// order. Returns each bucket with blocks and where they end in
+    /// `blocks`, in order. A snapshot page's blocks fill a narrow run of
+    /// buckets (pages are key ranges): a counting sort over that run takes
+    /// two passes instead of a comparison sort's log n.
+    fn sort_by_bucket(
+        &self,
+        ops: &[IndexOp<'_>],
+        total: usize,
+        blocks: &mut Vec<u64>,
+    ) -> Vec<(usize, usize)> {
+        let bucket_at = |o: usize, i: usize| self.bucket_of(key_of(ops[o].keys()[i]));
+        let numbered = || {
+            ops.iter()
+                .enumerate()
+                .flat_map(|(o, op)| (0..op.keys().len()).map(move |i| (o, i)))
+        };
+        let (lo, hi) = numbered().fold((usize::MAX, 0), |(lo, hi), (o, i)| {
+            let b = bucket_at(o, i);
+            (lo.min(b), hi.max(b))
         });
         let span = hi.saturating_add(1).saturating_sub(lo);
-        if blocks.len() < span {
-            blocks.sort_unstable();
-            return;
+        blocks.clear();
+        if total < span {
+            // Few blocks over many buckets (a worker's learned chain): each
+            // bucket computed once, then sorted with its block.
+            let mut sorted: Vec<(usize, u64)> = numbered()
+                .map(|(o, i)| (bucket_at(o, i), block_of(o, i)))
+                .collect();
+            sorted.sort_unstable();
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for (at, &(bucket, block)) in sorted.iter().enumerate() {
+                blocks.push(block);
+                match runs.last_mut() {
+                    Some((b, end)) if *b == bucket => *end = at + 1,
+                    _ => runs.push((bucket, at + 1)),
+                }
+            }
+            return runs;
         }
-        // Where each bucket's blocks start, then the next free place in it.
-        let mut next = vec![0u32; span + 1];
-        for &block in blocks.iter() {
-            next[bucket(block) - lo + 1] += 1;
+        // Where each bucket's blocks start, then the next free place in it
+        // (once placed, where they end).
+        let mut next = vec![0usize; span + 1];
+        for (o, i) in numbered() {
+            next[bucket_at(o, i) - lo + 1] += 1;
         }
         for i in 1..next.len() {
             next[i] += next[i - 1];
         }
-        for (position, &h) in (0u64..).zip(ops.iter().flat_map(IndexOp::keys)) {
-            let b = self.bucket_of(key_of(h));
-            let at = &mut next[b - lo];
-            blocks[*at as usize] = ((b as u64) << 32) | position;
+        blocks.resize(total, 0);
+        for (o, i) in numbered() {
+            let at = &mut next[bucket_at(o, i) - lo];
+            blocks[*at] = block_of(o, i);
             *at += 1;
         }
+        let mut start = 0;
+        next[..span]
+            .iter()
+            .enumerate()
+            .filter_map(|(b, &end)| {
+                let held = end > start;
+                start = end;
+                held.then_some((lo + b, end))
+            })
+            .collect()
     }
 
     /// `members` with `member` in place of its pod's current entry, without
@@ -881,6 +905,20 @@ impl IndexSource for BlockIndex {
     fn clock(&self) -> Clock {
         BlockIndex::clock(self)
     }
+}
+
+/// A block of an operation list as one number: the operation's index in
+/// the high 32 bits, the block's index in the operation in the low.
+fn block_of(op: usize, index: usize) -> u64 {
+    ((op as u64) << 32) | index as u64
+}
+
+fn op_of(block: u64) -> usize {
+    (block >> 32) as usize
+}
+
+fn index_of(block: u64) -> usize {
+    (block & u64::from(u32::MAX)) as usize
 }
 
 #[cfg(test)]
@@ -1660,16 +1698,19 @@ mod tests {
 
     /// Feed operations applied bucket by bucket leave every block as the
     /// same operations applied one after the other do, `Cleared` included;
-    /// a write-through index then loads each bucket once per answer.
+    /// a write-through index then loads each bucket once per answer. The
+    /// larger budget has more buckets than the operations have blocks (the
+    /// comparison sort, as for a worker's learned chain), the smaller fewer
+    /// (the counting sort, as for a snapshot page).
     #[test]
     fn operations_applied_in_bucket_order_match_the_model() {
-        for seed in 0..4u64 {
+        for (seed, budget) in (0..8u64).zip([1 << 20, 256 << 20].repeat(4)) {
             let ttl = 60;
             let mut model = Model {
                 ttl,
                 ..Model::default()
             };
-            let mut under = Under::new(Store::WriteThrough, 1 << 20, ttl);
+            let mut under = Under::new(Store::WriteThrough, budget, ttl);
             let pods: Vec<PodId> = (0..4).filter_map(|_| under.index.add_pod()).collect();
             let universe = chain(seed, 300);
             let mut rng = seed;
