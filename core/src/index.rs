@@ -540,7 +540,7 @@ impl BlockIndex {
         let span = hi.saturating_add(1).saturating_sub(lo);
         blocks.clear();
         if total < span {
-            // Few blocks over many buckets (a worker's learned chain): each
+            // Few blocks over many buckets (a delta of the feed): each
             // bucket computed once, then sorted with its block.
             let mut sorted: Vec<(usize, u64)> = numbered()
                 .map(|(o, i)| (bucket_at(o, i), block_of(o, i)))
@@ -1700,7 +1700,7 @@ mod tests {
     /// same operations applied one after the other do, `Cleared` included;
     /// a write-through index then loads each bucket once per answer. The
     /// larger budget has more buckets than the operations have blocks (the
-    /// comparison sort, as for a worker's learned chain), the smaller fewer
+    /// comparison sort, as for a delta of the feed), the smaller fewer
     /// (the counting sort, as for a snapshot page).
     #[test]
     fn operations_applied_in_bucket_order_match_the_model() {
