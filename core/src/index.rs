@@ -488,13 +488,13 @@ impl BlockIndex {
         for (b, end) in runs {
             let run = &blocks[start..end];
             start = end;
+            // Only stores with a member (a known pod) may add keys.
             new_keys.clear();
-            for &block in run {
-                let o = op_of(block);
-                if let (IndexOp::Stored(..), Some(_)) = (ops[o], members[o]) {
-                    new_keys.push(key_at(block));
-                }
-            }
+            new_keys.extend(
+                run.iter()
+                    .filter(|&&block| members[op_of(block)].is_some())
+                    .map(|&block| key_at(block)),
+            );
             self.reserve(b, &new_keys, &mut seen);
             for &block in run {
                 let (o, i) = (op_of(block), index_of(block));
