@@ -68,7 +68,7 @@
 use crate::hash::IndexKey;
 use bucket::{
     bucket_of, key_of, probe_slots, slot_key, slot_of, slot_set, Bucket, BUCKET_OVERHEAD, EMPTY,
-    EVICT_BATCH, FULL_BUCKET_BYTES, MIN_BUCKET_SLOTS, SLOT_BYTES,
+    EVICT_BATCH, FULL_BUCKET_BYTES, MIN_BUCKET_SLOTS, REF_MASK, SLOT_BYTES,
 };
 use changes::{ChangeLog, Changed};
 use member::{generation_of, is_precise, EPOCHS_PER_TTL};
@@ -341,7 +341,7 @@ impl BlockIndex {
         // new one is computed once per run.
         let mut last = None;
         for &hash in hashes {
-            self.touch_block(hash.into(), member, epoch, &mut last);
+            self.touch_block(key_of(hash.into()), member, epoch, &mut last);
         }
         self.forget_transition(&mut last);
     }
@@ -358,14 +358,13 @@ impl BlockIndex {
         ))
     }
 
-    /// Records one block as held by `member`'s pod. `last` caches the last
-    /// set change made for this member (old set → new set) while it holds a
-    /// reference to both, so neither id can be freed and reused meanwhile:
-    /// a block whose old set is the cached one takes the new set without
-    /// merging or interning. The caller lets it go with
+    /// Records one block (its slot key) as held by `member`'s pod. `last`
+    /// caches the last set change made for this member (old set → new set)
+    /// while it holds a reference to both, so neither id can be freed and
+    /// reused meanwhile: a block whose old set is the cached one takes the
+    /// new set without merging or interning. The caller lets it go with
     /// [`BlockIndex::forget_transition`].
-    fn touch_block(&mut self, key: IndexKey, member: Member, epoch: u16, last: &mut Transition) {
-        let key = key_of(key);
+    fn touch_block(&mut self, key: u64, member: Member, epoch: u16, last: &mut Transition) {
         let b = self.bucket_of(key);
         self.load(b);
         let found = self.buckets[b].find(key);
@@ -412,10 +411,11 @@ impl BlockIndex {
                     self.touched(b);
                 }
             }
-            _ => {
+            (found, _) => {
                 self.sets.retain(to);
-                // A refused insert released its reference.
-                let _ = self.insert(b, key, to, epoch);
+                // Absent: the find ended at the empty slot it goes to. A
+                // refused insert released its reference.
+                let _ = self.insert(b, key, to, epoch, found.err().flatten());
             }
         }
     }
@@ -451,20 +451,16 @@ impl BlockIndex {
     /// `ops` (no `Cleared` among them) block by block, in bucket order.
     /// `blocks` is scratch space: 8 bytes per block.
     fn apply_in_bucket_order(&mut self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>, now_s: u32) {
-        let hashes_of = |op: &IndexOp<'_>| op.keys().len();
-        // A block is named by its operation and its index in it, 32 bits
-        // each: a list of more blocks (never a feed answer's) is taken in
-        // parts.
-        let mut total = 0usize;
-        for (end, op) in ops.iter().enumerate() {
-            if total + hashes_of(op) > u32::MAX as usize && end > 0 {
-                self.apply_in_bucket_order(&ops[..end], blocks, now_s);
-                self.apply_in_bucket_order(&ops[end..], blocks, now_s);
-                return;
-            }
-            total += hashes_of(op);
+        // A block is carried with its operation's number (see
+        // [`block_of`]): more operations (never a feed answer's) are taken
+        // in parts.
+        if ops.len() > MAX_OPS {
+            let (first, rest) = ops.split_at(MAX_OPS);
+            self.apply_in_bucket_order(first, blocks, now_s);
+            self.apply_in_bucket_order(rest, blocks, now_s);
+            return;
         }
-        let runs = self.sort_by_bucket(ops, total, blocks);
+        let runs = self.sort_by_bucket(ops, blocks);
         let epoch = self.epoch(now_s);
         if ops.iter().any(|op| matches!(op, IndexOp::Stored(..))) {
             self.latest_epoch = epoch;
@@ -480,7 +476,6 @@ impl BlockIndex {
             })
             .collect();
         let mut transitions: Vec<Transition> = vec![None; ops.len()];
-        let key_at = |block: u64| key_of(ops[op_of(block)].keys()[index_of(block)]);
         let mut new_keys: Vec<u64> = Vec::new();
         let mut seen: Vec<u64> = Vec::new();
         let mut start = 0;
@@ -493,18 +488,18 @@ impl BlockIndex {
             new_keys.extend(
                 run.iter()
                     .filter(|&&block| members[op_of(block)].is_some())
-                    .map(|&block| key_at(block)),
+                    .map(|&block| slot_key(block)),
             );
             self.reserve(b, &new_keys, &mut seen);
             for &block in run {
-                let (o, i) = (op_of(block), index_of(block));
+                let (o, key) = (op_of(block), slot_key(block));
                 match ops[o] {
-                    IndexOp::Stored(_, _, hashes) => {
+                    IndexOp::Stored(..) => {
                         if let Some(member) = members[o] {
-                            self.touch_block(hashes[i], member, epoch, &mut transitions[o]);
+                            self.touch_block(key, member, epoch, &mut transitions[o]);
                         }
                     }
-                    IndexOp::Removed(pod, hashes) => self.remove(pod, &hashes[i..=i]),
+                    IndexOp::Removed(pod, _) => self.remove_key(pod, key, |_| true),
                     IndexOp::Cleared(_) => {}
                 }
             }
@@ -514,41 +509,36 @@ impl BlockIndex {
         }
     }
 
-    /// Fills `blocks` with the `total` blocks of `ops`, each as
-    /// [`block_of`] (operation, index in it), ordered by bucket, a bucket's
-    /// blocks in the operations' order so a block's operations stay in
-    /// order. Returns each bucket with blocks and where they end in
+    /// Fills `blocks` with the blocks of `ops` (at most [`MAX_OPS`]), each
+    /// as [`block_of`] (slot key, operation), ordered by bucket, a
+    /// bucket's blocks in the operations' order so a block's operations
+    /// stay in order. Returns each bucket with blocks and where they end in
     /// `blocks`, in order. A snapshot page's blocks fill a narrow run of
     /// buckets (pages are key ranges): a counting sort over that run takes
-    /// two passes instead of a comparison sort's log n.
-    fn sort_by_bucket(
-        &self,
-        ops: &[IndexOp<'_>],
-        total: usize,
-        blocks: &mut Vec<u64>,
-    ) -> Vec<(usize, usize)> {
-        let bucket_at = |o: usize, i: usize| self.bucket_of(key_of(ops[o].keys()[i]));
+    /// two passes instead of a comparison sort's log n. The key travels
+    /// with the block so the apply reads `blocks` in order instead of
+    /// gathering each key from its operation.
+    fn sort_by_bucket(&self, ops: &[IndexOp<'_>], blocks: &mut Vec<u64>) -> Vec<(usize, usize)> {
         let numbered = || {
             ops.iter()
                 .enumerate()
-                .flat_map(|(o, op)| (0..op.keys().len()).map(move |i| (o, i)))
+                .flat_map(|(o, op)| op.keys().iter().map(move |&key| block_of(key_of(key), o)))
         };
-        let (lo, hi) = numbered().fold((usize::MAX, 0), |(lo, hi), (o, i)| {
-            let b = bucket_at(o, i);
-            (lo.min(b), hi.max(b))
+        let bucket_at = |block: u64| self.bucket_of(slot_key(block));
+        let (total, lo, hi) = numbered().fold((0, usize::MAX, 0), |(n, lo, hi), block| {
+            let b = bucket_at(block);
+            (n + 1, lo.min(b), hi.max(b))
         });
         let span = hi.saturating_add(1).saturating_sub(lo);
         blocks.clear();
         if total < span {
-            // Few blocks over many buckets (a delta of the feed): each
-            // bucket computed once, then sorted with its block.
-            let mut sorted: Vec<(usize, u64)> = numbered()
-                .map(|(o, i)| (bucket_at(o, i), block_of(o, i)))
-                .collect();
-            sorted.sort_unstable();
+            // Few blocks over many buckets (a delta of the feed): sorted
+            // by bucket, then operation (a block's operations in order).
+            blocks.extend(numbered());
+            blocks.sort_unstable_by_key(|&block| (bucket_at(block), op_of(block)));
             let mut runs: Vec<(usize, usize)> = Vec::new();
-            for (at, &(bucket, block)) in sorted.iter().enumerate() {
-                blocks.push(block);
+            for (at, &block) in blocks.iter().enumerate() {
+                let bucket = bucket_at(block);
                 match runs.last_mut() {
                     Some((b, end)) if *b == bucket => *end = at + 1,
                     _ => runs.push((bucket, at + 1)),
@@ -559,16 +549,16 @@ impl BlockIndex {
         // Where each bucket's blocks start, then the next free place in it
         // (once placed, where they end).
         let mut next = vec![0usize; span + 1];
-        for (o, i) in numbered() {
-            next[bucket_at(o, i) - lo + 1] += 1;
+        for block in numbered() {
+            next[bucket_at(block) - lo + 1] += 1;
         }
         for i in 1..next.len() {
             next[i] += next[i - 1];
         }
         blocks.resize(total, 0);
-        for (o, i) in numbered() {
-            let at = &mut next[bucket_at(o, i) - lo];
-            blocks[*at] = block_of(o, i);
+        for block in numbered() {
+            let at = &mut next[bucket_at(block) - lo];
+            blocks[*at] = block;
             *at += 1;
         }
         let mut start = 0;
@@ -631,62 +621,82 @@ impl BlockIndex {
         hashes: &[K],
         applies: impl Fn(Tier) -> bool,
     ) {
+        for &hash in hashes {
+            self.remove_key(pod, key_of(hash.into()), &applies);
+        }
+    }
+
+    /// Forgets `pod`'s entry under slot key `key` if its tier `applies`.
+    fn remove_key(&mut self, pod: PodId, key: u64, applies: impl Fn(Tier) -> bool) {
         // Removals carry no clock: members expired by the newest write go too.
         let epoch = self.latest_epoch;
-        for &hash in hashes {
-            let key = key_of(hash.into());
-            let b = self.bucket_of(key);
-            self.load(b);
-            let Ok(i) = self.buckets[b].find(key) else {
-                continue;
-            };
-            let old = slot_set(self.buckets[b].slots[i]);
-            let members = self.sets.get(old);
-            if !members.iter().any(|m| m.pod() == pod && applies(m.tier())) {
-                continue;
+        let b = self.bucket_of(key);
+        self.load(b);
+        let Ok(i) = self.buckets[b].find(key) else {
+            return;
+        };
+        let old = slot_set(self.buckets[b].slots[i]);
+        let members = self.sets.get(old);
+        if !members.iter().any(|m| m.pod() == pod && applies(m.tier())) {
+            return;
+        }
+        let rest: Vec<Member> = members
+            .iter()
+            .copied()
+            .filter(|&m| m.pod() != pod && self.is_current(m, epoch))
+            .collect();
+        self.touched(b);
+        if rest.is_empty() {
+            self.buckets[b].delete_at(i);
+            self.blocks -= 1;
+            self.sets.release(old);
+            return;
+        }
+        match self.sets.intern(&rest) {
+            Some(new) => {
+                let bucket = &mut self.buckets[b];
+                bucket.slots[i] = slot_of(key, new);
+                self.sets.release(old);
             }
-            let rest: Vec<Member> = members
-                .iter()
-                .copied()
-                .filter(|&m| m.pod() != pod && self.is_current(m, epoch))
-                .collect();
-            self.touched(b);
-            if rest.is_empty() {
+            // No room for the smaller set: forget the block for every pod
+            // rather than keep claiming it for this one.
+            None => {
                 self.buckets[b].delete_at(i);
                 self.blocks -= 1;
                 self.sets.release(old);
-                continue;
-            }
-            match self.sets.intern(&rest) {
-                Some(new) => {
-                    let bucket = &mut self.buckets[b];
-                    bucket.slots[i] = slot_of(key, new);
-                    self.sets.release(old);
-                }
-                // No room for the smaller set: forget the block for every pod
-                // rather than keep claiming it for this one.
-                None => {
-                    self.buckets[b].delete_at(i);
-                    self.blocks -= 1;
-                    self.sets.release(old);
-                    self.dropped += 1;
-                }
+                self.dropped += 1;
             }
         }
     }
 
     /// Places `key` (absent) in bucket `b` pointing at `set` (one reference
     /// already taken for it); evicts or grows when the bucket is full.
-    fn insert(&mut self, b: usize, key: u64, set: u32, epoch: u16) -> Result<(), Refused> {
-        if self.buckets[b].is_full() || self.buckets[b].slots.is_empty() {
+    /// `free`: the empty slot a find of `key` just returned, where it goes
+    /// unless the bucket must make room first.
+    fn insert(
+        &mut self,
+        b: usize,
+        key: u64,
+        set: u32,
+        epoch: u16,
+        free: Option<usize>,
+    ) -> Result<(), Refused> {
+        let free = if self.buckets[b].is_full() || self.buckets[b].slots.is_empty() {
             self.make_room(b, epoch);
-        }
+            None
+        } else {
+            free
+        };
         let bucket = &mut self.buckets[b];
         if bucket.is_full() {
             self.sets.release(set);
             return Err(Refused::BucketFull);
         }
-        bucket.place(slot_of(key, set), epoch as u8);
+        let slot = slot_of(key, set);
+        match free {
+            Some(i) => bucket.place_at(i, slot, epoch as u8),
+            None => bucket.place(slot, epoch as u8),
+        }
         self.blocks += 1;
         self.touched(b);
         Ok(())
@@ -907,18 +917,18 @@ impl IndexSource for BlockIndex {
     }
 }
 
-/// A block of an operation list as one number: the operation's index in
-/// the high 32 bits, the block's index in the operation in the low.
-fn block_of(op: usize, index: usize) -> u64 {
-    ((op as u64) << 32) | index as u64
+/// Operations one bucket-ordered apply takes: a block carries its
+/// operation's number where a slot carries its set reference.
+const MAX_OPS: usize = REF_MASK as usize + 1;
+
+/// A block of an operation list as one number: its slot key and its
+/// operation's number, laid out as a slot ([`slot_key`] reads the key).
+fn block_of(key: u64, op: usize) -> u64 {
+    slot_of(key, op as u32)
 }
 
 fn op_of(block: u64) -> usize {
-    (block >> 32) as usize
-}
-
-fn index_of(block: u64) -> usize {
-    (block & u64::from(u32::MAX)) as usize
+    slot_set(block) as usize
 }
 
 #[cfg(test)]

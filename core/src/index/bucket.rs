@@ -89,6 +89,11 @@ impl Bucket {
         while self.slots[i] != EMPTY {
             i = (i + 1) & mask;
         }
+        self.place_at(i, slot, age);
+    }
+
+    /// Fills empty slot `i`, the one a probe for the slot's key ended at.
+    pub(super) fn place_at(&mut self, i: usize, slot: u64, age: u8) {
         self.slots[i] = slot;
         self.ages[i] = age;
         self.len += 1;
