@@ -164,6 +164,7 @@ pub(super) fn packed(r: &mut Reader<'_>, n: usize) -> Result<Vec<u64>, FeedError
             *key |= high << low;
         }
     }
+    // One encoding per list: its keys ascend.
     if keys.windows(2).any(|w| w[0] > w[1]) {
         return Err(FeedError::BadKeyList);
     }
