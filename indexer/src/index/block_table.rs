@@ -168,6 +168,12 @@ impl BlockTable {
         self.live + self.overflow.live
     }
 
+    /// One past the highest id a record can have (array slots, then the
+    /// overflow slab's records).
+    pub(super) fn id_end(&self) -> usize {
+        self.slots.len() + self.overflow.allocated
+    }
+
     fn buckets(&self) -> usize {
         self.slots.len() / BUCKET
     }
