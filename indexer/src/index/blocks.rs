@@ -430,7 +430,7 @@ impl Blocks {
             }
         };
         // The ids of a range are spread over the whole table, and a page
-        // spans ~150 ranges: read in that order, nearly every record is on a
+        // spans ~37 ranges: read in that order, nearly every record is on a
         // page of memory of its own. In table order, a page's records share
         // pages and cache lines; the reads ahead are announced as well.
         let ids = in_table_order(ranges.1.ids_in(keys.clone()), self.records.id_end());
