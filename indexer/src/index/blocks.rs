@@ -10,6 +10,7 @@ use hashbrown::HashMap;
 use kvroute_core::feed::Tier;
 
 use super::block_table::{BlockTable, Record};
+use super::buckets::Buckets;
 use super::feed_log::Sink;
 use super::hashing::table_bytes;
 use super::key_ranges::{KeyRanges, GROUPED_IDS};
@@ -487,32 +488,14 @@ pub(super) fn adjust_block(
 /// Regions of the block table a page's ids are grouped by.
 const REGION_BITS: u32 = 12;
 
-/// `ids` (all below `id_end`) grouped by region of the table, in a counting
-/// sort on their high bits: a region is 4,096 records (48 KB) at 1,000 pods,
-/// so reading them region by region walks the table once.
+/// `ids` (all below `id_end`) grouped by region of the table, on their
+/// high bits: a region is 4,096 records (48 KB) at 1,000 pods, so reading
+/// them region by region walks the table once.
 fn in_table_order(ids: &[BlockId], id_end: usize) -> Vec<BlockId> {
     let span_bits = usize::BITS - id_end.max(1).leading_zeros();
     let shift = span_bits.saturating_sub(REGION_BITS);
-    let region = |id: BlockId| (id as usize) >> shift;
-    let mut starts = vec![0u32; (1 << REGION_BITS) + 1];
-    for &id in ids {
-        if let Some(n) = starts.get_mut(region(id) + 1) {
-            *n += 1;
-        }
-    }
-    for r in 1..starts.len() {
-        starts[r] += starts[r - 1];
-    }
-    let mut grouped = vec![0; ids.len()];
-    for &id in ids {
-        if let Some(next) = starts.get_mut(region(id)) {
-            if let Some(slot) = grouped.get_mut(*next as usize) {
-                *slot = id;
-            }
-            *next += 1;
-        }
-    }
-    grouped
+    let by_region = || ids.iter().map(|&id| ((id as usize) >> shift, id));
+    Buckets::sort(1 << REGION_BITS, by_region).ids
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ use std::ops::Range;
 use kvroute_core::hash::INDEX_KEY_BITS;
 
 use super::blocks::BlockId;
+use super::buckets::Buckets;
 use super::keys::KEY_END;
 
 /// Ids a grouping holds, about (the window's width is a power of two).
@@ -40,6 +41,13 @@ pub(super) struct KeyRanges {
     shift: u32,
     starts: Vec<u32>,
     ids: Vec<BlockId>,
+}
+
+/// The range of `key` in a window that begins at `start`, ranges
+/// `1 << shift` keys wide.
+fn range_at(start: u64, shift: u32, key: u64) -> Option<usize> {
+    let r = key.checked_sub(start)? >> shift;
+    usize::try_from(r).ok().filter(|&r| r < RANGES)
 }
 
 impl KeyRanges {
@@ -69,38 +77,20 @@ impl KeyRanges {
             width_bits -= 1;
         }
         let start = keys.start.min(KEY_END);
-        let mut grouping = KeyRanges {
+        let shift = width_bits - RANGE_BITS;
+        let Buckets { starts, ids } = Buckets::sort(RANGES, || {
+            records().filter_map(|(id, key)| Some((range_at(start, shift, key)?, id)))
+        });
+        KeyRanges {
             window: start..start.saturating_add(1 << width_bits).min(KEY_END),
-            shift: width_bits - RANGE_BITS,
-            starts: vec![0u32; RANGES + 1],
-            ids: Vec::new(),
-        };
-        for (_, key) in records() {
-            if let Some(r) = grouping.range_of(key) {
-                grouping.starts[r + 1] += 1;
-            }
+            shift,
+            starts,
+            ids,
         }
-        for r in 1..=RANGES {
-            grouping.starts[r] += grouping.starts[r - 1];
-        }
-        let mut next = grouping.starts.clone();
-        grouping.ids = vec![0; grouping.starts[RANGES] as usize];
-        for (id, key) in records() {
-            let Some(r) = grouping.range_of(key) else {
-                continue;
-            };
-            // (Both passes see the same records: each row has room.)
-            if let Some(slot) = grouping.ids.get_mut(next[r] as usize) {
-                *slot = id;
-                next[r] += 1;
-            }
-        }
-        grouping
     }
 
     fn range_of(&self, key: u64) -> Option<usize> {
-        let r = key.checked_sub(self.window.start)? >> self.shift;
-        usize::try_from(r).ok().filter(|&r| r < RANGES)
+        range_at(self.window.start, self.shift, key)
     }
 
     /// True when every key of `keys` lies in the window.

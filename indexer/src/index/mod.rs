@@ -17,6 +17,7 @@
 
 mod block_table;
 mod blocks;
+mod buckets;
 mod feed;
 mod feed_log;
 mod hashing;
