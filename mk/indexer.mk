@@ -5,7 +5,7 @@ FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=N runs each target N executions instead of FUZZ_SECONDS (the README's figures: 10M).
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
-FUZZ_ALL := events_decode feed_decode request_parse peer_wire lookup_decode header_map
+FUZZ_ALL := events_decode feed_decode request_parse peer_wire lookup_decode header_map index_published
 # FUZZ_TARGETS="events_decode" runs only those (every corpus is still seeded).
 FUZZ_TARGETS ?= $(FUZZ_ALL)
 GOLDEN_FRAMES := testdata/vllm-golden/frames
