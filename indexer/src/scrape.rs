@@ -56,7 +56,7 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
             "vllm:cache_config_info" => {
                 if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok())
                 {
-                    capacity += n;
+                    capacity = capacity.saturating_add(n);
                     seen = true;
                 }
             }
@@ -112,5 +112,21 @@ vllm:num_requests_waiting_total 99
             parse_vllm_metrics("vllm:num_requests_running{x=\"}\"} NaN\n"),
             None
         );
+    }
+
+    /// Engines whose capacities sum beyond u64 read as the largest
+    /// capacity, not a wrapped small one (or an overflow panic in a build
+    /// that checks).
+    #[test]
+    fn capacities_beyond_u64_saturate() {
+        let engine = |e: u32| {
+            format!(
+                "vllm:cache_config_info{{engine=\"{e}\",num_gpu_blocks=\"{}\"}} 1.0\n",
+                u64::MAX - 1
+            )
+        };
+        let text = engine(0) + &engine(1);
+        let load = parse_vllm_metrics(&text).expect("load");
+        assert_eq!(load.capacity_blocks, u32::MAX);
     }
 }
