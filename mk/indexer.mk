@@ -5,7 +5,7 @@ FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=N runs each target N executions instead of FUZZ_SECONDS (the README's figures: 10M).
 FUZZ_RUNS ?=
 FUZZ_LIMIT = $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS))
-FUZZ_ALL := events_decode feed_decode request_parse peer_wire lookup_decode header_map index_published config_parse metrics_scrape
+FUZZ_ALL := events_decode feed_decode request_parse peer_wire lookup_decode header_map index_published config_parse metrics_scrape events_apply
 # FUZZ_TARGETS="events_decode" runs only those (every corpus is still seeded).
 FUZZ_TARGETS ?= $(FUZZ_ALL)
 GOLDEN_FRAMES := testdata/vllm-golden/frames
@@ -40,6 +40,7 @@ fuzz: fuzz-build ## cargo fuzz every target for FUZZ_SECONDS (or FUZZ_RUNS execu
 	cp fuzz/seeds/lookup_decode/* fuzz/corpus/lookup_decode/
 	cp fuzz/seeds/config_parse/* fuzz/corpus/config_parse/
 	cp fuzz/seeds/metrics_scrape/* fuzz/corpus/metrics_scrape/
+	cp fuzz/seeds/events_apply/* fuzz/corpus/events_apply/
 	set -e; for t in $(FUZZ_TARGETS); do \
 	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$t corpus/$$t -- $(FUZZ_LIMIT) -rss_limit_mb=2048); \
 	done
