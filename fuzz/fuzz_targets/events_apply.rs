@@ -6,13 +6,16 @@
 //! Input: records of a 4-byte header (publisher, sequence number, payload
 //! length as u16 LE) and the payload. A header's high bits also say whether
 //! a replay the message asks for succeeds empty or fails, and whether the
-//! proxy polls the feed after it. Seeds (fuzz/seeds/events_apply): the
+//! proxy polls the feed after it. A record whose publisher byte has its high
+//! bit set is instead a stray feed request (a proxy that restarted, a
+//! hostile client): its payload is the request's fields, and the answer to
+//! it must still be a well-formed feed message. Seeds (fuzz/seeds/events_apply): the
 //! golden vLLM captures of testdata/vllm-golden/frames as such records, in
 //! sequence from one publisher, and interleaved from two with a gap.
 #![no_main]
 
-use kvroute_core::feed::encode_message;
-use kvroute_core::feed_client::{FeedClient, FeedResponse};
+use kvroute_core::feed::{decode_message, encode_message, PageToken};
+use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse};
 use kvroute_indexer::index::{Incoming, Index, IndexConfig};
 use kvroute_indexer::metrics::Metrics;
 use libfuzzer_sys::fuzz_target;
@@ -36,6 +39,40 @@ fn poll(index: &mut Index, client: &mut FeedClient, now_ms: u64) {
     panic!("the feed client kept asking after 64 answers");
 }
 
+/// A feed request whose fields are cut from `bytes`; its epoch is the
+/// index's when the first byte is even (else any), so that page tokens
+/// reach the paging.
+fn stray_request(bytes: &[u8], epoch: u64) -> FeedRequest {
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        let part = bytes.get(1 + 8 * i..).unwrap_or_default();
+        let n = part.len().min(8);
+        w[..n].copy_from_slice(&part[..n]);
+        u64::from_le_bytes(w)
+    };
+    let page_number = (word(2) % 4) as u32;
+    FeedRequest {
+        epoch: if bytes.first().is_some_and(|b| b % 2 == 0) {
+            epoch
+        } else {
+            word(0)
+        },
+        cursor: word(1),
+        pods_version: 0,
+        load_version: 0,
+        page: (word(2) & 4 != 0).then(|| {
+            let after = (word(2) & 8 != 0).then(|| word(4));
+            (
+                page_number,
+                PageToken {
+                    start: word(3),
+                    after,
+                },
+            )
+        }),
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let config = IndexConfig {
         accept_unknown_publishers: true,
@@ -57,6 +94,14 @@ fuzz_target!(|data: &[u8]| {
         let (payload, after) = tail.split_at(len);
         rest = after;
         now_ms += 150;
+        if header[0] & 0x80 != 0 {
+            let request = stray_request(payload, index.epoch());
+            let answer = encode_message(&index.feed(&request));
+            if let Err(e) = decode_message(&answer) {
+                panic!("the answer to {request:?} does not decode: {e}");
+            }
+            continue;
+        }
         let message = Incoming {
             topic: format!("kv@10.0.0.{}:8000@m", header[0] & 3).into_bytes(),
             seq: u64::from(header[1] & 0x3f).to_be_bytes().to_vec(),
