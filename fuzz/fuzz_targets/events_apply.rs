@@ -9,12 +9,13 @@
 //! proxy polls the feed after it. A record whose publisher byte has its high
 //! bit set is instead a stray feed request (a proxy that restarted, a
 //! hostile client): its payload is the request's fields, and the answer to
-//! it must still be a well-formed feed message. Seeds (fuzz/seeds/events_apply): the
+//! it must still be a well-formed feed message. One whose publisher byte has
+//! the next bit set is a learned batch a proxy posts (`POST /v1/learned`). Seeds (fuzz/seeds/events_apply): the
 //! golden vLLM captures of testdata/vllm-golden/frames as such records, in
 //! sequence from one publisher, and interleaved from two with a gap.
 #![no_main]
 
-use kvroute_core::feed::{decode_message, encode_message, PageToken};
+use kvroute_core::feed::{decode_learned, decode_message, encode_message, PageToken};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse};
 use kvroute_indexer::index::{Incoming, Index, IndexConfig};
 use kvroute_indexer::metrics::Metrics;
@@ -99,6 +100,12 @@ fuzz_target!(|data: &[u8]| {
             let answer = encode_message(&index.feed(&request));
             if let Err(e) = decode_message(&answer) {
                 panic!("the answer to {request:?} does not decode: {e}");
+            }
+            continue;
+        }
+        if header[0] & 0x40 != 0 {
+            if let Ok(batch) = decode_learned(payload) {
+                index.apply_learned(&batch, now_ms);
             }
             continue;
         }
