@@ -10,14 +10,22 @@
 //! bit set is instead a stray feed request (a proxy that restarted, a
 //! hostile client): its payload is the request's fields, and the answer to
 //! it must still be a well-formed feed message. One whose publisher byte has
-//! the next bit set is a learned batch a proxy posts (`POST /v1/learned`). Seeds (fuzz/seeds/events_apply): the
+//! the next bit set is a learned batch a proxy posts (`POST /v1/learned`),
+//! and one with the bit after that a remote lookup (`POST /v1/lookup`): its
+//! answer must be one the filter's lookup decoder takes (or an empty list
+//! when no pod serves the model) and ranks. Seeds (fuzz/seeds/events_apply): the
 //! golden vLLM captures of testdata/vllm-golden/frames as such records, in
 //! sequence from one publisher, and interleaved from two with a gap.
 #![no_main]
 
+use kvroute_core::config::Config;
 use kvroute_core::feed::{decode_learned, decode_message, encode_message, PageToken};
 use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse};
+use kvroute_core::hash::Domain;
+use kvroute_core::lookup::{decide, decode_answer, InFlight, LookupError};
+use kvroute_core::router::HashedPrompt;
 use kvroute_indexer::index::{Incoming, Index, IndexConfig};
+use kvroute_indexer::lookup::{lookup, parse_request};
 use kvroute_indexer::metrics::Metrics;
 use libfuzzer_sys::fuzz_target;
 
@@ -74,6 +82,39 @@ fn stray_request(bytes: &[u8], epoch: u64) -> FeedRequest {
     }
 }
 
+/// Answers a lookup request as `POST /v1/lookup` does; the filter must take
+/// the answer and rank it.
+fn answer_lookup(index: &Index, body: &[u8]) {
+    let Ok(request) = parse_request(body) else {
+        return;
+    };
+    let answer = lookup(index, &request);
+    let empty = answer.candidates.is_empty();
+    let Ok(bytes) = serde_json::to_vec(&answer) else {
+        panic!("a lookup answer does not serialize");
+    };
+    let prompt = HashedPrompt {
+        serving_model: request.model.to_string(),
+        domain: Domain::Tokens,
+        hashes: request.hashes.to_vec(),
+        blocks: request.hashes.len(),
+    };
+    match decode_answer(&bytes, prompt.blocks) {
+        Ok(candidates) => {
+            let ranked = decide(
+                &Config::default(),
+                &prompt,
+                &candidates,
+                &InFlight::default(),
+                7,
+            );
+            assert!(ranked.is_ok(), "an answer the filter took does not rank");
+        }
+        Err(LookupError::NoCandidates) if empty => {}
+        Err(e) => panic!("the filter refuses the indexer's lookup answer: {e}"),
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let config = IndexConfig {
         accept_unknown_publishers: true,
@@ -101,6 +142,10 @@ fuzz_target!(|data: &[u8]| {
             if let Err(e) = decode_message(&answer) {
                 panic!("the answer to {request:?} does not decode: {e}");
             }
+            continue;
+        }
+        if header[0] & 0x20 != 0 {
+            answer_lookup(&index, payload);
             continue;
         }
         if header[0] & 0x40 != 0 {
