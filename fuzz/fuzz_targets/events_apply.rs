@@ -9,11 +9,11 @@
 //! proxy polls the feed after it. A record whose publisher byte has its high
 //! bit set is instead a stray feed request (a proxy that restarted, a
 //! hostile client): its payload is the request's fields, and the answer to
-//! it must still be a well-formed feed message. One whose publisher byte has
-//! the next bit set is a learned batch a proxy posts (`POST /v1/learned`),
-//! and one with the bit after that a remote lookup (`POST /v1/lookup`): its
-//! answer must be one the filter's lookup decoder takes (or an empty list
-//! when no pod serves the model) and ranks. Seeds (fuzz/seeds/events_apply): the
+//! it must still be a well-formed feed message. Otherwise, with bit 0x20 set
+//! it is a remote lookup (`POST /v1/lookup`), whose answer must be one the
+//! filter's lookup decoder takes (or an empty list when no pod serves the
+//! model) and ranks; else, with bit 0x40 set, a learned batch a proxy posts
+//! (`POST /v1/learned`). Seeds (fuzz/seeds/events_apply): the
 //! golden vLLM captures of testdata/vllm-golden/frames as such records, in
 //! sequence from one publisher, and interleaved from two with a gap.
 #![no_main]

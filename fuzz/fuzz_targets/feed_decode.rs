@@ -50,7 +50,6 @@ fn route_after(update: &FeedUpdate) {
     };
     if let Ok(decision) = cluster.decide(&config, &prompt, 12, 0) {
         assert!(decision.matched_blocks <= decision.total_blocks);
-        assert!(decision.total_blocks == prompt.blocks);
     }
 }
 
