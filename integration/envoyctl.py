@@ -31,7 +31,7 @@ import yaml
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctools import free_port, http_ok, stop_pid, wait_ready  # noqa: E402,F401  (free_port re-exported)
+from proctools import ManagedProcess, free_port, http_ok, stop_pid, wait_ready  # noqa: E402,F401  (free_port re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 WASM = REPO / "target" / "wasm32-wasip1" / "release" / "kvroute.wasm"
@@ -162,7 +162,7 @@ def plugin_config(config_text: str) -> dict:
     return json.loads(_http_filters(cfg)[0]["typed_config"]["config"]["configuration"]["value"])
 
 
-class EnvoyProcess:
+class EnvoyProcess(ManagedProcess):
     def __init__(self, config_text: str, *, concurrency: int = 2, log_level: str = "info",
                  startup_timeout: float = 30.0, listener_port: int | None = None, hot_restart: bool = False):
         self.config_text = config_text
@@ -192,10 +192,6 @@ class EnvoyProcess:
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
 
     def _spawn(self) -> subprocess.Popen:
         restart = (["--disable-hot-restart"] if self.base_id is None else
@@ -232,21 +228,9 @@ class EnvoyProcess:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        stop_pid(self.proc)
-
-    def __enter__(self) -> "EnvoyProcess":
-        return self.start()
-
     def __exit__(self, *exc) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of Envoy's log, led by every error and critical line (startup failures

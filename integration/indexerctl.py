@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctools import REPO, free_port, http_ok, stop_pid, wait_ready, workspace_binary  # noqa: E402
+from proctools import REPO, ManagedProcess, free_port, http_ok, stop_pid, wait_ready, workspace_binary  # noqa: E402
 
 MODEL = "Qwen/Qwen3-32B"
 TOKEN_ENV = "KVROUTE_INDEXER_TOKEN"
@@ -42,7 +42,7 @@ def indexer_binary() -> Path:
     return workspace_binary("KVROUTE_INDEXER_BIN", "kvroute-indexer")
 
 
-class IndexerProcess:
+class IndexerProcess(ManagedProcess):
     def __init__(self, pods: list[str] = (), *flags: str, model: str = MODEL, bind: bool = True,
                  zmq_port: int | None = None, startup_timeout: float = 30.0,
                  learned_token: str | None = LEARNED_TOKEN):
@@ -77,10 +77,6 @@ class IndexerProcess:
     def zmq_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.zmq_port}"
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     def argv(self) -> list[str]:
         argv = [str(indexer_binary()), f"--listen={self.address}",
                 f"--zmq-bind={self.zmq_endpoint if self.bind else 'none'}"]
@@ -105,20 +101,11 @@ class IndexerProcess:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         stop_pid(self.proc, sig)
 
-    def __enter__(self) -> "IndexerProcess":
-        return self.start()
-
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log_path.unlink(missing_ok=True)
         if self.token_path:
             self.token_path.unlink(missing_ok=True)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])

@@ -1,6 +1,6 @@
 """Process plumbing shared by the harnesses (simcluster, envoyctl, indexerctl): free ports,
-workspace binaries, readiness waits, and stopping a process by its PID. Standard library only,
-so it runs in the test venv (3.11) and the benchmark venv (3.12)."""
+workspace binaries, readiness waits, stopping a process by its PID, and the base of their process
+classes. Standard library only, so it runs in the test venv (3.11) and the benchmark venv (3.12)."""
 from __future__ import annotations
 
 import os
@@ -113,3 +113,29 @@ def stop_pid(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, grace: fl
         proc.wait(timeout=5)
     except ProcessLookupError:
         pass
+
+
+class ManagedProcess:
+    """A server process a harness starts, logs to a file and stops by its PID. Subclasses set
+    `proc` in `start()` and `log_path` to where the process writes its log."""
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self) -> "ManagedProcess":
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        stop_pid(self.proc)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace") if self.log_path else ""
+        except OSError:
+            return ""
+
+    def __enter__(self):
+        return self.start()

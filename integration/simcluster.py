@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctools import free_port, free_port_range, stop_pid, workspace_binary  # noqa: E402,F401  (free ports re-exported)
+from proctools import ManagedProcess, free_port, free_port_range, stop_pid, workspace_binary  # noqa: E402,F401  (free ports re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def ensure_tokenizer() -> Path:
     return TOKENIZER_PATH
 
 
-class SimCluster:
+class SimCluster(ManagedProcess):
     def __init__(self, pods: int = 1, *, host: str = "127.0.0.1", startup_timeout: float = 60.0,
                  kv_events_replay: bool = False, env: dict[str, str] | None = None,
                  port: int | None = None, **opts):
@@ -96,10 +96,6 @@ class SimCluster:
         self._log = None
 
     # ---------------------------------------------------------------- identity
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     @property
     def ports(self) -> list[int]:
         return [self.port + i for i in range(self.pods)]
@@ -191,20 +187,11 @@ class SimCluster:
             time.sleep(0.05)
         return self
 
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace") if self.log_path else ""
-        except OSError:
-            return ""
-
     def stop(self) -> None:
         stop_pid(self.proc, grace=5)
         if self._log:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> "SimCluster":
-        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
