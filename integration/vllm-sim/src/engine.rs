@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use crate::events::{Group, KvEvent, Medium};
 use crate::hash::{extend_chain, BlockHash};
 use crate::kv::BlockPool;
-use crate::metrics::Histogram;
+use crate::metrics::Counters;
 
 /// Step-time model; see README.md "Cost model" for the derivation of the defaults.
 #[derive(Debug, Clone, Copy)]
@@ -196,42 +196,6 @@ struct Req {
     first_token: bool,
     unsent: Vec<u32>,
     sink: Sink,
-}
-
-/// Counters exported on /metrics (reset by /admin/flush).
-#[derive(Debug, Clone)]
-pub struct Counters {
-    /// vLLM's `PrefixCacheStats.queries/hits` (tokens) of requests never preempted.
-    pub prefix_queries: u64,
-    pub prefix_hits: u64,
-    /// `preempted_queries/hits`: lookups of resumed requests, kept apart as vLLM does.
-    pub preempted_prefix_queries: u64,
-    pub preempted_prefix_hits: u64,
-    pub prompt_tokens: u64,
-    pub generation_tokens: u64,
-    pub preemptions: u64,
-    pub requests_finished: u64,
-    pub requests_aborted: u64,
-    pub ttft: Histogram,
-    pub e2e: Histogram,
-}
-
-impl Default for Counters {
-    fn default() -> Self {
-        Self {
-            prefix_queries: 0,
-            prefix_hits: 0,
-            preempted_prefix_queries: 0,
-            preempted_prefix_hits: 0,
-            prompt_tokens: 0,
-            generation_tokens: 0,
-            preemptions: 0,
-            requests_finished: 0,
-            requests_aborted: 0,
-            ttft: Histogram::new(crate::metrics::TTFT_BUCKETS),
-            e2e: Histogram::new(crate::metrics::E2E_BUCKETS),
-        }
-    }
 }
 
 /// One scheduled step: `(request id, context before, new tokens, is decode)`.

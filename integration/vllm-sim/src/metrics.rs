@@ -13,6 +13,42 @@ pub const E2E_BUCKETS: &[f64] = &[
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// Counters exported on /metrics (reset by /admin/flush).
+#[derive(Debug, Clone)]
+pub struct Counters {
+    /// vLLM's `PrefixCacheStats.queries/hits` (tokens) of requests never preempted.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    /// `preempted_queries/hits`: lookups of resumed requests, kept apart as vLLM does.
+    pub preempted_prefix_queries: u64,
+    pub preempted_prefix_hits: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub preemptions: u64,
+    pub requests_finished: u64,
+    pub requests_aborted: u64,
+    pub ttft: Histogram,
+    pub e2e: Histogram,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            prefix_queries: 0,
+            prefix_hits: 0,
+            preempted_prefix_queries: 0,
+            preempted_prefix_hits: 0,
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            preemptions: 0,
+            requests_finished: 0,
+            requests_aborted: 0,
+            ttft: Histogram::new(TTFT_BUCKETS),
+            e2e: Histogram::new(E2E_BUCKETS),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Histogram {
     bounds: &'static [f64],
@@ -60,7 +96,7 @@ pub struct Snapshot<'a> {
     pub kv_usage: f64,
     pub num_gpu_blocks: usize,
     pub block_size: usize,
-    pub counters: &'a crate::engine::Counters,
+    pub counters: &'a Counters,
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, labels: &str, v: f64) {
