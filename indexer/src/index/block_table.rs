@@ -20,11 +20,25 @@
 
 use hashbrown::HashTable;
 
-use super::blocks::{BlockId, SetId, EMPTY_SET, FREE, MAX_BLOCKS};
 use super::hashing::{mix, table_bytes};
 use super::keys::BlockHash;
 use super::prefetch::prefetch;
 use kvroute_core::hash::IndexKey;
+
+/// Id of a block record (stable while some pod holds the block).
+pub(super) type BlockId = u32;
+
+/// Records the map can hold: ids fit in 29 bits, so that a source entry
+/// keeps its tier bits beside one (536 M blocks, 6.4 GB of records).
+pub(super) const MAX_BLOCKS: usize = 1 << 29;
+
+/// Id of the set of pods holding a block (interned by the block map,
+/// `blocks.rs`). 0 is the empty set.
+pub(super) type SetId = u32;
+pub(super) const EMPTY_SET: SetId = 0;
+
+/// Marks a free record, whose `kv` then links the next free one.
+pub(super) const FREE: SetId = SetId::MAX;
 
 /// A block: its kvroute hash and who holds it (packed: 12 bytes).
 #[derive(Debug, Clone, Copy)]

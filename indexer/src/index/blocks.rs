@@ -9,7 +9,7 @@ use std::ops::Range;
 use hashbrown::HashMap;
 use kvroute_core::feed::Tier;
 
-use super::block_table::{BlockTable, Record};
+use super::block_table::{BlockId, BlockTable, Record, SetId, EMPTY_SET, FREE};
 use super::buckets::Buckets;
 use super::feed_log::Sink;
 use super::hashing::table_bytes;
@@ -18,13 +18,6 @@ use super::keys::{BlockHash, PodKey};
 
 /// Records a snapshot page announces ahead of the one it reads.
 const READ_AHEAD: usize = 16;
-
-/// Id of a block record (stable while some pod holds the block).
-pub(super) type BlockId = u32;
-
-/// Records the map can hold: ids fit in 29 bits, so that a source entry
-/// keeps its tier bits beside one (536 M blocks, 6.4 GB of records).
-pub(super) const MAX_BLOCKS: usize = 1 << 29;
 
 /// Per-tier reference counts of one kvroute hash on one pod.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -80,17 +73,12 @@ struct Holder {
     counts: TierCounts,
 }
 
-/// Id of a holder set. 0 is the empty set. An id with [`SINGLE`] set is
-/// not interned: it carries one pod key and the one tier that pod counts once
-/// (most blocks are held so; no lookup for them). Others are interned.
-pub(super) type SetId = u32;
-pub(super) const EMPTY_SET: SetId = 0;
+/// A [`SetId`] with this bit is not interned: it carries one pod key and the
+/// one tier that pod counts once (most blocks are held so; no lookup for
+/// them). Others are interned.
 const SINGLE: SetId = 1 << 31;
 /// Pod keys a [`SINGLE`] id carries (below 2^29, and never [`FREE`]'s bits).
 const SINGLE_PODS: u64 = (1 << 29) - 1;
-
-/// Marks a free record, whose `kv` then links the next free one.
-pub(super) const FREE: SetId = SetId::MAX;
 
 fn single(pod: PodKey, tier: Tier) -> Option<SetId> {
     let pod = pod.get();
@@ -272,7 +260,8 @@ impl Blocks {
     }
 
     /// The record of `kv`, added with no holder when absent (the caller adds
-    /// one at once); `None` when the map holds [`MAX_BLOCKS`] already.
+    /// one at once); `None` when the map holds
+    /// [`MAX_BLOCKS`](super::block_table::MAX_BLOCKS) already.
     pub(super) fn acquire(&mut self, kv: BlockHash) -> Option<BlockId> {
         self.records.find_or_insert(kv)
     }
@@ -501,6 +490,7 @@ fn in_table_order(ids: &[BlockId], id_end: usize) -> Vec<BlockId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::block_table::MAX_BLOCKS;
     use crate::index::keys::KEY_END;
 
     /// A page's ids come back all of them, once each, region by region, for

@@ -2,7 +2,7 @@
 //! within a bucket. The key-range grouping (`key_ranges.rs`) and a snapshot
 //! page's reads in table order (`blocks.rs`) both place ids this way.
 
-use super::blocks::BlockId;
+use super::block_table::BlockId;
 
 /// Ids by bucket, in compressed rows: bucket `b` is
 /// `ids[starts[b]..starts[b + 1]]`.

@@ -22,7 +22,7 @@ use kvroute_core::feed_client::FeedRequest;
 
 use kvroute_core::hash::IndexKey;
 
-use super::blocks::SetId;
+use super::block_table::SetId;
 use super::feed_log::Op;
 use super::hashing::Map;
 use super::keys::{BlockHash, PodKey, KEY_END};

@@ -4,7 +4,7 @@
 use kvroute_core::feed::Tier;
 use kvroute_core::lookup::HeldPrefix;
 
-use super::blocks::SetId;
+use super::block_table::SetId;
 use super::hashing::Map;
 use super::keys::{BlockHash, PodKey};
 use super::pods::Pod;

@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use kvroute_core::hash::INDEX_KEY_BITS;
 
-use super::blocks::BlockId;
+use super::block_table::BlockId;
 use super::buckets::Buckets;
 use super::keys::KEY_END;
 

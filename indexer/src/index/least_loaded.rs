@@ -7,7 +7,15 @@ use std::collections::{BTreeSet, HashMap};
 use std::iter::Peekable;
 
 use super::keys::PodKey;
-use super::pods::Load;
+
+/// Load of a pod, from its `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    pub capacity_blocks: u32,
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f32,
+}
 
 /// A pod's place in the order: fewer requests queued and running first,
 /// then lower KV usage, then the pod key (one place per pod).

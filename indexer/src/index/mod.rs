@@ -11,7 +11,8 @@
 //! (proxy-reported entries), `feed_log` (the delta log), `feed` ([`Index::feed`]:
 //! deltas, snapshot pages, versioned pod list),
 //! `held` (what each pod holds of one prompt, for `POST /v1/lookup`),
-//! `least_loaded` (the serving pods in load order, for the same), `keys`
+//! `least_loaded` (the serving pods in load order, for the same), `origin`
+//! (how a pod became known), `keys`
 //! (the newtypes of pod keys and block hashes), `prefetch` (cache hints for
 //! the table probes of one event).
 
@@ -26,6 +27,7 @@ mod key_ranges;
 mod keys;
 mod learned;
 mod least_loaded;
+pub mod origin;
 mod pods;
 mod prefetch;
 mod sequence;
@@ -44,8 +46,8 @@ pub use held::PodView;
 use keys::BlockHash;
 pub use keys::PodKey;
 use least_loaded::LeastLoaded;
+pub use least_loaded::Load;
 use pods::Pod;
-pub use pods::{origin, Load};
 
 // ------------------------------------------------------------------ config
 

@@ -9,31 +9,11 @@ use super::blocks::{Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
 use super::keys::{BlockHash, PodKey};
-use super::least_loaded::LoadRank;
+use super::least_loaded::{Load, LoadRank};
+use super::origin;
 use super::sequence::Source;
 use super::sources::Group;
 use super::{Index, PodDebug, SourceDebug};
-
-/// How a pod became known.
-pub mod origin {
-    /// `--pod`.
-    pub const STATIC: u8 = 1;
-    /// DNS of the headless Service.
-    pub const DNS: u8 = 2;
-    /// First seen in an event (only with `--accept-unknown-publishers`).
-    pub const EVENTS: u8 = 4;
-    /// `--connect ENDPOINT=ADDRESS`.
-    pub const CONNECT: u8 = 8;
-}
-
-/// Load of a pod, from its `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Load {
-    pub capacity_blocks: u32,
-    pub waiting: u32,
-    pub running: u32,
-    pub kv_usage: f32,
-}
 
 pub(super) struct Pod {
     pub(super) address: String,

@@ -7,7 +7,7 @@ use crate::vllm_wire::{decode_batch, decode_seq, parse_topic, DecodedBatch, Even
 
 use super::feed_log::Sink;
 use super::keys::PodKey;
-use super::pods::origin;
+use super::origin;
 use super::sources::Group;
 use super::{Incoming, Index, ReplayRequest};
 

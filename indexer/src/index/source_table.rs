@@ -27,7 +27,7 @@
 //! probability n / 2³² (2.3 · 10⁻⁴ at the default cap of 2²⁰ blocks per pod);
 //! the benchmark counts the entries it loses so.
 
-use super::blocks::BlockId;
+use super::block_table::BlockId;
 use super::hashing::mix;
 use super::keys::VllmHash;
 use super::prefetch::prefetch;
@@ -54,7 +54,7 @@ impl Fingerprint {
 /// Bits of an entry below the fingerprint: the record id, then the tier bits.
 const TIERS_SHIFT: u32 = 29;
 const BLOCK_MASK: u64 = (1 << TIERS_SHIFT) - 1;
-const _: () = assert!(super::blocks::MAX_BLOCKS == 1 << TIERS_SHIFT);
+const _: () = assert!(super::block_table::MAX_BLOCKS == 1 << TIERS_SHIFT);
 
 /// A vLLM block held by one publisher's group: its fingerprint (high 32 bits),
 /// a bit per tier it is in (GPU, CPU, disk), and the record of its kvroute hash

@@ -9,7 +9,8 @@ use kvroute_core::hash::{
 
 use crate::vllm_wire::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 
-use super::blocks::{adjust_block, tier_bit, BlockId, Blocks, Held};
+use super::block_table::BlockId;
+use super::blocks::{adjust_block, tier_bit, Blocks, Held};
 use super::feed_log::Sink;
 use super::hashing::{map_bytes, Map};
 use super::keys::{BlockHash, PodKey, VllmHash};
