@@ -1,50 +1,38 @@
 //! The singleton (bootstrap `wasm_service`, main thread): the only writer of
-//! the proxy's routing index. It applies the indexer feed (the calls
-//! `kvroute_core::feed_client` asks for: a poll per `indexer.poll_ms`,
-//! snapshot pages and waiting deltas at once; each page is applied as it
-//! comes, on its own run of buckets: pages are ranges of the index key) and what the workers' routed
-//! prompts teach (its queue), and publishes what changed to shared data
-//! every `index.flush_ms`, where every worker VM reads it. Workers get from
-//! the feed only the pods and their load. It reports the workers' confirmed
-//! decisions to the indexer, which shares them with every other proxy (with
-//! the bearer token named by `indexer.token_env`, when `indexer.share_learned`).
+//! the proxy's routing index. It applies the indexer feed and what the
+//! workers' routed prompts teach (its queue), and publishes what changed to
+//! shared data every `index.flush_ms`, where every worker VM reads it.
+//! Workers get from the feed only the pods and their load. It reports the
+//! workers' confirmed decisions to the indexer.
+//!
+//! This file holds its state, its start, its tick and the queue; the rest is
+//! one concern per submodule: `indexer_feed` (the indexer feed's calls and answers),
+//! `publish` (the flush to shared data), `learned` (reports of confirmed
+//! decisions).
+
+mod indexer_feed;
+mod learned;
+mod publish;
 
 use crate::host;
 use crate::load_sum::LoadSummer;
 use crate::metrics::{FeedMetrics, IndexMetrics};
-use crate::peers::{Audience, Peers, SINGLETON_QUEUE};
+use crate::peers::{Peers, SINGLETON_QUEUE};
 use crate::ticker::Ticker;
 use kvroute_core::config::{Config, IndexerSettings};
-use kvroute_core::feed::{self, FeedUpdate, LearnedBatch};
-use kvroute_core::feed_client::{FeedClient, FeedRequest, FeedResponse, Received};
+use kvroute_core::feed::LearnedBatch;
+use kvroute_core::feed_client::{FeedClient, Received};
 use kvroute_core::feed_forward::ListForwarding;
-use kvroute_core::hash::BlockHash;
 use kvroute_core::router::Cluster;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 use std::rc::Rc;
-
-/// Shared-data keys one flush writes at most (about 1.6 µs each for a 4 KiB
-/// bucket: ≈ 13 ms of the main thread; a full 1,000-pod index is published
-/// in 4 flushes); the rest waits for the next flush (`kvroute.index.deferred`).
-const MAX_FLUSH_WRITES: usize = 8192;
-
-/// Keys one batch of a flush encodes before writing them (≈ 1.2 MB of full
-/// buckets at most).
-const FLUSH_BATCH_WRITES: usize = 256;
 
 /// Bytes of buckets the singleton's index keeps in memory at most (2,048
 /// full buckets of 4.6 KB; an index of few blocks per bucket stays whole):
 /// the rest lives only in its published copy in shared data, read back on a
 /// bucket's first write since it was stored.
 const MAX_RESIDENT_BYTES: usize = 9 << 20;
-
-/// Learned hashes waiting to be reported; beyond this they are dropped
-/// (the indexer is slow or down, and the queue must stay bounded).
-const MAX_PENDING_LEARNED: usize = 1 << 16;
-
-/// The tick that applies a feed answer after its callback returned.
-const APPLY_AFTER_MS: u64 = 1;
 
 pub struct Singleton {
     /// The proxy's one block index, and the pods it names.
@@ -181,87 +169,13 @@ impl Singleton {
         if let Some(request) = self.feed.on_tick(now_ms) {
             self.send_feed(&indexer, request, now_ms);
         }
-        if self.learned_call.is_none() && !self.pending.entries.is_empty() {
-            let batch = std::mem::take(&mut self.pending);
-            self.pending_hashes = 0;
-            let body = feed::encode_learned(&batch);
-            let headers: Vec<(&str, &str)> = self
-                .authorization
-                .as_deref()
-                .map(|a| ("authorization", a))
-                .into_iter()
-                .collect();
-            match host::http_call_with_headers(
-                &indexer.cluster,
-                &indexer.authority,
-                "POST",
-                &indexer.learned_path,
-                Some(&body),
-                indexer.timeout_ms,
-                &headers,
-            ) {
-                Ok(token) => {
-                    self.learned_call = Some(token);
-                    self.metrics.learned_sent.add(batch.entries.len() as u64);
-                }
-                Err(status) => self.learned_failed(&format!("not sent: {status:?}")),
-            }
-        }
+        self.send_learned_report(&indexer);
     }
 
     /// The tick: the duty period, shorter while the workers' load is summed.
     fn tick_period_ms(&self) -> u64 {
         LoadSummer::period_ms(self.peers.serving_load_keys().len())
             .map_or(self.duty_ms, |share| share.min(self.duty_ms))
-    }
-
-    /// Publishes what changed in the index since the last flush (pod
-    /// table, new sets, buckets, then the head with its heartbeat).
-    /// Published in batches of [`FLUSH_BATCH_WRITES`] keys: the encoded
-    /// buckets of a whole flush are never in memory at once.
-    fn flush(&mut self, now_ms: u64) {
-        let started = host::now();
-        let mut room = MAX_FLUSH_WRITES;
-        let mut written = 0;
-        let deferred = loop {
-            let batch = room.min(FLUSH_BATCH_WRITES);
-            let Some(publication) = self.cluster.publish(batch, self.writer, now_ms) else {
-                return;
-            };
-            for (key, value) in &publication.writes {
-                if host::shared_set(key, value, 0) {
-                    written += 1;
-                } else {
-                    host::log(
-                        LogLevel::Warn,
-                        &format!("kvroute singleton: could not write shared data key {key}"),
-                    );
-                }
-            }
-            // Every answer ends with the head.
-            let stored = publication.writes.len().saturating_sub(1);
-            room = room.saturating_sub(stored);
-            if publication.deferred == 0 || room == 0 || stored == 0 {
-                break publication.deferred;
-            }
-        };
-        let m = &self.index_metrics;
-        m.flushed.add(written);
-        m.flush_us.add(started.elapsed_us());
-        m.deferred.record(deferred as u64);
-        if let Some(index) = self.cluster.index() {
-            let stats = index.stats();
-            m.blocks.record(stats.blocks as u64);
-            m.bytes.record(stats.bytes as u64);
-            m.evicted.record(stats.evicted);
-            m.dropped.record(stats.dropped);
-            m.resident_buckets.record(stats.resident_buckets as u64);
-            m.resident_bytes.record(stats.resident_bytes as u64);
-            m.written_back_early.record(stats.written_back_early);
-            m.read_back.record(stats.read_back);
-            m.unloadable.record(stats.unloadable);
-        }
-        m.writer_memory_bytes.record(linear_memory_bytes());
     }
 
     /// The workers' messages: what routed prompts teach, refusals and
@@ -300,38 +214,10 @@ impl Singleton {
         }
     }
 
-    fn keep_for_report(&mut self, pod: String, hashes: Vec<BlockHash>) {
-        let sharing = self.indexer.as_ref().is_some_and(|i| i.share_learned);
-        if !sharing || self.pending_hashes + hashes.len() > MAX_PENDING_LEARNED {
-            return;
-        }
-        self.pending_hashes += hashes.len();
-        self.pending.entries.push((pod, hashes));
-    }
-
     pub fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize) {
         if self.learned_call == Some(token_id) {
             self.learned_call = None;
-            match host::http_call_status(num_headers) {
-                Some(200) => {
-                    if self.learned_failing {
-                        self.learned_failing = false;
-                        host::log(
-                            LogLevel::Info,
-                            "kvroute singleton: learned reports are accepted again",
-                        );
-                    }
-                }
-                Some(401) => self.learned_failed(
-                    "refused (401): the token of indexer.token_env is not one the indexer's \
-                     --learned-token-file accepts",
-                ),
-                Some(403) => self.learned_failed(
-                    "refused (403): the indexer or the mesh policy takes no learned entries \
-                     from this proxy (set indexer.share_learned to false to stop reporting)",
-                ),
-                status => self.learned_failed(&format!("answered {status:?}")),
-            }
+            self.on_learned_answer(num_headers);
             return;
         }
         let Some((token, started_ms)) = self.feed_call else {
@@ -341,151 +227,7 @@ impl Singleton {
             return;
         }
         self.feed_call = None;
-        let answered = host::now();
-        let now_ms = answered.millis;
-        self.metrics
-            .latency_ms
-            .record(now_ms.saturating_sub(started_ms));
-        // Envoy's async client refuses bodies above its buffer limit (no
-        // response); the indexer keeps every answer far below it (pages).
-        let body;
-        let response = match host::http_call_status(num_headers) {
-            Some(200) => {
-                body = host::http_call_body(num_headers, body_size).unwrap_or_default();
-                FeedResponse::Body(&body)
-            }
-            Some(status) => FeedResponse::Status(u32::from(status)),
-            None => FeedResponse::NoResponse,
-        };
-        let outcome = self.feed.on_response(now_ms, response);
-        self.metrics.apply_us.add(answered.elapsed_us());
-        // The next page (or waiting deltas) is asked for at once. Envoy sends
-        // the call only once this callback returns, so the answer is applied
-        // at a tick a millisecond later: the indexer then prepares the next
-        // answer while the index takes this one, instead of after it.
-        let mut asked = false;
-        if let Some(request) = self.feed.follow_up(now_ms) {
-            if let Some(indexer) = self.indexer.clone() {
-                asked = self.send_feed(&indexer, request, now_ms);
-            }
-        }
-        match outcome {
-            Ok(received) => {
-                self.metrics.bytes.add(body_size as u64);
-                if let Some(earlier) = self.unapplied.take() {
-                    self.apply(earlier);
-                }
-                if asked {
-                    self.unapplied = Some(received);
-                    self.ticker.set_period(APPLY_AFTER_MS);
-                } else {
-                    self.apply(received);
-                }
-            }
-            Err(fault) => self.failed(&fault.to_string()),
-        }
-    }
-
-    /// Sends a feed call; true when it left.
-    fn send_feed(&mut self, indexer: &IndexerSettings, request: FeedRequest, now_ms: u64) -> bool {
-        let path = format!("{}?{}", indexer.feed_path, request.query());
-        match host::http_call(
-            &indexer.cluster,
-            &indexer.authority,
-            "GET",
-            &path,
-            None,
-            indexer.timeout_ms,
-        ) {
-            Ok(token) => {
-                self.feed_call = Some((token, now_ms));
-                true
-            }
-            Err(status) => {
-                let fault = self.feed.on_response(now_ms, FeedResponse::NotSent);
-                if let Err(fault) = fault {
-                    self.failed(&format!("{fault}: {status:?}"));
-                }
-                false
-            }
-        }
-    }
-
-    /// Applies a feed answer, timed (`kvroute.feed.apply_us`).
-    fn apply(&mut self, received: Received) {
-        let started = host::now();
-        self.received(received);
-        self.metrics.apply_us.add(started.elapsed_us());
-    }
-
-    /// Counts an applied feed answer and passes its update on.
-    fn received(&mut self, received: Received) {
-        self.metrics.ok.inc();
-        self.metrics.pods.record(received.update.pods.len() as u64);
-        if received.page.is_some() {
-            self.metrics.pages.inc();
-        }
-        if received.snapshot_complete {
-            self.metrics.snapshots.inc();
-        }
-        if self.failing {
-            self.failing = false;
-            host::log(LogLevel::Info, "kvroute singleton: indexer feed is back");
-        }
-        self.forward(&received.update);
-        // The singleton decides nothing: trusting precise entries is the
-        // workers' call, from when the feed last reached them.
-        self.cluster
-            .apply_feed(&received.update, host::now().secs, 0);
-    }
-
-    /// Every worker VM gets the pods and their load when it may lack them,
-    /// which also renews its trust in precise entries (see
-    /// `kvroute_core::feed_forward`); between those, no word.
-    fn forward(&mut self, update: &FeedUpdate) {
-        let recipients = self.peers.recipients(Audience::All);
-        let due =
-            self.list_forwarding
-                .list_due(!update.pods_unchanged, &recipients, host::now().millis);
-        if !due {
-            return;
-        }
-        let pods_and_load = FeedUpdate {
-            epoch: update.epoch,
-            cursor: update.cursor,
-            snapshot: update.snapshot,
-            pods: update.pods.clone(),
-            pods_unchanged: false,
-            ops: Vec::new(),
-        };
-        match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {
-            Ok(message) => {
-                self.peers.broadcast(&message, Audience::All, false);
-            }
-            Err(e) => host::log(
-                LogLevel::Warn,
-                &format!("kvroute singleton: feed not forwarded: {e}"),
-            ),
-        }
-    }
-
-    /// Counts a learned report that failed; logs when reports start failing.
-    /// Routing does not depend on it: this proxy keeps its own decisions.
-    fn learned_failed(&mut self, why: &str) {
-        self.metrics.learned_refused.inc();
-        host::log(
-            first_failure_level(&mut self.learned_failing),
-            &format!("kvroute singleton: learned report {why}; other proxies do not see this one's decisions"),
-        );
-    }
-
-    /// Counts a failure; logs when the feed goes from healthy to failing.
-    fn failed(&mut self, why: &str) {
-        self.metrics.errors.inc();
-        host::log(
-            first_failure_level(&mut self.failing),
-            &format!("kvroute singleton: {why}; filters keep routing on what they have"),
-        );
+        self.on_feed_answer(started_ms, num_headers, body_size);
     }
 }
 
@@ -497,16 +239,6 @@ fn first_failure_level(failing: &mut bool) -> LogLevel {
     } else {
         LogLevel::Debug
     }
-}
-
-/// Bytes of this VM's linear memory: its heap's high-water mark (a wasm
-/// memory grows and never shrinks).
-fn linear_memory_bytes() -> u64 {
-    #[cfg(target_arch = "wasm32")]
-    let pages = core::arch::wasm32::memory_size::<0>() as u64;
-    #[cfg(not(target_arch = "wasm32"))]
-    let pages = 0;
-    pages * 65_536
 }
 
 /// The singleton's tick: the flush period, or the poll period when shorter.
