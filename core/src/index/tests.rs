@@ -1,3 +1,4 @@
+use super::bucket::{key_of, slot_of, MIN_BUCKET_SLOTS};
 use super::*;
 use crate::hash::{splitmix64, BlockHash};
 use published::KeyStore;
