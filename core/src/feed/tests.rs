@@ -1,4 +1,6 @@
+use super::packed_keys::{packed, packed_len, put_packed};
 use super::*;
+use crate::codec::Reader;
 use crate::hash::{hashes, keys, INDEX_KEY_BITS};
 use crate::test_rng::xorshift;
 
