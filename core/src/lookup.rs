@@ -6,7 +6,7 @@
 //! Both ends share this module: the request and answer types, the prefix
 //! walk the indexer runs per pod, the answer's validation and the ranking.
 
-use crate::config::Config;
+use crate::config::{is_host_port, Config};
 use crate::feed::Tier;
 use crate::hash::BlockHash;
 use crate::index::LookupCost;
@@ -195,15 +195,6 @@ pub fn decode_answer(body: &[u8], prompt_blocks: usize) -> Result<Vec<Candidate>
         return Err(LookupError::NoCandidates);
     }
     Ok(answer.candidates)
-}
-
-fn is_host_port(address: &str) -> bool {
-    match address.rsplit_once(':') {
-        Some((host, port)) => {
-            !host.is_empty() && !host.contains(',') && port.parse::<u16>().is_ok_and(|p| p > 0)
-        }
-        None => false,
-    }
 }
 
 /// Requests this proxy routed after a lookup and still in flight, per pod:
