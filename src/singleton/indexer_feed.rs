@@ -102,7 +102,7 @@ impl Singleton {
     }
 
     /// Counts an applied feed answer and passes its update on.
-    pub(super) fn received(&mut self, received: Received) {
+    fn received(&mut self, received: Received) {
         self.metrics.ok.inc();
         self.metrics.pods.record(received.update.pods.len() as u64);
         if received.page.is_some() {
@@ -125,7 +125,7 @@ impl Singleton {
     /// Every worker VM gets the pods and their load when it may lack them,
     /// which also renews its trust in precise entries (see
     /// `kvroute_core::feed_forward`); between those, no word.
-    pub(super) fn forward(&mut self, update: &FeedUpdate) {
+    fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
         let due =
             self.list_forwarding
@@ -153,7 +153,7 @@ impl Singleton {
     }
 
     /// Counts a failure; logs when the feed goes from healthy to failing.
-    pub(super) fn failed(&mut self, why: &str) {
+    fn failed(&mut self, why: &str) {
         self.metrics.errors.inc();
         host::log(
             first_failure_level(&mut self.failing),

@@ -83,7 +83,7 @@ impl Singleton {
 
     /// Counts a learned report that failed; logs when reports start failing.
     /// Routing does not depend on it: this proxy keeps its own decisions.
-    pub(super) fn learned_failed(&mut self, why: &str) {
+    fn learned_failed(&mut self, why: &str) {
         self.metrics.learned_refused.inc();
         host::log(
             first_failure_level(&mut self.learned_failing),

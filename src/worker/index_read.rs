@@ -55,7 +55,7 @@ impl Worker {
     /// Every pod's leading blocks of `hashes` in the published index and in
     /// this VM's recent decisions. With `for_decision`, also notes which
     /// blocks the index showed taught this epoch (see [`Worker::routed`]).
-    pub(super) fn index_matches(
+    fn index_matches(
         &mut self,
         config: &Config,
         hashes: &[BlockHash],
@@ -113,7 +113,7 @@ impl Worker {
     }
 
     /// Logs when the published index becomes unusable and when it is back.
-    pub(super) fn note_index_state(&mut self, now: Option<Unpublished>) {
+    fn note_index_state(&mut self, now: Option<Unpublished>) {
         if now == self.unpublished {
             return;
         }
@@ -135,7 +135,7 @@ impl Worker {
     }
 
     /// Maps published pod ids to this VM's pods when either side changed.
-    pub(super) fn refresh_positions(&mut self) {
+    fn refresh_positions(&mut self) {
         let key = (self.index.pods_version(), self.cluster.pods_version());
         if key == self.positions_of {
             return;

@@ -99,7 +99,7 @@ impl Worker {
 
     /// The peers' load from the singleton's sum (one read instead of one
     /// per peer), if it is fresh and counted this VM's load as kept.
-    pub(super) fn summed_peer_load(&self, now_ms: u64) -> Option<HashMap<String, PodLoad>> {
+    fn summed_peer_load(&self, now_ms: u64) -> Option<HashMap<String, PodLoad>> {
         // Its serving peers and itself.
         if !peer_load::is_summed(self.peers.serving_count() + 1) {
             return None;

@@ -66,7 +66,7 @@ impl Worker {
         }
     }
 
-    pub(super) fn apply(&mut self, message: PeerMessage, now_s: u32) {
+    fn apply(&mut self, message: PeerMessage, now_s: u32) {
         match message {
             // Only the singleton takes these (it writes the index).
             PeerMessage::Routed { .. }

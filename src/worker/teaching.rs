@@ -46,7 +46,7 @@ impl Worker {
 
     /// Leading `hashes` the published index (as the request's decision read
     /// it) shows taught to `pod` in this epoch.
-    pub(super) fn taught_in_index(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
+    fn taught_in_index(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
         let (Some(position), Some(source)) =
             (self.cluster.position(pod), self.index.source(&SharedData))
         else {
@@ -63,7 +63,7 @@ impl Worker {
 
     /// Leading `hashes` this VM sent for `pod` in this epoch, which the index
     /// may not show yet (the flush gap).
-    pub(super) fn sent_this_epoch(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
+    fn sent_this_epoch(&self, pod: &str, hashes: &[BlockHash], now: Now) -> usize {
         let epoch_start_ms =
             u64::from(epoch_start_s(self.config.index.ttl_seconds, now.secs)) * 1000;
         self.recent
@@ -94,13 +94,7 @@ impl Worker {
 
     /// Sends what `pod` holds (cut to its share) to the singleton, but for
     /// its first `already_taught` blocks.
-    pub(super) fn teach(
-        &mut self,
-        pod: &str,
-        hashes: &[BlockHash],
-        already_taught: usize,
-        now_ms: u64,
-    ) {
+    fn teach(&mut self, pod: &str, hashes: &[BlockHash], already_taught: usize, now_ms: u64) {
         let learned = self.cluster.learnable(pod, hashes);
         if learned.is_empty() {
             return;
