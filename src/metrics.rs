@@ -274,6 +274,7 @@ pub struct FeedMetrics {
     /// Main-thread µs spent decoding and applying feed answers.
     pub apply_us: Metric,
     pub pods: Metric,
+    pub pods_refused: Metric,
     pub learned_sent: Metric,
     pub learned_refused: Metric,
 }
@@ -289,6 +290,7 @@ impl FeedMetrics {
             latency_ms: Metric::histogram("kvroute.feed.latency_ms"),
             apply_us: Metric::counter("kvroute.feed.apply_us"),
             pods: Metric::gauge("kvroute.feed.pods"),
+            pods_refused: Metric::counter("kvroute.feed.pods_refused"),
             learned_sent: Metric::counter("kvroute.feed.learned_sent"),
             learned_refused: Metric::counter("kvroute.feed.learned_refused"),
         }

@@ -54,7 +54,6 @@ pub use sections::{
     Saturation, TierDiscount, TokenizerSettings, Weights, DEFAULT_FLUSH_MS,
     DEFAULT_INDEX_BUDGET_BYTES, MAX_INDEX_BUDGET_BYTES, MIN_INDEX_BUDGET_BYTES,
 };
-pub(crate) use validate::is_host_port;
 #[cfg(test)]
 mod tests;
 

@@ -135,7 +135,7 @@ pub struct FeedUpdate {
 /// A pod as the indexer knows it, with its reported load.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodInfo {
-    /// `ip:port`, as written into `x-gateway-destination-endpoint`.
+    /// `host:port`, as written into `x-gateway-destination-endpoint`.
     pub address: String,
     /// Served model names (empty: unknown / every model).
     pub models: Vec<String>,
@@ -162,6 +162,12 @@ pub struct PodLoad {
 }
 
 impl PodInfo {
+    /// False for an address no destination header may carry
+    /// ([`crate::address::is_pod_address`]): consumers skip such a pod.
+    pub fn has_pod_address(&self) -> bool {
+        crate::address::is_pod_address(&self.address)
+    }
+
     pub fn load(&self) -> PodLoad {
         PodLoad {
             waiting: self.waiting,

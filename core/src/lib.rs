@@ -1,6 +1,7 @@
 //! kvroute's pure logic, free of proxy-wasm calls so that it is unit-tested
 //! natively and shared by the filter, the indexer and the simulator.
 
+pub mod address;
 pub mod admission;
 pub mod budget;
 pub mod codec;

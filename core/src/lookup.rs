@@ -6,7 +6,8 @@
 //! Both ends share this module: the request and answer types, the prefix
 //! walk the indexer runs per pod, the answer's validation and the ranking.
 
-use crate::config::{is_host_port, Config};
+use crate::address::is_pod_address;
+use crate::config::Config;
 use crate::feed::Tier;
 use crate::hash::BlockHash;
 use crate::index::LookupCost;
@@ -179,8 +180,8 @@ pub fn decode_answer(body: &[u8], prompt_blocks: usize) -> Result<Vec<Candidate>
         if h.blocks as usize > prompt_blocks {
             return Err(LookupError::Invalid("prefix longer than the prompt"));
         }
-        if !is_host_port(&c.address) {
-            return Err(LookupError::Invalid("address is not ip:port"));
+        if !is_pod_address(&c.address) {
+            return Err(LookupError::Invalid("address is not host:port"));
         }
         if !(c.kv_usage.is_finite() && c.kv_usage >= 0.0) {
             return Err(LookupError::Invalid("kv_usage is not a number >= 0"));
@@ -429,7 +430,7 @@ mod tests {
         for address in ["nope", "10.0.0.1:0", "a:1,b:2", ":80"] {
             assert_eq!(
                 decode_answer(&answer(&[candidate(address, 1)]), 8),
-                Err(LookupError::Invalid("address is not ip:port")),
+                Err(LookupError::Invalid("address is not host:port")),
                 "{address}"
             );
         }

@@ -3,9 +3,11 @@
 //! per value). The feed client takes the same bytes as an answer and must
 //! neither panic nor stop asking. An update that decodes is applied to a
 //! cluster as the singleton applies it, as a snapshot and then as a delta,
-//! and a prompt of the blocks it names is decided on the result.
+//! and a prompt of the blocks it names is decided on the result: the pod
+//! chosen always has an address a destination header can carry.
 #![no_main]
 
+use kvroute_core::address::is_pod_address;
 use kvroute_core::config::Config;
 use kvroute_core::feed::{
     decode, decode_learned, decode_message, encode, encode_learned, encode_message, FeedUpdate,
@@ -50,6 +52,9 @@ fn route_after(update: &FeedUpdate) {
     };
     if let Ok(decision) = cluster.decide(&config, &prompt, 12, 0) {
         assert!(decision.matched_blocks <= decision.total_blocks);
+        // Whatever address the feed carried, only one a destination header
+        // can hold is ever chosen.
+        assert!(is_pod_address(&decision.pod), "{:?}", decision.pod);
     }
 }
 

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use kvroute_core::address::is_pod_address;
 use kvroute_core::feed::MAX_SPEED;
 
 use crate::index::IndexConfig;
@@ -205,8 +206,10 @@ pub fn parse_pod(spec: &str) -> Result<PodSource, String> {
         Some((a, _)) => (a, None),
         None => (pod, None),
     };
-    if address.is_empty() {
-        return Err("no address".into());
+    if !is_pod_address(address) {
+        return Err(format!(
+            "address {address:?} is not host:port (port 1-65535; no comma, space or control character)"
+        ));
     }
     Ok(PodSource {
         address: address.to_owned(),
@@ -271,6 +274,24 @@ mod tests {
         assert_eq!(parse_connect("tcp://h:1"), Ok(("tcp://h:1".into(), None)));
         assert_eq!(bind_endpoint("tcp://*:5557"), "tcp://0.0.0.0:5557");
         assert_eq!(bind_endpoint("tcp://127.0.0.1:1"), "tcp://127.0.0.1:1");
+    }
+
+    #[test]
+    fn addresses_no_destination_header_can_carry_are_refused() {
+        for bad in ["", "@m", "a", "a:0", "a:65536", "a b:80@m", "[::1:80"] {
+            assert!(parse_pod(bad).is_err(), "{bad:?}");
+            assert!(
+                parse_connect(&format!("tcp://h:1={bad}")).is_err(),
+                "{bad:?}"
+            );
+        }
+        let e = Args::try_parse_from(["kvroute-indexer", "--dns-service=svc@m"])
+            .expect_err("no port")
+            .to_string();
+        assert!(
+            e.contains("--dns-service") && e.contains("\"svc\" is not host:port"),
+            "{e}"
+        );
     }
 
     #[test]

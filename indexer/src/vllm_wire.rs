@@ -19,6 +19,7 @@
 
 use std::fmt;
 
+use kvroute_core::address::is_pod_address;
 use kvroute_core::feed::Tier;
 use kvroute_core::hash::ExtraKey;
 
@@ -244,34 +245,28 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, EventError> {
     Ok(u64::from_be_bytes(a))
 }
 
-/// Pod identity carried in a topic `kv@<ip:port>@<model>`, borrowed from
+/// Pod identity carried in a topic `kv@<host:port>@<model>`, borrowed from
 /// the topic (read on every message).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TopicIdentity<'a> {
-    /// `ip:port` of the pod's HTTP server.
+    /// `host:port` of the pod's HTTP server.
     pub address: &'a str,
     /// Served model name (may be empty).
     pub model: &'a str,
 }
 
-/// Parses the topic convention `kv@<ip:port>@<model>`; `None` for any
-/// other topic (e.g. vLLM's default empty topic or `kv@dp0`). The address
-/// must look like `host:port` (port digits; `[v6]:port` accepted); the model
-/// is everything after the second `@` (model names may contain `@`).
+/// Parses the topic convention `kv@<host:port>@<model>`; `None` for any
+/// other topic (e.g. vLLM's default empty topic or `kv@dp0`) and for an
+/// address the filters' destination header could not carry
+/// ([`is_pod_address`]). The model is everything after the second `@`
+/// (model names may contain `@`).
 pub fn parse_topic(topic: &str) -> Option<TopicIdentity<'_>> {
     let rest = topic.strip_prefix("kv@")?;
     let (address, model) = match rest.split_once('@') {
         Some((a, m)) => (a, m),
         None => (rest, ""),
     };
-    let (host, port) = address.rsplit_once(':')?;
-    if host.is_empty() || port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if port.parse::<u16>().is_err() {
-        return None;
-    }
-    Some(TopicIdentity { address, model })
+    is_pod_address(address).then_some(TopicIdentity { address, model })
 }
 
 #[cfg(test)]

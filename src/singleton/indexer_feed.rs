@@ -105,6 +105,9 @@ impl Singleton {
     fn received(&mut self, received: Received) {
         self.metrics.ok.inc();
         self.metrics.pods.record(received.update.pods.len() as u64);
+        if !received.update.pods_unchanged {
+            self.note_refused_pods(&received.update);
+        }
         if received.page.is_some() {
             self.metrics.pages.inc();
         }
@@ -120,6 +123,25 @@ impl Singleton {
         // workers' call, from when the feed last reached them.
         self.cluster
             .apply_feed(&received.update, host::now().secs, 0);
+    }
+
+    /// Counts and logs the pods every VM skips for their address
+    /// (`kvroute_core::feed::PodInfo::has_pod_address`).
+    fn note_refused_pods(&self, update: &FeedUpdate) {
+        let mut refused = update.pods.iter().filter(|p| !p.has_pod_address());
+        let Some(first) = refused.next() else {
+            return;
+        };
+        let count = 1 + refused.count();
+        self.metrics.pods_refused.add(count as u64);
+        host::log(
+            LogLevel::Warn,
+            &format!(
+                "kvroute singleton: indexer feed names {count} pod(s) whose address is not \
+                 host:port, skipped (first: {:?})",
+                first.address
+            ),
+        );
     }
 
     /// Every worker VM gets the pods and their load when it may lack them,

@@ -5,6 +5,7 @@ use super::sections::{MAX_FLUSH_MS, MIN_FLUSH_MS};
 use super::{
     invalid, Config, ConfigError, PrioritySettings, MAX_INDEX_BUDGET_BYTES, MIN_INDEX_BUDGET_BYTES,
 };
+use crate::address::is_pod_address;
 
 /// Bounds that keep a typo from turning into a memory or CPU bomb.
 const MAX_CAPACITY_BLOCKS: u32 = 1 << 24;
@@ -123,10 +124,10 @@ impl Config {
         )?;
         let mut seen = std::collections::BTreeSet::new();
         for (i, endpoint) in self.endpoints.iter().enumerate() {
-            if !is_host_port(&endpoint.address) {
+            if !is_pod_address(&endpoint.address) {
                 return Err(invalid(
                     format!("endpoints[{i}].address"),
-                    "must be ip:port",
+                    "must be host:port (port 1-65535; no comma, space or control character)",
                 ));
             }
             if !seen.insert(endpoint.address.as_str()) {
@@ -284,15 +285,4 @@ fn is_header_name(name: &str) -> bool {
         && name.bytes().all(|b| {
             b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.'
         })
-}
-
-/// `host:port`, the port above 0, and no comma: the destination header lists
-/// a decision's pods separated by commas.
-pub(crate) fn is_host_port(address: &str) -> bool {
-    match address.rsplit_once(':') {
-        Some((host, port)) => {
-            !host.is_empty() && !host.contains(',') && port.parse::<u16>().is_ok_and(|p| p > 0)
-        }
-        None => false,
-    }
 }

@@ -33,11 +33,15 @@ impl Cluster {
         self.discovered
     }
 
+    /// Takes the update's pods as the pod set, but for any whose address no
+    /// destination header may carry: a block operation of such a pod then
+    /// finds no pod and is dropped.
     fn adopt_pods(&mut self, update: &FeedUpdate) {
         self.discovered = true;
         let default_capacity = self.default_capacity.max(1);
         let speeds = &self.configured_speeds;
-        let specs = update.pods.iter().map(|p| PodSpec {
+        let usable = update.pods.iter().filter(|p| p.has_pod_address());
+        let specs = usable.map(|p| PodSpec {
             address: p.address.clone(),
             models: p.models.clone(),
             // 0: the indexer has not scraped the pod's capacity yet.

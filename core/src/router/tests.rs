@@ -450,7 +450,7 @@ fn the_same_pod_list_again_rebuilds_nothing() {
 /// as the same snapshot in one page does.
 #[test]
 fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
-    let pods: Vec<PodInfo> = (0..5).map(|p| fed_pod(&format!("p:{p}"), 400)).collect();
+    let pods: Vec<PodInfo> = (1..6).map(|p| fed_pod(&format!("p:{p}"), 400)).collect();
     // Per pod and tier, keys spread over the key space; pods 0–2 share some.
     let key = |i: u64| IndexKey::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let runs: Vec<(u32, Tier, Vec<IndexKey>)> = (0u32..5)
@@ -843,5 +843,55 @@ fn saturation_is_judged_only_with_priority_configured() {
     assert_eq!(
         cluster.decide(&with, &prompt, 10, 1).unwrap().saturation,
         None
+    );
+}
+
+#[test]
+fn feed_pods_no_header_can_name_are_skipped() {
+    let (c, mut cluster) = four_pods();
+    let hashed = token_prompt(&c, "m", 160);
+    let keys = |range: std::ops::Range<usize>| -> Vec<_> {
+        hashed.hashes[range].iter().map(|h| h.index_key()).collect()
+    };
+    let update = FeedUpdate {
+        epoch: 1,
+        cursor: 1,
+        snapshot: true,
+        pods: vec![
+            fed_pod("x:1", 100),
+            fed_pod("x:1,y:1", 100),
+            fed_pod("y:1", 100),
+            fed_pod("z:1\r\nx-evil: 1", 100),
+        ],
+        pods_unchanged: false,
+        ops: vec![
+            BlockOp::Stored {
+                pod: 1,
+                tier: Tier::Gpu,
+                hashes: keys(0..8),
+            },
+            BlockOp::Stored {
+                pod: 2,
+                tier: Tier::Gpu,
+                hashes: keys(0..4),
+            },
+            BlockOp::Stored {
+                pod: 3,
+                tier: Tier::Gpu,
+                hashes: keys(0..10),
+            },
+        ],
+    };
+    assert_eq!(
+        update.pods.iter().filter(|p| !p.has_pod_address()).count(),
+        2
+    );
+    cluster.apply_feed(&update, 100, 5);
+    assert_eq!(cluster.len(), 2, "only x:1 and y:1 are taken");
+    let d = cluster.decide(&c, &hashed, 101, 0).unwrap();
+    assert_eq!(
+        (d.pod.as_str(), d.matched_blocks),
+        ("y:1", 4),
+        "the skipped pods' blocks were dropped, not given to another pod"
     );
 }

@@ -35,6 +35,11 @@ fn topics() {
     assert_eq!(parse_topic("kv@host:99999@m"), None);
     assert_eq!(parse_topic("kv@:80@m"), None);
     assert_eq!(parse_topic("xx@1.2.3.4:80@m"), None);
+    // Addresses the filters' destination header could not carry.
+    assert_eq!(parse_topic("kv@a,b:80@m"), None);
+    assert_eq!(parse_topic("kv@a b:80@m"), None);
+    assert_eq!(parse_topic("kv@a:0@m"), None);
+    assert_eq!(parse_topic("kv@a\r\nx:80@m"), None);
 }
 
 /// msgpack for hand-built frames (shapes the encoder does not write), on rmp.
