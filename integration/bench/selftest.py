@@ -133,7 +133,7 @@ def scenario_oversub():
 @check
 def scenario_restart():
     import report
-    import run
+    import pod_restart
     import simcluster
 
     prof = profiles.get("restart")
@@ -164,7 +164,7 @@ def scenario_restart():
     with open(samples, "w") as fh:
         for t, running in ((4995.0, 10), (4999.0, 12), (5003.0, 0), (5006.0, 2), (5009.0, 30)):
             fh.write(json.dumps({"t": t, "pods": {pod: {"vllm:num_requests_running": running}}}) + "\n")
-    w = run.restart_windows(rec, reqs, samples, 1.0)
+    w = pod_restart.restart_windows(rec, reqs, samples, 1.0)
     assert (w["before"]["requests"], w["before"]["errors"], w["before"]["ttft_p90"]) == (6, 1, 0.5), w
     assert (w["after"]["requests"], w["after"]["errors"], w["after"]["ttft_p90"]) == (2, 0, 2.0), w
     assert (w["before"]["pod_running"], w["after"]["pod_running"]) == (11.0, 1.0), w
@@ -225,18 +225,18 @@ def output_tokens_from_server_usage():
 @check
 def priority_classes_of_prompts():
     import ipwrap
-    import run
+    import measurements
 
     prompts = [f"prompt {i}" for i in range(2000)]
     classes = [ipwrap.priority_of(p, 0.2) for p in prompts]
     assert classes == [ipwrap.priority_of(p, 0.2) for p in prompts], "a function of the prompt"
     assert 0.17 < classes.count("critical") / len(prompts) < 0.23
     assert ipwrap.priority_of("x", 0.0) == "sheddable"
-    assert run._prompt_of(json.dumps({"prompt": "p", "max_tokens": 3})) == "p"
-    assert run._prompt_of("not json") == ""
+    assert measurements._prompt_of(json.dumps({"prompt": "p", "max_tokens": 3})) == "p"
+    assert measurements._prompt_of("not json") == ""
     reqs = [{"priority": "critical", "ttft": t, "error": None} for t in (0.1, 0.2, 0.3, 0.4)]
     reqs += [{"priority": "sheddable", "ttft": None, "error": "HTTP 429"}, {"priority": "sheddable", "ttft": 1.0, "error": None}]
-    c = run.by_priority(reqs)
+    c = measurements.by_priority(reqs)
     assert (c["critical"]["answered"], c["critical"]["ttft_p90"]) == (4, 0.4)
     assert (c["sheddable"]["requests"], c["sheddable"]["failed"]) == (2, 1)
     rows = [{"t": t, "pods": {"a": {"vllm:num_requests_waiting": w}, "b": {"vllm:num_requests_waiting": 0.0}}}
@@ -498,7 +498,7 @@ def scenarios_multiturn_and_mesh():
 
 @check
 def mesh_merges_clients_with_inference_perfs_formulas():
-    import run
+    import measurements
 
     def rec(start, end, ttft, out, error=None):
         r = {"start_time": start, "end_time": end, "error": error}
@@ -508,7 +508,7 @@ def mesh_merges_clients_with_inference_perfs_formulas():
 
     raw = [rec(0.0, 4.0, 0.5, 10), rec(1.0, 3.0, 1.5, 10), rec(2.0, 10.0, 2.5, 20),
            rec(3.0, 5.0, None, 0, error={"error_type": "timeout"})]
-    m = run.merge_stage(raw)
+    m = measurements.merge_stage(raw)
     assert abs(m["output_tok_s"] - 40 / 10.0) < 1e-9  # successes' tokens over max(end) - min(start)
     assert abs(m["requests_s"] - 3 / 10.0) < 1e-9 and abs(m["achieved_rate"] - 4 / 3.0) < 1e-9
     assert m["ttft_p50"] == 1.5 and abs(m["ttft_mean"] - 1.5) < 1e-9 and abs(m["ttft_p90"] - 2.3) < 1e-9
