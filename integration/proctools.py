@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,6 +99,18 @@ def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float
             return
         time.sleep(0.05)
     raise RuntimeError(f"{what} not ready after {timeout}s:\n{log_tail()}")
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    """Polls `cond` until it returns something true or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval)
+    return last
 
 
 def stop_pid(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:

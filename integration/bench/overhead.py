@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from benchlog import logger  # noqa: E402
 import profiles  # noqa: E402
 import provenance  # noqa: E402
 import strategies  # noqa: E402
@@ -66,8 +67,7 @@ UNROUTED_PATH = "/v1/kvroute-unrouted"
 LUA = os.path.join(HERE, "overhead", "body.lua")
 
 
-def log(msg: str) -> None:
-    print(f"[overhead {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+log = logger("overhead")
 
 
 def run_wrk(url: str, size: int, duration: int, connections: int, model: str, max_tokens: int = 1,

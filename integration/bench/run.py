@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from benchlog import logger  # noqa: E402
 import envoy_timing  # noqa: E402
 import podmetrics  # noqa: E402
 import profiles  # noqa: E402
@@ -55,8 +56,7 @@ REPO = strategies.REPO
 TOKENIZER_REL = os.path.join("litellm", "litellm_core_utils", "tokenizers", "deepseek_tokenizer.json")
 
 
-def log(msg: str) -> None:
-    print(f"[bench {dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+log = logger("bench")
 
 
 # ------------------------------------------------------------------ environment

@@ -1,7 +1,7 @@
-"""Self-check of `make bench-scale`'s own logic (integration/bench/scale.py), in seconds: the
-synthetic sequences the indexer is filled with, the decision-header parser, the histogram
-arithmetic, one stub-pod fleet answering over real sockets, and the CPU readings' wrk load.
-The benchmark itself is not run here (it takes minutes)."""
+"""Self-check of `make bench-scale`'s own logic (integration/bench/: scale_fleet, envoy_meter,
+feed_readings, scale_report), in seconds: the synthetic sequences the indexer is filled with, the
+decision-header parser, the histogram arithmetic, one stub-pod fleet answering over real sockets,
+and the CPU readings' wrk load. The benchmark itself is not run here (it takes minutes)."""
 from __future__ import annotations
 
 import http.server
@@ -13,54 +13,57 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "integration" / "bench"))
 
-import scale  # noqa: E402
+import envoy_meter  # noqa: E402
+import feed_readings  # noqa: E402
+import scale_fleet  # noqa: E402
+import scale_report  # noqa: E402
 
 
 def test_sequences_are_8k_tokens_distinct_per_pod_and_sequence_and_one_msgpack_byte_per_token():
     heads = set()
     for pod in (0, 1, 127, 128, 999, 4999):
         for seq in (0, 1, 25, 200):
-            tokens = scale.sequence_tokens(pod, seq)
-            assert len(tokens) == scale.SEQUENCE_BLOCKS * scale.BLOCK_SIZE == 8192
+            tokens = scale_fleet.sequence_tokens(pod, seq)
+            assert len(tokens) == scale_fleet.SEQUENCE_BLOCKS * scale_fleet.BLOCK_SIZE == 8192
             assert all(0 <= t < 128 for t in tokens)
-            heads.add(tuple(tokens[:scale.BLOCK_SIZE]))
+            heads.add(tuple(tokens[:scale_fleet.BLOCK_SIZE]))
     assert len(heads) == 6 * 4, "every (pod, sequence) must start a chain of its own"
-    assert len(scale.sequence_tokens(3, 4, blocks=7)) == 7 * scale.BLOCK_SIZE
+    assert len(scale_fleet.sequence_tokens(3, 4, blocks=7)) == 7 * scale_fleet.BLOCK_SIZE
 
 
 def test_decision_header_parse():
     header = ("pod=127.0.0.1:8003; matched=512/512 blocks; cost=4.0 (prefill=4.0 decode=0.0 queue=0.0 kv=0.0); "
               "inflight=0 req/0 blocks; candidates=1000")
-    assert scale.parse_decision(header) == {"pod": "127.0.0.1:8003", "matched": 512, "total": 512,
+    assert scale_fleet.parse_decision(header) == {"pod": "127.0.0.1:8003", "matched": 512, "total": 512,
                                             "unit": "blocks"}
-    assert scale.parse_decision("")["matched"] == 0
+    assert scale_fleet.parse_decision("")["matched"] == 0
 
 
 def test_histogram_difference_and_quantiles():
     before = [(10.0, 1.0, 5), (100.0, 10.0, 1)]
     after = [(10.0, 1.0, 5), (100.0, 10.0, 51), (2000.0, 100.0, 1)]
-    samples = scale.bucket_diff(after, before)
+    samples = envoy_meter.bucket_diff(after, before)
     assert samples == [(100.0, 10.0, 50), (2000.0, 100.0, 1)]
-    assert scale.bucket_quantile(samples, 0.5) == 110.0
-    assert scale.bucket_quantile(samples, 0.98) == 110.0
-    assert scale.bucket_quantile(samples, 0.99) == 2100.0, "the 51st of 51 samples"
-    assert scale.bucket_quantile([], 0.5) is None
+    assert envoy_meter.bucket_quantile(samples, 0.5) == 110.0
+    assert envoy_meter.bucket_quantile(samples, 0.98) == 110.0
+    assert envoy_meter.bucket_quantile(samples, 0.99) == 2100.0, "the 51st of 51 samples"
+    assert envoy_meter.bucket_quantile([], 0.5) is None
 
 
 def test_chat_bodies_have_the_asked_size_and_differ():
-    bodies = scale.chat_bodies(30 * 1024)
+    bodies = scale_fleet.chat_bodies(30 * 1024)
     assert len(set(bodies)) == 16
     assert all(29 * 1024 < len(b) < 31 * 1024 for b in bodies), [len(b) for b in bodies]
     assert json.loads(bodies[0])["messages"][0]["role"] == "system"
 
 
 def test_stub_fleet_answers_every_pod_with_keep_alive():
-    with scale.StubFleet(3) as fleet:
+    with scale_fleet.StubFleet(3) as fleet:
         assert len(set(fleet.addresses)) == 3
         for address in fleet.addresses:
-            client = scale.Client(int(address.rsplit(":", 1)[1]))
+            client = scale_fleet.Client(int(address.rsplit(":", 1)[1]))
             try:
-                for body in (b"{}", scale.token_request(scale.sequence_tokens(0, 0))):
+                for body in (b"{}", scale_fleet.token_request(scale_fleet.sequence_tokens(0, 0))):
                     assert client.post(body) == (200, "")
             finally:
                 client.close()
@@ -85,13 +88,13 @@ def test_wrk_load_counts_what_was_answered_and_what_was_not(tmp_path):
     """The CPU readings' load: wrk posts the file's bodies for the seconds asked; answers other
     than 200 are counted as failed."""
     body_file = tmp_path / "bodies.jsonl"
-    body_file.write_bytes(b"".join(body + b"\n" for body in scale.chat_bodies(2048, variants=3)))
-    with scale.StubFleet(1) as fleet:
-        answered = scale.wrk_load(int(fleet.addresses[0].rsplit(":", 1)[1]), str(body_file), 1, 2)
+    body_file.write_bytes(b"".join(body + b"\n" for body in scale_fleet.chat_bodies(2048, variants=3)))
+    with scale_fleet.StubFleet(1) as fleet:
+        answered = envoy_meter.wrk_load(int(fleet.addresses[0].rsplit(":", 1)[1]), str(body_file), 1, 2)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        refused = scale.wrk_load(server.server_address[1], str(body_file), 1, 2)
+        refused = envoy_meter.wrk_load(server.server_address[1], str(body_file), 1, 2)
     finally:
         server.shutdown()
         server.server_close()
@@ -107,10 +110,10 @@ def test_failure_cause_joins_the_vm_message_pieces():
         "[t][1][error][wasm] [context.cc:1157] wasm log kvroute kvroute:  bytes failed",
         "[t][1][critical][main] [server.cc:449] error `Unable to create Wasm plugin kvroute`",
     ])
-    lines = scale.failure_lines(log)
+    lines = envoy_meter.failure_lines(log)
     assert "starting" not in "".join(lines)
-    assert scale.cause(lines) == "memory allocation of 192088 bytes failed"
-    assert scale.cause(["[t][1][warning][http] [a.cc:430] the buffer size limit for async client response body "
+    assert scale_report.cause(lines) == "memory allocation of 192088 bytes failed"
+    assert scale_report.cause(["[t][1][warning][http] [a.cc:430] the buffer size limit for async client response body "
                         "has been exceeded, draining data"]).startswith("the buffer size limit")
 
 
@@ -123,13 +126,13 @@ def test_verify_flags_a_failed_start_a_decision_that_did_not_match_and_a_short_f
         "precise": {"fill": {"indexed_entries": 10, "expected_entries": 10},
                     "c2": {"started": True, "routes_on_full_index": True, "decision": dict(decision)},
                     "c8": {"started": False}}}}}
-    assert scale.verify(results)["failed"] == ["precise N=8 c8: Envoy started"]
+    assert scale_report.verify(results)["failed"] == ["precise N=8 c8: Envoy started"]
     results["fleets"]["8"]["precise"]["c8"] = {"started": True, "routes_on_full_index": True}
-    assert scale.verify(results) == {"made": 14, "failed": []}
+    assert scale_report.verify(results) == {"made": 14, "failed": []}
     results["fleets"]["8"]["approximate"]["c2"]["decision"].update(fully_matched=1, blocks_matched_counter=0)
     results["fleets"]["8"]["precise"]["fill"]["indexed_entries"] = 9
     results["fleets"]["8"]["precise"]["c8"]["routes_on_full_index"] = False
-    assert scale.verify(results)["failed"] == [
+    assert scale_report.verify(results)["failed"] == [
         "approximate N=8 c2: every probe fully matched on its pod",
         "approximate N=8 c2: kvroute.blocks.matched grew by the headers' matched blocks",
         "precise N=8 c8: routed on the full index",
@@ -140,12 +143,12 @@ def test_verify_flags_cpu_readings_not_routed_or_not_paired():
     reading = {"ok": 5, "failed": 0, "index_work": {"blocks_total": 0},
                "without_kvroute": {"ok": 5, "failed": 1}, "added_rounds_us": [90.0, 95.0]}
     results = {"cpu_rounds": 5, "fleets": {"8": {"approximate": {"c2": {"started": True, "cpu": {"30KB": reading}}}}}}
-    assert scale.verify(results)["failed"] == [
+    assert scale_report.verify(results)["failed"] == [
         "approximate N=8 c2: 30KB load routed by kvroute",
         "approximate N=8 c2: 30KB Envoy without kvroute answered all 200, every round paired"]
     reading.update(index_work={"blocks_total": 40}, without_kvroute={"ok": 5, "failed": 0},
                    added_rounds_us=[90.0, 95.0, 80.0, 99.0, 101.0])
-    assert scale.verify(results)["failed"] == []
+    assert scale_report.verify(results)["failed"] == []
 
 
 def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
@@ -159,7 +162,7 @@ def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
         h.wait_subscribed(ix, pub)
         pub.send(h.topic(pod), 0, h.batch(h.stored([1, 2, 3, 4, 5], None, range(80))))
         h.wait_for(lambda: ix.metric("kvroute_indexer_blocks") == 5, what="5 blocks")
-        poller = scale.FeedPoller(ix)
+        poller = feed_readings.FeedPoller(ix)
         snap = poller.snapshot()
         assert 3 <= snap["snapshot_pages"] <= 5, snap
         assert snap["snapshot_largest_page_bytes"] < snap["snapshot_bytes"]
@@ -175,9 +178,9 @@ def test_feed_poller_pages_a_snapshot_and_counts_the_keys_of_deltas(ctx):
 
 
 def test_index_reads_per_request_only_where_counted():
-    assert scale.per_request({"ok": 4, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "0.50"
-    assert scale.per_request({"ok": 4}, "lookup_reads") == "—"
-    assert scale.per_request({"ok": 0, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "—"
+    assert envoy_meter.per_request({"ok": 4, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "0.50"
+    assert envoy_meter.per_request({"ok": 4}, "lookup_reads") == "—"
+    assert envoy_meter.per_request({"ok": 0, "index_work": {"lookup_reads": 2}}, "lookup_reads") == "—"
 
 
 def test_added_cpu_is_paired_by_round():
@@ -186,6 +189,6 @@ def test_added_cpu_is_paired_by_round():
                 "opened": {}}
     kvroute = [reading(300), reading(210), reading(250)]
     plain = [reading(200), reading(110), reading(145)]
-    assert scale.paired_added(kvroute, plain) == [100.0, 100.0, 105.0]
-    together = scale.pooled(kvroute)
+    assert envoy_meter.paired_added(kvroute, plain) == [100.0, 100.0, 105.0]
+    together = envoy_meter.pooled(kvroute)
     assert (together["ok"], together["cpu_us_per_request"]) == (300, 253.3)

@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO / "integration"), str(REPO / "integration" / "bench")]
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway  # noqa: E402
 from indexerctl import IndexerProcess  # noqa: E402
-import scale  # noqa: E402
+import envoy_meter  # noqa: E402
+import scale_fleet  # noqa: E402
 
 wasm = Path(sys.argv[1]); conc = int(sys.argv[2]); pods = 8; conns = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 TCK = os.sysconf("SC_CLK_TCK")
@@ -25,9 +26,9 @@ def cpu(pid):
             if line.startswith("voluntary_ctxt_switches"): vol += int(line.split()[1])
             if line.startswith("nonvoluntary_ctxt_switches"): invol += int(line.split()[1])
     return ut, st, vol, invol, flt
-fleet = scale.StubFleet(pods).__enter__()
+fleet = scale_fleet.StubFleet(pods).__enter__()
 indexer = IndexerProcess(fleet.addresses); indexer.start()
-bodies = scale.chat_bodies(30720)
+bodies = scale_fleet.chat_bodies(30720)
 bf = tempfile.NamedTemporaryFile("wb", delete=False, suffix=".txt"); bf.write(b"\n".join(bodies) + b"\n"); bf.close()
 try:
     plugin = {"default_capacity_blocks": 19208, "tokenizer": {"timeout_ms": 1000, "memo_bytes": 67108864}}
@@ -39,9 +40,9 @@ try:
                 time.sleep(2)
                 if os.environ.get("BATCH"):
                     subprocess.run(["chrt", "-b", "-a", "-p", "0", str(envoy.proc.pid)], check=True)
-                scale.wrk_load(envoy.listener_port, bf.name, 2, conns)
+                envoy_meter.wrk_load(envoy.listener_port, bf.name, 2, conns)
                 a = cpu(envoy.proc.pid)
-                r = scale.wrk_load(envoy.listener_port, bf.name, 8, conns)
+                r = envoy_meter.wrk_load(envoy.listener_port, bf.name, 8, conns)
                 b = cpu(envoy.proc.pid)
                 n = r["ok"]
                 print(f"{name:8s} n={n} user {1e6*(b[0]-a[0])/n:6.1f} sys {1e6*(b[1]-a[1])/n:6.1f} us/req  vol-cs {(b[2]-a[2])/n:5.2f} invol-cs {(b[3]-a[3])/n:5.2f} minflt {(b[4]-a[4])/n:6.2f} /req", flush=True)

@@ -11,14 +11,15 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO / "integration"), str(REPO / "integration" / "bench")]
 from envoyctl import GATEWAY_PRECISE, EnvoyProcess, render_gateway  # noqa: E402
 from indexerctl import IndexerProcess  # noqa: E402
-import scale  # noqa: E402
+import envoy_meter  # noqa: E402
+import scale_fleet  # noqa: E402
 
 wasm = Path(sys.argv[1]); conc = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 size = int(sys.argv[3]) if len(sys.argv) > 3 else 30720
-fleet = scale.StubFleet(8).__enter__()
+fleet = scale_fleet.StubFleet(8).__enter__()
 PODS = fleet.addresses
 indexer = IndexerProcess(PODS); indexer.start()
-bodies = scale.chat_bodies(size)
+bodies = scale_fleet.chat_bodies(size)
 bf = tempfile.NamedTemporaryFile("wb", delete=False, suffix=".txt")
 bf.write(b"\n".join(bodies) + b"\n"); bf.close()
 def stats(envoy):
@@ -33,9 +34,9 @@ try:
     text = render_gateway(PODS, plugin, template=GATEWAY_PRECISE, wasm=wasm, indexer=indexer.address)
     with EnvoyProcess(text, concurrency=conc) as envoy:
         time.sleep(3)
-        scale.wrk_load(envoy.listener_port, bf.name, 3, 8)  # warm-up
+        envoy_meter.wrk_load(envoy.listener_port, bf.name, 3, 8)  # warm-up
         a = stats(envoy)
-        r = scale.wrk_load(envoy.listener_port, bf.name, 10, 8)
+        r = envoy_meter.wrk_load(envoy.listener_port, bf.name, 10, 8)
         b = stats(envoy)
         n = r["ok"]
         print("requests", r)
