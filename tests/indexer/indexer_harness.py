@@ -10,7 +10,6 @@ from __future__ import annotations
 import struct
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "integration"))
 
+import proctools  # noqa: E402
 from indexerctl import LEARNED_TOKEN, IndexerProcess, free_port, indexer_binary  # noqa: E402,F401  (re-exported)
 
 GOLDEN = REPO / "testdata" / "vllm-golden" / "frames"
@@ -243,14 +243,11 @@ class Indexer(IndexerProcess):
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    """proctools.wait_for, failing the test on a timeout."""
+    last = proctools.wait_for(cond, timeout, interval=0.05)
+    if not last:
+        raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    return last
 
 
 # ----------------------------------------------------------------- publishers
