@@ -16,6 +16,33 @@ const MAX_SPEED: f64 = 1000.0;
 
 impl Config {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        self.check_request_handling()?;
+        self.check_scoring()?;
+        self.check_index()?;
+        self.check_endpoints()?;
+        if let Some(priority) = &self.priority {
+            check_priority(priority)?;
+        }
+        if self.default_model.as_ref().is_some_and(|m| m.is_empty()) {
+            return Err(invalid(
+                "default_model",
+                "must name a model (or be left out)",
+            ));
+        }
+        if let Some(header) = &self.tenant_header {
+            if !is_header_name(header) {
+                return Err(invalid(
+                    "tenant_header",
+                    "must be a lower-case HTTP header name",
+                ));
+            }
+        }
+        self.check_callouts()
+    }
+
+    /// Which requests are routed, how their bodies are read and hashed, the headers written,
+    /// and how long a failed pod is passed over.
+    fn check_request_handling(&self) -> Result<(), ConfigError> {
         if self.paths.is_empty() {
             return Err(invalid("paths", "must list at least one path"));
         }
@@ -66,6 +93,11 @@ impl Config {
         if self.failure_cooldown_seconds > 3600 {
             return Err(invalid("failure_cooldown_seconds", "must be <= 3600"));
         }
+        Ok(())
+    }
+
+    /// The cost model's weights and the discount of offloaded tiers.
+    fn check_scoring(&self) -> Result<(), ConfigError> {
         let w = &self.weights;
         for (name, value) in [
             ("prefill", w.prefill),
@@ -93,6 +125,11 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The local index: lifetimes, teaching shares, memory budget, flush period.
+    fn check_index(&self) -> Result<(), ConfigError> {
         if self.index.ttl_seconds == 0 {
             return Err(invalid("index.ttl_seconds", "must be > 0"));
         }
@@ -118,6 +155,11 @@ impl Config {
                 format!("must be between {MIN_FLUSH_MS} and {MAX_FLUSH_MS}"),
             ));
         }
+        Ok(())
+    }
+
+    /// The configured pods: addresses (each once), capacities and speeds.
+    fn check_endpoints(&self) -> Result<(), ConfigError> {
         check_capacity(
             "default_capacity_blocks",
             Some(self.default_capacity_blocks),
@@ -149,23 +191,11 @@ impl Config {
                 }
             }
         }
-        if let Some(priority) = &self.priority {
-            check_priority(priority)?;
-        }
-        if self.default_model.as_ref().is_some_and(|m| m.is_empty()) {
-            return Err(invalid(
-                "default_model",
-                "must name a model (or be left out)",
-            ));
-        }
-        if let Some(header) = &self.tenant_header {
-            if !is_header_name(header) {
-                return Err(invalid(
-                    "tenant_header",
-                    "must be a lower-case HTTP header name",
-                ));
-            }
-        }
+        Ok(())
+    }
+
+    /// The call-outs: indexer feed, tokenizer, remote lookup.
+    fn check_callouts(&self) -> Result<(), ConfigError> {
         if let Some(indexer) = &self.indexer {
             check_callout("indexer", &indexer.cluster, indexer.timeout_ms)?;
             if indexer.poll_ms < 10 {
