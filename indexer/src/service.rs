@@ -80,28 +80,42 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
     let metrics = Metrics::new();
     let epoch = new_epoch();
     let mut index = Index::new(args.index_config(), metrics.clone(), epoch);
+    let connects = seed_index(&args, &mut index)?;
+    let learned_access = learned_write_access(&args)?;
+    let shared = Shared {
+        index: Arc::new(Mutex::new(index)),
+        metrics: metrics.clone(),
+        start: Instant::now(),
+        max_learned_body: args.max_learned_body_bytes,
+        learned_access: Arc::new(learned_access),
+        refusal_logged_ms: Arc::new(AtomicU64::new(0)),
+    };
+
+    let (tx, rx) = mpsc::channel::<Msg>(args.queue_capacity.max(1));
+
+    start_subscribers(&args, connects, &tx, &shared).await?;
+    start_background(&args, rx, &tx, &shared);
+    start_http(&args, &shared, epoch).await?;
+    shutdown_signal().await;
+    eprintln!("kvroute-indexer: shutting down");
+    Ok(())
+}
+
+/// A `--zmq-connect` endpoint and the pod (address, model) its events speak for, when the flag
+/// names one.
+type Connect = (String, Option<(String, String)>);
+
+/// The pods the flags name (`--pod`, `--zmq-connect …=ADDRESS`) and their replay endpoints,
+/// entered into `index`; the connected sockets to open, each with the pod it speaks for.
+fn seed_index(args: &Args, index: &mut Index) -> Result<Vec<Connect>, ServiceError> {
     for pod in &args.pods {
-        add_source_pod(
-            &mut index,
-            pod,
-            &pod.address,
-            &args.model,
-            origin::STATIC,
-            0,
-        );
+        add_source_pod(index, pod, &pod.address, &args.model, origin::STATIC, 0);
     }
     let mut connects = Vec::new();
     for (endpoint, pod) in &args.zmq_connect {
         let identity = match pod {
             Some(pod) => {
-                add_source_pod(
-                    &mut index,
-                    pod,
-                    &pod.address,
-                    &args.model,
-                    origin::CONNECT,
-                    0,
-                );
+                add_source_pod(index, pod, &pod.address, &args.model, origin::CONNECT, 0);
                 let model = pod.model.clone().or_else(|| args.model.clone());
                 Some((pod.address.clone(), model.unwrap_or_default()))
             }
@@ -118,19 +132,17 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
         };
         index.set_replay_endpoint(address, endpoint);
     }
-    let learned_access = learned_write_access(&args)?;
-    let shared = Shared {
-        index: Arc::new(Mutex::new(index)),
-        metrics: metrics.clone(),
-        start: Instant::now(),
-        max_learned_body: args.max_learned_body_bytes,
-        learned_access: Arc::new(learned_access),
-        refusal_logged_ms: Arc::new(AtomicU64::new(0)),
-    };
+    Ok(connects)
+}
 
-    let (tx, rx) = mpsc::channel::<Msg>(args.queue_capacity.max(1));
-
-    // ZMQ sockets: bound SUB(s), and one connected SUB per pod that binds.
+/// Starts the ZMQ subscribers: a SUB bound at each `--zmq-bind` endpoint, and one connected SUB
+/// per `--zmq-connect` endpoint (retried until the pod's publisher is up).
+async fn start_subscribers(
+    args: &Args,
+    connects: Vec<Connect>,
+    tx: &mpsc::Sender<Msg>,
+    shared: &Shared,
+) -> Result<(), ServiceError> {
     for endpoint in args.zmq_bind.iter().filter(|e| e.as_str() != "none") {
         let mut sock = SubSocket::new();
         let real = bind_endpoint(endpoint);
@@ -152,7 +164,7 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
             error: e.to_string(),
         })?;
         let tx = tx.clone();
-        let shared2 = shared.clone();
+        let shared = shared.clone();
         tokio::spawn(async move {
             // Retry until the pod's publisher is up; the socket reconnects by itself after.
             loop {
@@ -165,10 +177,15 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
                 }
             }
             eprintln!("kvroute-indexer: zmq SUB connected to {endpoint}");
-            receive(sock, identity, tx, shared2).await;
+            receive(sock, identity, tx, shared).await;
         });
     }
+    Ok(())
+}
 
+/// Starts the event applier, housekeeping, and (when the flags ask) load scraping and DNS
+/// discovery.
+fn start_background(args: &Args, rx: mpsc::Receiver<Msg>, tx: &mpsc::Sender<Msg>, shared: &Shared) {
     tokio::spawn(apply_loop(
         rx,
         tx.clone(),
@@ -193,7 +210,10 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
             Duration::from_millis(args.dns_interval_ms.max(100)),
         ));
     }
+}
 
+/// Binds the HTTP API (feed, lookup, learned, metrics) and serves it in the background.
+async fn start_http(args: &Args, shared: &Shared, epoch: u64) -> Result<(), ServiceError> {
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|e| ServiceError::Listen {
@@ -206,9 +226,6 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
     })?;
     eprintln!("kvroute-indexer: HTTP on {local}, feed epoch {epoch}");
     tokio::spawn(serve_http(listener, shared.clone()));
-
-    shutdown_signal().await;
-    eprintln!("kvroute-indexer: shutting down");
     Ok(())
 }
 
