@@ -204,6 +204,18 @@ impl FilterMetrics {
             .for_each(BatchedCounter::flush);
     }
 
+    /// A routed decision: by prefix or by load alone, its blocks, its time.
+    pub fn decided(&self, matched_blocks: usize, total_blocks: usize, elapsed_us: u64) {
+        if matched_blocks > 0 {
+            self.decision_prefix.inc()
+        } else {
+            self.decision_load.inc()
+        }
+        self.blocks_matched.add(matched_blocks as u64);
+        self.blocks_total.add(total_blocks as u64);
+        self.decision_us.record(elapsed_us);
+    }
+
     pub fn outcome(&self, outcome: &Outcome) {
         self.outcomes[outcome.index()].inc();
     }

@@ -9,13 +9,11 @@ use crate::metrics::FailOpen;
 use crate::remote::{self, PendingLookup};
 use crate::worker::{RoutedRequest, Taught};
 use kvroute_core::admission::sheds;
-use kvroute_core::budget::client_key;
 use kvroute_core::config::Config;
 use kvroute_core::hash::{BlockHash, Domain};
 use kvroute_core::lookup::LookupError;
 use kvroute_core::request::{self, PromptRequest};
 use kvroute_core::router::{hash_prompt, serving_model, Decision, HashedPrompt, NoRoute};
-use kvroute_core::wire::PeerMessage;
 use proxy_wasm::types::LogLevel;
 
 impl RequestFilter {
@@ -261,29 +259,18 @@ impl RequestFilter {
         .unwrap_or(u32::MAX);
         let mut hashes = hashed.hashes;
         let hashed_len = hashes.len();
-        // With tenant isolation the tenant's salt names the client: beyond
-        // the blocks the pod already holds, it teaches only its budget.
         if let Some(salt) = request
             .cache_salt
             .as_deref()
             .filter(|_| config.tenant_header.is_some())
         {
-            let new = hashes.len().saturating_sub(decision.matched_blocks);
-            let client = client_key(salt);
-            let allowed = w
-                .cluster
-                .client_allowance(&decision.pod, client, new, started.secs);
-            hashes.truncate(decision.matched_blocks + allowed);
-            if allowed > 0 {
-                w.tell_peers(
-                    PeerMessage::Charged {
-                        pod: decision.pod.clone(),
-                        client,
-                        blocks: u32::try_from(allowed).unwrap_or(u32::MAX),
-                    },
-                    started,
-                );
-            }
+            w.charge_client(
+                &decision.pod,
+                salt,
+                decision.matched_blocks,
+                &mut hashes,
+                started,
+            );
         }
         let mut fallback = Taught::default();
         let mut already_taught = 0;
@@ -300,15 +287,11 @@ impl RequestFilter {
                 fallback = w.teach_byte_fallback(&decision.pod, bytes, started);
             }
         }
-        let m = &w.metrics;
-        if decision.matched_blocks > 0 {
-            m.decision_prefix.inc()
-        } else {
-            m.decision_load.inc()
-        }
-        m.blocks_matched.add(decision.matched_blocks as u64);
-        m.blocks_total.add(decision.total_blocks as u64);
-        m.decision_us.record(started.elapsed_us());
+        w.metrics.decided(
+            decision.matched_blocks,
+            decision.total_blocks,
+            started.elapsed_us(),
+        );
         let explanation = decision.explain();
         if w.debug_logging {
             host::log(

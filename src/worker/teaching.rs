@@ -5,6 +5,7 @@
 use super::{RoutedRequest, Taught, Worker};
 use crate::host::{self, Now, SharedData};
 use crate::peers::Audience;
+use kvroute_core::budget::client_key;
 use kvroute_core::hash::BlockHash;
 use kvroute_core::index::{epoch_start_s, match_lengths, PodMatch};
 use kvroute_core::outcome::Outcome;
@@ -68,6 +69,36 @@ impl Worker {
             u64::from(epoch_start_s(self.config.index.ttl_seconds, now.secs)) * 1000;
         self.recent
             .taught_since(pod, hashes, epoch_start_ms, now.millis)
+    }
+
+    /// With tenant isolation the tenant's salt names the client: beyond the
+    /// `matched` blocks the pod already holds, its prompt teaches only the
+    /// client's budget. Cuts `hashes` to what may be taught and tells the
+    /// peers what was charged.
+    pub fn charge_client(
+        &mut self,
+        pod: &str,
+        salt: &str,
+        matched: usize,
+        hashes: &mut Vec<BlockHash>,
+        now: Now,
+    ) {
+        let new = hashes.len().saturating_sub(matched);
+        let client = client_key(salt);
+        let allowed = self.cluster.client_allowance(pod, client, new, now.secs);
+        hashes.truncate(matched + allowed);
+        if allowed > 0 {
+            let blocks = u32::try_from(allowed).unwrap_or(u32::MAX);
+            let pod = pod.to_owned();
+            self.tell_peers(
+                PeerMessage::Charged {
+                    pod,
+                    client,
+                    blocks,
+                },
+                now,
+            );
+        }
     }
 
     /// Teaches a token-routed prompt's byte chunks on `pod` (see
