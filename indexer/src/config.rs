@@ -78,8 +78,8 @@ pub struct Args {
     pub replay_port: Option<u16>,
 
     /// Replay endpoint of one pod: `ADDRESS=tcp://HOST:PORT` (rank r uses PORT + r). Repeatable.
-    #[arg(long = "replay-endpoint")]
-    pub replay_endpoints: Vec<String>,
+    #[arg(long = "replay-endpoint", value_parser = parse_replay_endpoint)]
+    pub replay_endpoints: Vec<(String, String)>,
 
     /// Time allowed for a replay exchange, in milliseconds.
     #[arg(long, default_value_t = 2_000)]
@@ -226,6 +226,20 @@ pub fn parse_connect(spec: &str) -> Result<(String, Option<PodSource>), String> 
     }
 }
 
+/// Parses `ADDRESS=ENDPOINT`: a pod's address and its replay socket.
+pub fn parse_replay_endpoint(spec: &str) -> Result<(String, String), String> {
+    let (address, endpoint) = spec
+        .split_once('=')
+        .ok_or_else(|| format!("{spec:?} is not ADDRESS=ENDPOINT"))?;
+    if !is_pod_address(address) {
+        return Err(format!("address {address:?} is not host:port"));
+    }
+    if endpoint.is_empty() {
+        return Err("no endpoint after '='".into());
+    }
+    Ok((address.to_owned(), endpoint.to_owned()))
+}
+
 /// zeromq (the crate) binds to an address, not `*`: `tcp://*:P` → `tcp://0.0.0.0:P`.
 pub fn bind_endpoint(endpoint: &str) -> String {
     if let Some(rest) = endpoint.strip_prefix("tcp://*:") {
@@ -292,6 +306,17 @@ mod tests {
             e.contains("--dns-service") && e.contains("\"svc\" is not host:port"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn replay_endpoints_name_a_pod_and_a_socket() {
+        assert_eq!(
+            parse_replay_endpoint("10.0.0.1:8000=tcp://10.0.0.1:5558"),
+            Ok(("10.0.0.1:8000".into(), "tcp://10.0.0.1:5558".into()))
+        );
+        for bad in ["10.0.0.1:8000", "10.0.0.1=tcp://h:1", "a:1="] {
+            assert!(parse_replay_endpoint(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -33,8 +33,6 @@ pub enum ServiceError {
     Zmq { endpoint: String, error: String },
     /// The HTTP listener could not bind.
     Listen { addr: SocketAddr, error: String },
-    /// A flag value is malformed.
-    BadFlag { flag: &'static str, value: String },
     /// `--learned-token-file` gives no usable token.
     TokenFile { path: String, error: String },
 }
@@ -44,7 +42,6 @@ impl std::fmt::Display for ServiceError {
         match self {
             ServiceError::Zmq { endpoint, error } => write!(f, "zmq {endpoint}: {error}"),
             ServiceError::Listen { addr, error } => write!(f, "listen {addr}: {error}"),
-            ServiceError::BadFlag { flag, value } => write!(f, "--{flag}: bad value {value:?}"),
             ServiceError::TokenFile { path, error } => {
                 write!(f, "--learned-token-file {path}: {error}")
             }
@@ -80,7 +77,7 @@ pub async fn run(args: Args) -> Result<(), ServiceError> {
     let metrics = Metrics::new();
     let epoch = new_epoch();
     let mut index = Index::new(args.index_config(), metrics.clone(), epoch);
-    let connects = seed_index(&args, &mut index)?;
+    let connects = seed_index(&args, &mut index);
     let learned_access = learned_write_access(&args)?;
     let shared = Shared {
         index: Arc::new(Mutex::new(index)),
@@ -107,7 +104,7 @@ type Connect = (String, Option<(String, String)>);
 
 /// The pods the flags name (`--pod`, `--zmq-connect …=ADDRESS`) and their replay endpoints,
 /// entered into `index`; the connected sockets to open, each with the pod it speaks for.
-fn seed_index(args: &Args, index: &mut Index) -> Result<Vec<Connect>, ServiceError> {
+fn seed_index(args: &Args, index: &mut Index) -> Vec<Connect> {
     for pod in &args.pods {
         add_source_pod(index, pod, &pod.address, &args.model, origin::STATIC, 0);
     }
@@ -123,16 +120,10 @@ fn seed_index(args: &Args, index: &mut Index) -> Result<Vec<Connect>, ServiceErr
         };
         connects.push((endpoint.clone(), identity));
     }
-    for spec in &args.replay_endpoints {
-        let Some((address, endpoint)) = spec.split_once('=') else {
-            return Err(ServiceError::BadFlag {
-                flag: "replay-endpoint",
-                value: spec.clone(),
-            });
-        };
+    for (address, endpoint) in &args.replay_endpoints {
         index.set_replay_endpoint(address, endpoint);
     }
-    Ok(connects)
+    connects
 }
 
 /// Starts the ZMQ subscribers: a SUB bound at each `--zmq-bind` endpoint, and one connected SUB
