@@ -114,6 +114,34 @@ pub(super) fn drop_block(
 
 /// A block's extra keys without the LoRA adapter, which vLLM lists first and
 /// kvroute already has in the chain's root.
+/// The kvroute hash a stored chain without a parent starts from: the model's,
+/// scoped by the LoRA adapter the event names.
+fn chain_root(e: &BlockStored, model: &str) -> BlockHash {
+    match (&e.lora_name, e.lora_id) {
+        (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
+        // Older vLLM names no adapter, only its id: scope the chain by the id
+        // so that it can never pass for the base model's blocks.
+        (None, Some(id)) => root_hash(Domain::Tokens, model, Some(&format!("#lora-id:{id}"))),
+        (None, None) => root_hash(Domain::Tokens, model, None),
+    }
+}
+
+/// The digest of each kvroute block's extra keys, for `n` vLLM blocks of
+/// `span` kvroute blocks each: a vLLM block's keys belong to its first
+/// kvroute block. Empty when the event carries none.
+fn extra_key_digests(e: &BlockStored, n: usize, span: usize) -> Vec<Option<u64>> {
+    let mut extra = Vec::new();
+    if let Some(keys) = &e.extra_keys {
+        extra.resize(n * span, None);
+        for (i, block_keys) in keys.iter().take(n).enumerate() {
+            if let Some(block_keys) = block_keys {
+                extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
+            }
+        }
+    }
+    extra
+}
+
 pub(super) fn without_lora<'a>(keys: &'a [ExtraKey], e: &BlockStored) -> &'a [ExtraKey] {
     let is_lora = match (keys.first(), &e.lora_name, e.lora_id) {
         (Some(ExtraKey::Str(k)), Some(name), _) => k == name,
@@ -261,15 +289,7 @@ impl Index {
             .entry(group_idx)
             .or_insert_with(|| Group::with_room_for(room));
         let parent_kv = match e.parent_block_hash {
-            None => match (&e.lora_name, e.lora_id) {
-                (Some(name), _) => root_hash(Domain::Tokens, model, Some(name)),
-                // Older vLLM names no adapter, only its id: scope the chain by the id
-                // so that it can never pass for the base model's blocks.
-                (None, Some(id)) => {
-                    root_hash(Domain::Tokens, model, Some(&format!("#lora-id:{id}")))
-                }
-                (None, None) => root_hash(Domain::Tokens, model, None),
-            },
+            None => chain_root(e, model),
             Some(p) => match group.blocks.get(Fingerprint::of(VllmHash::new(p))) {
                 Some(entry) => self.blocks.kv(entry.block()),
                 None => {
@@ -278,16 +298,7 @@ impl Index {
                 }
             },
         };
-        // Extra keys belong to the first kvroute block of each vLLM block.
-        let mut extra = Vec::new();
-        if let Some(keys) = &e.extra_keys {
-            extra.resize(n * span, None);
-            for (i, block_keys) in keys.iter().take(n).enumerate() {
-                if let Some(block_keys) = block_keys {
-                    extra[i * span] = extra_keys_digest(without_lora(block_keys, e));
-                }
-            }
-        }
+        let extra = extra_key_digests(e, n, span);
         let kvs =
             keyed_token_block_hashes(parent_kv, &e.token_ids[..need], bs / span, n * span, &extra);
         let tier = Medium::tier(e.medium.as_ref());
