@@ -92,86 +92,18 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
     let cursor = r.u64("cursor")?;
     let pods_version = r.u64("pods_version")?;
     let load_version = r.u64("load_version")?;
-    let more = flags & FLAG_MORE != 0;
-    let kind = if flags & FLAG_PAGE != 0 {
-        let number = r.u32("page")?;
-        let next = if more {
-            let start = r.u64("page token")?;
-            let after = match r.u8("page token")? {
-                0 => None,
-                1 => Some(r.u64("page token")?),
-                _ => return Err(FeedError::BadBool { what: "page token" }),
-            };
-            Some(PageToken { start, after })
-        } else {
-            None
-        };
-        FeedKind::Page { number, next }
+    let kind = feed_kind(&mut r, flags)?;
+    let pods = if flags & FLAG_PODS != 0 {
+        Some(pod_list(&mut r)?)
     } else {
-        FeedKind::Delta { more }
+        None
     };
-    let mut pods = None;
-    let mut loads = None;
-    if flags & FLAG_PODS != 0 {
-        let n = count(&mut r, MIN_POD_BYTES, "pods")?;
-        let mut list = Vec::with_capacity(n);
-        for _ in 0..n {
-            let address = string(&mut r, "address")?;
-            let n_models = count(&mut r, 1, "models")?;
-            let mut models = Vec::with_capacity(n_models);
-            for _ in 0..n_models {
-                models.push(string(&mut r, "model")?);
-            }
-            let mut pod = PodInfo {
-                address,
-                models,
-                capacity_blocks: varint_u32(&mut r, "capacity_blocks")?,
-                speed: speed(&mut r)?,
-                ..PodInfo::default()
-            };
-            pod.set_load(load(&mut r)?);
-            list.push(pod);
-        }
-        pods = Some(list);
-    } else if flags & FLAG_LOAD != 0 {
-        let n = count(&mut r, MIN_LOAD_BYTES, "load")?;
-        let mut list = Vec::with_capacity(n);
-        for _ in 0..n {
-            list.push(load(&mut r)?);
-        }
-        loads = Some(list);
-    }
-    let n_runs = count(&mut r, MIN_RUN_BYTES, "runs")?;
-    let mut ops = Vec::with_capacity(n_runs);
-    for _ in 0..n_runs {
-        let op_pod = r.varint("op")?;
-        let code = (op_pod & ((1 << OP_BITS) - 1)) as u8;
-        let pod =
-            u32::try_from(op_pod >> OP_BITS).map_err(|_| FeedError::TooLarge { what: "op pod" })?;
-        if let Some(list) = &pods {
-            if pod as usize >= list.len() {
-                return Err(FeedError::PodOutOfRange {
-                    pod,
-                    pods: list.len(),
-                });
-            }
-        }
-        ops.push(match code {
-            OP_REMOVED => BlockOp::Removed {
-                pod,
-                hashes: keys(&mut r)?,
-            },
-            OP_CLEARED => BlockOp::Cleared { pod },
-            code => match Tier::from_code(code) {
-                Some(tier) => BlockOp::Stored {
-                    pod,
-                    tier,
-                    hashes: keys(&mut r)?,
-                },
-                None => return Err(FeedError::BadOpKind(code)),
-            },
-        });
-    }
+    let load = if flags & FLAG_LOAD != 0 {
+        Some(load_list(&mut r)?)
+    } else {
+        None
+    };
+    let ops = block_ops(&mut r, pods.as_ref().map(Vec::len))?;
     finish(&r)?;
     Ok(FeedMessage {
         epoch,
@@ -180,9 +112,99 @@ pub fn decode_message(bytes: &[u8]) -> Result<FeedMessage, FeedError> {
         load_version,
         kind,
         pods,
-        load: loads,
+        load,
         ops,
     })
+}
+
+/// A snapshot page (its number, and the token of the next when `FLAG_MORE`)
+/// or a delta.
+fn feed_kind(r: &mut Reader<'_>, flags: u16) -> Result<FeedKind, FeedError> {
+    let more = flags & FLAG_MORE != 0;
+    if flags & FLAG_PAGE == 0 {
+        return Ok(FeedKind::Delta { more });
+    }
+    let number = r.u32("page")?;
+    let next = if more {
+        let start = r.u64("page token")?;
+        let after = match r.u8("page token")? {
+            0 => None,
+            1 => Some(r.u64("page token")?),
+            _ => return Err(FeedError::BadBool { what: "page token" }),
+        };
+        Some(PageToken { start, after })
+    } else {
+        None
+    };
+    Ok(FeedKind::Page { number, next })
+}
+
+/// The pod list: address, models, capacity, speed and load of each pod.
+fn pod_list(r: &mut Reader<'_>) -> Result<Vec<PodInfo>, FeedError> {
+    let n = count(r, MIN_POD_BYTES, "pods")?;
+    let mut list = Vec::with_capacity(n);
+    for _ in 0..n {
+        let address = string(r, "address")?;
+        let n_models = count(r, 1, "models")?;
+        let mut models = Vec::with_capacity(n_models);
+        for _ in 0..n_models {
+            models.push(string(r, "model")?);
+        }
+        let mut pod = PodInfo {
+            address,
+            models,
+            capacity_blocks: varint_u32(r, "capacity_blocks")?,
+            speed: speed(r)?,
+            ..PodInfo::default()
+        };
+        pod.set_load(load(r)?);
+        list.push(pod);
+    }
+    Ok(list)
+}
+
+/// The pods' load alone, in pod-list order.
+fn load_list(r: &mut Reader<'_>) -> Result<Vec<PodLoad>, FeedError> {
+    let n = count(r, MIN_LOAD_BYTES, "load")?;
+    let mut list = Vec::with_capacity(n);
+    for _ in 0..n {
+        list.push(load(r)?);
+    }
+    Ok(list)
+}
+
+/// The block operations; each names its pod by index into the message's pod
+/// list, which bounds it when the message carries one.
+fn block_ops(r: &mut Reader<'_>, pods: Option<usize>) -> Result<Vec<BlockOp>, FeedError> {
+    let n_runs = count(r, MIN_RUN_BYTES, "runs")?;
+    let mut ops = Vec::with_capacity(n_runs);
+    for _ in 0..n_runs {
+        let op_pod = r.varint("op")?;
+        let code = (op_pod & ((1 << OP_BITS) - 1)) as u8;
+        let pod =
+            u32::try_from(op_pod >> OP_BITS).map_err(|_| FeedError::TooLarge { what: "op pod" })?;
+        if let Some(pods) = pods {
+            if pod as usize >= pods {
+                return Err(FeedError::PodOutOfRange { pod, pods });
+            }
+        }
+        ops.push(match code {
+            OP_REMOVED => BlockOp::Removed {
+                pod,
+                hashes: keys(r)?,
+            },
+            OP_CLEARED => BlockOp::Cleared { pod },
+            code => match Tier::from_code(code) {
+                Some(tier) => BlockOp::Stored {
+                    pod,
+                    tier,
+                    hashes: keys(r)?,
+                },
+                None => return Err(FeedError::BadOpKind(code)),
+            },
+        });
+    }
+    Ok(ops)
 }
 
 /// Decodes a complete update (see [`encode`]); never panics. A message without
