@@ -170,42 +170,7 @@ async fn post_learned(
         .get(hyper::header::AUTHORIZATION)
         .map(|v| v.as_bytes());
     if let Err(refusal) = shared.learned_access.check(authorization) {
-        shared.metrics.learned_unauthorized(refusal.reason());
-        let now = shared.now_ms().max(1);
-        let last = shared.refusal_logged_ms.load(Ordering::Relaxed);
-        if last == 0 || now.saturating_sub(last) >= REFUSAL_LOG_INTERVAL_MS {
-            shared.refusal_logged_ms.store(now, Ordering::Relaxed);
-            eprintln!(
-                "kvroute-indexer: POST /v1/learned from {peer} refused: {} \
-                 (counted in kvroute_indexer_learned_unauthorized_total; logged at most every {} s)",
-                refusal.reason(),
-                REFUSAL_LOG_INTERVAL_MS / 1000
-            );
-        }
-        return match refusal {
-            Refusal::WritesDisabled => respond(
-                StatusCode::FORBIDDEN,
-                "text/plain",
-                "learned writes are disabled: the indexer has no --learned-token-file",
-            ),
-            Refusal::TokenUnavailable => respond(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "text/plain",
-                "the learned-writer token file is unreadable",
-            ),
-            _ => {
-                let mut r = respond(
-                    StatusCode::UNAUTHORIZED,
-                    "text/plain",
-                    format!("unauthorized: {}", refusal.reason()),
-                );
-                r.headers_mut().insert(
-                    hyper::header::WWW_AUTHENTICATE,
-                    hyper::header::HeaderValue::from_static("Bearer"),
-                );
-                r
-            }
-        };
+        return refuse_learned(shared, peer, refusal);
     }
     let body = match Limited::new(req.into_body(), shared.max_learned_body)
         .collect()
@@ -242,6 +207,48 @@ async fn post_learned(
             "{{\"accepted\":{accepted},\"rejected\":{rejected},\"token_domain\":{token_domain}}}"
         ),
     )
+}
+
+/// Counts a refused POST /v1/learned, logs it (at most every
+/// `REFUSAL_LOG_INTERVAL_MS`), and answers with the status that tells the
+/// proxy why: 403 (writes off), 503 (token file unreadable), 401 otherwise.
+fn refuse_learned(shared: &Shared, peer: SocketAddr, refusal: Refusal) -> Response<Full<Bytes>> {
+    shared.metrics.learned_unauthorized(refusal.reason());
+    let now = shared.now_ms().max(1);
+    let last = shared.refusal_logged_ms.load(Ordering::Relaxed);
+    if last == 0 || now.saturating_sub(last) >= REFUSAL_LOG_INTERVAL_MS {
+        shared.refusal_logged_ms.store(now, Ordering::Relaxed);
+        eprintln!(
+            "kvroute-indexer: POST /v1/learned from {peer} refused: {} \
+             (counted in kvroute_indexer_learned_unauthorized_total; logged at most every {} s)",
+            refusal.reason(),
+            REFUSAL_LOG_INTERVAL_MS / 1000
+        );
+    }
+    match refusal {
+        Refusal::WritesDisabled => respond(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            "learned writes are disabled: the indexer has no --learned-token-file",
+        ),
+        Refusal::TokenUnavailable => respond(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "the learned-writer token file is unreadable",
+        ),
+        _ => {
+            let mut r = respond(
+                StatusCode::UNAUTHORIZED,
+                "text/plain",
+                format!("unauthorized: {}", refusal.reason()),
+            );
+            r.headers_mut().insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer"),
+            );
+            r
+        }
+    }
 }
 
 /// Removes the hashes some pod reports through KV events: they are token
