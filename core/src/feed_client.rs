@@ -157,6 +157,9 @@ pub struct Received {
     pub page: Option<u32>,
     /// True when this was the last page of a snapshot.
     pub snapshot_complete: bool,
+    /// True when the answer carried a new pod list (not the kept one, nor
+    /// only the pods' load).
+    pub new_pod_list: bool,
 }
 
 /// See the module documentation.
@@ -329,6 +332,7 @@ impl FeedClient {
             },
             page,
             snapshot_complete: page.is_some() && next.is_none(),
+            new_pod_list: m.pods.is_some(),
         })
     }
 

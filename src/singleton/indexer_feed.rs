@@ -105,7 +105,7 @@ impl Singleton {
     fn received(&mut self, received: Received) {
         self.metrics.ok.inc();
         self.metrics.pods.record(received.update.pods.len() as u64);
-        if !received.update.pods_unchanged {
+        if received.new_pod_list {
             self.note_refused_pods(&received.update);
         }
         if received.page.is_some() {

@@ -84,6 +84,7 @@ fn a_paged_snapshot_is_requested_page_by_page_then_deltas_follow() {
     assert!(first.update.snapshot && !first.snapshot_complete);
     assert_eq!(first.page, Some(0));
     assert_eq!(first.update.pods, list);
+    assert!(first.new_pod_list);
     assert!(c.is_paging());
     // The next page at once, without waiting for the tick.
     let next = c.follow_up(1).unwrap();
@@ -101,7 +102,7 @@ fn a_paged_snapshot_is_requested_page_by_page_then_deltas_follow() {
     assert_eq!(next.pods_version, pods_version(&list));
     // Later pages carry no pod list: the client fills in the one it keeps.
     let second = answer(&mut c, 2, &page(7, 1, Some(12), None)).unwrap();
-    assert!(!second.update.snapshot);
+    assert!(!second.update.snapshot && !second.new_pod_list);
     assert_eq!(second.update.pods, list);
     assert_eq!(second.update.ops, vec![stored(1, &[2])]);
     c.follow_up(2).unwrap();
@@ -129,6 +130,7 @@ fn an_idle_poll_or_a_load_change_completes_the_kept_list() {
     c.on_tick(200).unwrap();
     let got = answer(&mut c, 201, &m).unwrap();
     assert_eq!(got.update.pods, loaded);
+    assert!(!got.new_pod_list, "a load change is the kept list");
     assert_eq!(c.on_tick(300).unwrap().load_version, load_version(&loaded));
 }
 
