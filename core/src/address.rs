@@ -2,6 +2,9 @@
 //! place a pod enters (plugin config, indexer feed, remote lookup answers,
 //! the indexer's own flags and ZMQ topics).
 
+/// What [`is_pod_address`] asks of an address, for the messages that refuse one.
+pub const POD_ADDRESS_RULE: &str = "host:port (port 1-65535; no comma, space or control character)";
+
 /// `host:port` with a port from 1 to 65535. The host is a bracketed IPv6
 /// address or a name of visible ASCII without `:`, `[`, `]` or a comma: the
 /// destination header lists a decision's pods separated by commas, and a

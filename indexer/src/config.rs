@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
-use kvroute_core::address::is_pod_address;
+use kvroute_core::address::{is_pod_address, POD_ADDRESS_RULE};
 use kvroute_core::feed::MAX_SPEED;
 
 use crate::index::IndexConfig;
@@ -207,9 +207,7 @@ pub fn parse_pod(spec: &str) -> Result<PodSource, String> {
         None => (pod, None),
     };
     if !is_pod_address(address) {
-        return Err(format!(
-            "address {address:?} is not host:port (port 1-65535; no comma, space or control character)"
-        ));
+        return Err(format!("address {address:?} is not {POD_ADDRESS_RULE}"));
     }
     Ok(PodSource {
         address: address.to_owned(),
@@ -232,7 +230,7 @@ pub fn parse_replay_endpoint(spec: &str) -> Result<(String, String), String> {
         .split_once('=')
         .ok_or_else(|| format!("{spec:?} is not ADDRESS=ENDPOINT"))?;
     if !is_pod_address(address) {
-        return Err(format!("address {address:?} is not host:port"));
+        return Err(format!("address {address:?} is not {POD_ADDRESS_RULE}"));
     }
     if endpoint.is_empty() {
         return Err("no endpoint after '='".into());

@@ -9,7 +9,8 @@ import time
 import urllib.request
 from typing import Any
 
-# First: it puts integration/ on the path, where indexerctl and proctools live.
+# First: it puts integration/ (indexerctl, proctools) and tests/indexer/ (indexer_harness,
+# imported below where used) on the path.
 from scale_fleet import BLOCK_SIZE, CAPACITY_BLOCKS, FILL, SEQUENCE_BLOCKS, sequence_tokens
 from indexerctl import IndexerProcess  # noqa: E402
 from proctools import wait_for  # noqa: E402

@@ -5,7 +5,7 @@ use super::sections::{MAX_FLUSH_MS, MIN_FLUSH_MS};
 use super::{
     invalid, Config, ConfigError, PrioritySettings, MAX_INDEX_BUDGET_BYTES, MIN_INDEX_BUDGET_BYTES,
 };
-use crate::address::is_pod_address;
+use crate::address::{is_pod_address, POD_ADDRESS_RULE};
 
 /// Bounds that keep a typo from turning into a memory or CPU bomb.
 const MAX_CAPACITY_BLOCKS: u32 = 1 << 24;
@@ -169,7 +169,7 @@ impl Config {
             if !is_pod_address(&endpoint.address) {
                 return Err(invalid(
                     format!("endpoints[{i}].address"),
-                    "must be host:port (port 1-65535; no comma, space or control character)",
+                    format!("must be {POD_ADDRESS_RULE}"),
                 ));
             }
             if !seen.insert(endpoint.address.as_str()) {
