@@ -120,13 +120,13 @@ pub struct FeedUpdate {
     /// True when this update replaces all state instead of extending it (the
     /// first page of a snapshot; the following pages extend it).
     pub snapshot: bool,
-    /// The complete current pod set; ops refer to pods by index into it.
+    /// The complete current pod set (empty when `pods_unchanged`); ops refer
+    /// to pods by their place in the list last sent.
     pub pods: Vec<PodInfo>,
     /// The pod list and its load are those of the previous update: `pods`
-    /// then repeats them (the singleton's copy) or is empty (a decoded
-    /// message that carried no list), and nothing adopts them again.
-    /// At 1,000 pods adopting the list costs every VM O(pods) work, at every
-    /// poll (docs/results/2026-12-04-feed-forward).
+    /// is then empty, and nothing adopts them again; the block operations
+    /// name pods of that list. At 1,000 pods copying or adopting the list
+    /// costs O(pods) work, at every poll (docs/results/2026-12-04-feed-forward).
     pub pods_unchanged: bool,
     /// Block operations, in order.
     pub ops: Vec<BlockOp>,

@@ -1,40 +1,59 @@
-//! When the singleton forwards the pod list to the worker VMs after a feed
-//! answer. Workers need the list with its load, and word that the feed is
-//! alive (their trust in precise entries lapses without it, after at least
-//! 5 s); the block operations only the singleton applies (it writes the
-//! index). The whole list at every poll cost each worker O(pods) work ten
-//! times a second, idle or not (docs/results/2026-12-04-feed-forward), and
-//! word at every poll woke every worker ten times a second
-//! (docs/results/2026-12-04-idle-feed). So the list goes when a worker may
-//! lack it, and at least once a second as that word; nothing in between.
+//! What the singleton forwards to the worker VMs after a feed answer. Workers
+//! need the pod list with its load, and word that the feed is alive (their
+//! trust in precise entries lapses without it, after at least 5 s); the
+//! block operations only the singleton applies (it writes the index). The
+//! whole list at every poll cost each worker O(pods) work ten times a second,
+//! idle or not (docs/results/2026-12-04-feed-forward), and word at every poll
+//! woke every worker ten times a second (docs/results/2026-12-04-idle-feed).
+//! The list once a second still cost each worker about 0.5 ms at 1,000 pods
+//! (decoding and comparing it natively), so the list goes when it changed or
+//! a worker may lack it, the word alone once a second, nothing in between.
 
-/// The list goes at least this often: it renews the workers' trust, and
-/// reaches a worker that did not take the last one (its enqueue failed, or
-/// it could not decode it).
-pub const FULL_LIST_EVERY_MS: u64 = 1_000;
+/// The word that the feed is alive goes at least this often.
+pub const WORD_EVERY_MS: u64 = 1_000;
 
-/// When the last list went, and to which queues.
+/// An unchanged list goes again this often: it reaches a worker that did not
+/// take the last one (its enqueue failed, or it could not decode it).
+pub const FULL_LIST_EVERY_MS: u64 = 10_000;
+
+/// What goes to the workers after a feed answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forward {
+    /// The pod list with its load (which also says the feed is alive).
+    List,
+    /// Word that the feed is alive, without the list.
+    Alive,
+    Nothing,
+}
+
+/// When the last list and the last word went, and to which queues.
 #[derive(Debug, Default)]
 pub struct ListForwarding {
     sent_to: Vec<u32>,
-    sent_ms: Option<u64>,
+    list_ms: Option<u64>,
+    word_ms: Option<u64>,
 }
 
 impl ListForwarding {
-    /// Whether the pod list goes to `recipients` after this feed answer: it
-    /// or its load changed, a recipient was not sent the last one, or that
-    /// one is [`FULL_LIST_EVERY_MS`] old.
-    pub fn list_due(&mut self, changed: bool, recipients: &[u32], now_ms: u64) -> bool {
+    /// What goes to `recipients` after this feed answer: the list when it or
+    /// its load changed, a recipient was not sent the last one, or that one
+    /// is [`FULL_LIST_EVERY_MS`] old; else the word when the last word is
+    /// [`WORD_EVERY_MS`] old.
+    pub fn due(&mut self, changed: bool, recipients: &[u32], now_ms: u64) -> Forward {
         let newcomer = recipients.iter().any(|q| !self.sent_to.contains(q));
-        let due = self
-            .sent_ms
-            .is_none_or(|at| now_ms.saturating_sub(at) >= FULL_LIST_EVERY_MS);
-        let full = changed || newcomer || due;
-        if full {
+        let older_than =
+            |at: Option<u64>, ms: u64| at.is_none_or(|at| now_ms.saturating_sub(at) >= ms);
+        if changed || newcomer || older_than(self.list_ms, FULL_LIST_EVERY_MS) {
             self.sent_to = recipients.to_vec();
-            self.sent_ms = Some(now_ms);
+            self.list_ms = Some(now_ms);
+            self.word_ms = Some(now_ms);
+            Forward::List
+        } else if older_than(self.word_ms, WORD_EVERY_MS) {
+            self.word_ms = Some(now_ms);
+            Forward::Alive
+        } else {
+            Forward::Nothing
         }
-        full
     }
 }
 
@@ -43,26 +62,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_whole_list_goes_when_it_changed_to_a_newcomer_or_once_a_second() {
-        // (list changed, recipients, now ms, whole list expected, why)
-        let steps: [(bool, &[u32], u64, bool, &str); 9] = [
-            (false, &[1, 2], 0, true, "the first forward"),
-            (false, &[1, 2], 100, false, "nothing new"),
-            (true, &[1, 2], 200, true, "the list changed"),
-            (false, &[2, 1], 300, false, "the same workers"),
-            (false, &[2], 400, false, "a worker left"),
-            (false, &[2, 3], 500, true, "a worker joined"),
-            (false, &[2, 3], 1_499, false, "under a second since"),
-            (false, &[2, 3], 1_500, true, "a second passed"),
-            (false, &[], 1_600, false, "no worker"),
+    fn the_list_goes_when_it_changed_to_a_newcomer_or_every_ten_seconds_the_word_once_a_second() {
+        use Forward::*;
+        // (list changed, recipients, now ms, what goes, why)
+        let steps: [(bool, &[u32], u64, Forward, &str); 13] = [
+            (false, &[1, 2], 0, List, "the first forward"),
+            (false, &[1, 2], 100, Nothing, "nothing new"),
+            (true, &[1, 2], 200, List, "the list changed"),
+            (false, &[2, 1], 300, Nothing, "the same workers"),
+            (false, &[2], 400, Nothing, "a worker left"),
+            (false, &[2, 3], 500, List, "a worker joined"),
+            (false, &[2, 3], 1_499, Nothing, "under a second since"),
+            (false, &[2, 3], 1_500, Alive, "a second passed"),
+            (
+                false,
+                &[2, 3],
+                2_400,
+                Nothing,
+                "under a second since the word",
+            ),
+            (
+                false,
+                &[],
+                2_500,
+                Alive,
+                "no worker: the word costs nothing",
+            ),
+            (
+                false,
+                &[2, 3],
+                10_499,
+                Alive,
+                "the word, under ten seconds since the list",
+            ),
+            (false, &[2, 3], 10_500, List, "ten seconds since the list"),
+            (false, &[2, 3], 11_000, Nothing, "the list was the word"),
         ];
         let mut forwarding = ListForwarding::default();
-        for (changed, recipients, now_ms, full, why) in steps {
-            assert_eq!(
-                forwarding.list_due(changed, recipients, now_ms),
-                full,
-                "{why}"
-            );
+        for (changed, recipients, now_ms, what, why) in steps {
+            assert_eq!(forwarding.due(changed, recipients, now_ms), what, "{why}");
         }
     }
 }

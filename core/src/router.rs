@@ -42,6 +42,10 @@ pub struct Cluster {
     pods_version: u64,
     /// True once the indexer feed has named the pods: it then owns the set.
     discovered: bool,
+    /// The index pod id of each entry of the feed's last pod list, in its
+    /// order (`None`: skipped): what a feed block operation's pod number
+    /// names, also when the update repeats no list.
+    feed_pod_ids: Vec<Option<PodId>>,
     /// Precise entries are trusted until this second (feed freshness).
     precise_until_s: u32,
     /// Capacity of discovered pods whose capacity the indexer does not know.
@@ -76,6 +80,7 @@ impl Cluster {
             next_local_id: 0,
             pods_version: 0,
             discovered: false,
+            feed_pod_ids: Vec::new(),
             precise_until_s: 0,
             default_capacity: 0,
             configured_speeds: HashMap::new(),

@@ -71,11 +71,17 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(batch) = decode_learned(data) {
         assert_eq!(encode_learned(&batch), data);
     }
+    // The singleton's path: what the client accepts goes to the index's
+    // writer, whose ops name pods of the list the client keeps.
     let mut client = FeedClient::new(100);
+    let mut writer = Cluster::default();
     for now_ms in [0, 100_000] {
         assert!(client.on_tick(now_ms).is_some());
-        let _ = client.on_response(now_ms, FeedResponse::Body(data));
-        let _ = client.follow_up(now_ms);
-        let _ = client.on_response(now_ms, FeedResponse::Body(data));
+        for _ in 0..2 {
+            if let Ok(received) = client.on_response(now_ms, FeedResponse::Body(data)) {
+                writer.apply_feed(&received.update, 10, 0);
+            }
+            let _ = client.follow_up(now_ms);
+        }
     }
 });

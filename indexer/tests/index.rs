@@ -123,10 +123,13 @@ impl Consumer {
         if u.snapshot {
             self.entries.clear();
         }
-        let live: Vec<&str> = u.pods.iter().map(|p| p.address.as_str()).collect();
+        // Ops name pods by their place in the client's list, which an
+        // update repeats only when it changed.
+        let pods = self.client.pods().to_vec();
+        let live: Vec<&str> = pods.iter().map(|p| p.address.as_str()).collect();
         self.entries.retain(|(a, _), _| live.contains(&a.as_str()));
         for op in &u.ops {
-            let addr = u.pods[op.pod() as usize].address.clone();
+            let addr = pods[op.pod() as usize].address.clone();
             match op {
                 BlockOp::Stored { tier, hashes, .. } => {
                     for h in hashes {
@@ -157,7 +160,7 @@ impl Consumer {
     }
 
     /// One poll; a snapshot is followed page by page to its end, and
-    /// returned as one update.
+    /// returned as one update, with the pod list the client then holds.
     fn poll(&mut self, ix: &mut Index) -> FeedUpdate {
         self.now_ms += 1000;
         let request = self.client.on_tick(self.now_ms).expect("a request is due");
@@ -166,10 +169,10 @@ impl Consumer {
             let request = self.client.follow_up(self.now_ms).expect("the next page");
             let page = self.exchange(ix, request);
             got.update.ops.extend(page.update.ops);
-            got.update.pods = page.update.pods;
             got.page = page.page;
             got.snapshot_complete = page.snapshot_complete;
         }
+        got.update.pods = self.client.pods().to_vec();
         got.update
     }
 
@@ -777,7 +780,8 @@ fn snapshots_come_in_bounded_pages_and_deltas_replay_over_them() {
         assert_eq!(request.page.map(|(n, _)| n as usize), Some(pages));
         got = c.exchange(&mut ix, request);
         assert!(!got.update.snapshot, "later pages extend the state");
-        assert_eq!(got.update.pods.len(), 3, "the client keeps the pod list");
+        assert!(got.update.pods_unchanged && got.update.pods.is_empty());
+        assert_eq!(c.client.pods().len(), 3, "the client keeps the pod list");
         pages += 1;
     }
     assert!(pages >= 4, "12 entries at 3 per page: {pages} pages");
@@ -1040,7 +1044,8 @@ fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
         (m.pods.is_none(), m.load.is_none(), bytes),
         (true, true, 41)
     );
-    assert_eq!(update.pods[0].address, POD);
+    assert!(update.pods_unchanged && update.pods.is_empty());
+    assert_eq!(c.client.pods()[0].address, POD);
     ix.set_load(
         POD,
         Load {

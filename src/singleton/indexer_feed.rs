@@ -10,6 +10,7 @@ use crate::peers::Audience;
 use kvroute_core::config::IndexerSettings;
 use kvroute_core::feed::{self, FeedUpdate};
 use kvroute_core::feed_client::{FeedRequest, FeedResponse, Received};
+use kvroute_core::feed_forward::Forward;
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 
@@ -104,7 +105,7 @@ impl Singleton {
     /// Counts an applied feed answer and passes its update on.
     fn received(&mut self, received: Received) {
         self.metrics.ok.inc();
-        self.metrics.pods.record(received.update.pods.len() as u64);
+        self.metrics.pods.record(self.feed.pods().len() as u64);
         if received.new_pod_list {
             self.note_refused_pods(&received.update);
         }
@@ -145,22 +146,24 @@ impl Singleton {
     }
 
     /// Every worker VM gets the pods and their load when it may lack them,
-    /// which also renews its trust in precise entries (see
-    /// `kvroute_core::feed_forward`); between those, no word.
+    /// and otherwise word once a second that the feed is alive, which renews
+    /// its trust in precise entries (see `kvroute_core::feed_forward`).
     fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
-        let due =
+        let what =
             self.list_forwarding
-                .list_due(!update.pods_unchanged, &recipients, host::now().millis);
-        if !due {
-            return;
-        }
+                .due(!update.pods_unchanged, &recipients, host::now().millis);
+        let pods = match what {
+            Forward::Nothing => return,
+            Forward::Alive => Vec::new(),
+            Forward::List => self.feed.pods().to_vec(),
+        };
         let pods_and_load = FeedUpdate {
             epoch: update.epoch,
             cursor: update.cursor,
             snapshot: update.snapshot,
-            pods: update.pods.clone(),
-            pods_unchanged: false,
+            pods,
+            pods_unchanged: what == Forward::Alive,
             ops: Vec::new(),
         };
         match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {

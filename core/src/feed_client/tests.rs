@@ -100,10 +100,12 @@ fn a_paged_snapshot_is_requested_page_by_page_then_deltas_follow() {
     );
     assert_eq!((next.epoch, next.cursor), (7, 50));
     assert_eq!(next.pods_version, pods_version(&list));
-    // Later pages carry no pod list: the client fills in the one it keeps.
+    // Later pages carry no pod list: their ops name pods of the kept one,
+    // which the update does not repeat.
     let second = answer(&mut c, 2, &page(7, 1, Some(12), None)).unwrap();
     assert!(!second.update.snapshot && !second.new_pod_list);
-    assert_eq!(second.update.pods, list);
+    assert!(second.update.pods_unchanged && second.update.pods.is_empty());
+    assert_eq!(c.pods(), list);
     assert_eq!(second.update.ops, vec![stored(1, &[2])]);
     c.follow_up(2).unwrap();
     let last = answer(&mut c, 3, &page(7, 2, None, None)).unwrap();
@@ -115,11 +117,12 @@ fn a_paged_snapshot_is_requested_page_by_page_then_deltas_follow() {
 }
 
 #[test]
-fn an_idle_poll_or_a_load_change_completes_the_kept_list() {
+fn an_idle_poll_repeats_no_list_and_a_load_change_completes_the_kept_one() {
     let mut c = synced();
     c.on_tick(100).unwrap();
     let got = answer(&mut c, 101, &delta(7, 60, false)).unwrap();
-    assert_eq!(got.update.pods, pods(2));
+    assert!(got.update.pods_unchanged && got.update.pods.is_empty());
+    assert_eq!(c.pods(), pods(2));
     assert_eq!(got.update.cursor, 60);
     let mut loaded = pods(2);
     loaded[1].waiting = 4;
@@ -129,7 +132,9 @@ fn an_idle_poll_or_a_load_change_completes_the_kept_list() {
     m.load = Some(loaded.iter().map(PodInfo::load).collect());
     c.on_tick(200).unwrap();
     let got = answer(&mut c, 201, &m).unwrap();
+    assert!(!got.update.pods_unchanged);
     assert_eq!(got.update.pods, loaded);
+    assert_eq!(c.pods(), loaded);
     assert!(!got.new_pod_list, "a load change is the kept list");
     assert_eq!(c.on_tick(300).unwrap().load_version, load_version(&loaded));
 }

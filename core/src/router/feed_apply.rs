@@ -58,6 +58,15 @@ impl Cluster {
             }),
         });
         self.set_pods(specs.collect());
+        // Only the index's writer applies block operations.
+        if self.index.is_none() {
+            return;
+        }
+        self.feed_pod_ids = update
+            .pods
+            .iter()
+            .map(|p| Some(self.pods[*self.by_address.get(&p.address)?].id))
+            .collect();
     }
 
     fn record_reported_load(&mut self, update: &FeedUpdate) {
@@ -89,8 +98,7 @@ impl Cluster {
             ops.extend(self.pods.iter().map(|pod| IndexOp::Cleared(pod.id)));
         }
         ops.extend(update.ops.iter().filter_map(|op| {
-            let info = update.pods.get(op.pod() as usize)?;
-            let id = self.pods[*self.by_address.get(&info.address)?].id;
+            let id = (*self.feed_pod_ids.get(op.pod() as usize)?)?;
             Some(match op {
                 BlockOp::Stored { tier, hashes, .. } => IndexOp::Stored(id, *tier, hashes),
                 BlockOp::Removed { hashes, .. } => IndexOp::Removed(id, hashes),

@@ -403,8 +403,11 @@ fn feed_owns_pods_and_precise_entries_route() {
         stale.matched_blocks, 0,
         "precise entries are ignored once the feed is stale"
     );
+    // A delta that repeats no list: its ops name pods of the last one.
     let removal = FeedUpdate {
         snapshot: false,
+        pods: Vec::new(),
+        pods_unchanged: true,
         ops: vec![BlockOp::Removed {
             pod: 1,
             hashes: hashed.hashes[4..8].iter().map(|h| h.index_key()).collect(),
