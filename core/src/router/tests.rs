@@ -421,6 +421,37 @@ fn feed_owns_pods_and_precise_entries_route() {
     );
 }
 
+/// A repeated list's load lands by the pods' places; a list whose order the
+/// pods cannot follow (a repeated address) by address. Refused addresses
+/// take no place.
+#[test]
+fn reported_load_lands_on_its_pod_in_order_or_not() {
+    let mut cluster = Cluster::load_only();
+    let pod = |address: &str, waiting| PodInfo {
+        waiting,
+        ..fed_pod(address, 100)
+    };
+    let waiting = |cluster: &Cluster| -> Vec<(String, u32)> {
+        let pods = cluster.pods.iter();
+        pods.map(|p| (p.spec.address.clone(), p.reported.waiting))
+            .collect()
+    };
+    let held = |list: &[(&str, u32)]| -> Vec<(String, u32)> {
+        list.iter().map(|(a, w)| (a.to_string(), *w)).collect()
+    };
+    cluster.apply_feed(&load_report(vec![pod("a:1", 0), pod("b:1", 0)]), 0, 5);
+    cluster.apply_feed(&load_report(vec![pod("a:1", 3), pod("b:1", 5)]), 1, 5);
+    assert_eq!(waiting(&cluster), held(&[("a:1", 3), ("b:1", 5)]));
+    let with_refused = vec![pod("a,b:1", 1), pod("a:1", 2), pod("b:1", 4)];
+    cluster.apply_feed(&load_report(with_refused), 2, 5);
+    assert_eq!(waiting(&cluster), held(&[("a:1", 2), ("b:1", 4)]));
+    let repeated = vec![pod("b:1", 6), pod("b:1", 6), pod("a:1", 7)];
+    cluster.apply_feed(&load_report(repeated), 3, 5);
+    assert_eq!(waiting(&cluster), held(&[("b:1", 6), ("a:1", 7)]));
+    cluster.apply_feed(&load_report(vec![pod("b:1", 8), pod("a:1", 9)]), 4, 5);
+    assert_eq!(waiting(&cluster), held(&[("b:1", 8), ("a:1", 9)]));
+}
+
 /// The feed repeats its pod list every second: the same list again keeps
 /// the pod table as it is (its version, so workers keep their positions),
 /// and a changed one replaces it.
