@@ -17,7 +17,7 @@
 // A benchmark, not shipped code: a failed setup should stop it loudly.
 #![allow(clippy::expect_used)]
 
-use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, FeedUpdate, PodInfo, Tier};
+use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
 use kvroute_core::feed_client::{FeedClient, FeedResponse};
 use kvroute_core::hash::{splitmix64, IndexKey};
 use kvroute_core::router::Cluster;
@@ -148,20 +148,8 @@ fn main() {
     );
 
     // A worker VM: the forwarded list, then the word alone.
-    let list = feed::encode(&FeedUpdate {
-        epoch: 7,
-        cursor: 50,
-        snapshot: false,
-        pods: pods.clone(),
-        pods_unchanged: false,
-        ops: Vec::new(),
-    });
-    let word = feed::encode(&FeedUpdate {
-        epoch: 7,
-        cursor: 50,
-        pods_unchanged: true,
-        ..FeedUpdate::default()
-    });
+    let list = feed::encode_pods(7, 50, false, Some(&pods));
+    let word = feed::encode_pods(7, 50, false, None);
     let mut worker = Cluster::load_only();
     let forwarded = |bytes: &[u8], worker: &mut Cluster| {
         let update = feed::decode(bytes).expect("forwarded");

@@ -78,7 +78,7 @@ mod encode;
 mod packed_keys;
 
 pub use decode::{decode, decode_learned, decode_message};
-pub use encode::{encode, encode_learned, encode_message, load_version, pods_version};
+pub use encode::{encode, encode_learned, encode_message, encode_pods, load_version, pods_version};
 
 /// Magic bytes of an encoded [`FeedMessage`].
 pub const FEED_MAGIC: [u8; 4] = *b"KVRF";

@@ -327,7 +327,7 @@ impl FeedClient {
             self.ask_now = next.is_some();
         }
         // An unchanged list is not repeated: copying 1,000 pods cost every
-        // poll about 115 µs natively, 280 µs in Envoy.
+        // poll 115–151 µs natively, about 280 µs in Envoy.
         let pods_unchanged = m.pods.is_none() && m.load.is_none();
         Ok(Received {
             update: FeedUpdate {

@@ -141,8 +141,9 @@ impl Cluster {
     /// that stays. Pods beyond what the index can tell apart
     /// ([`crate::index::MAX_PODS`]) are left out.
     pub fn set_pods(&mut self, specs: Vec<PodSpec>) {
-        // The same pods in the same order (the feed repeats its list every
-        // second): rebuilding the maps of 1,000 pods would change nothing.
+        // The same pods in the same order (a configuration applied again; a
+        // repeated feed list is caught before, see `adopt_pods`): rebuilding
+        // the maps of 1,000 pods would change nothing.
         if specs.len() == self.pods.len() && specs.iter().zip(&self.pods).all(|(s, p)| *s == p.spec)
         {
             return;

@@ -155,18 +155,11 @@ impl Singleton {
                 .due(!update.pods_unchanged, &recipients, host::now().millis);
         let pods = match what {
             Forward::Nothing => return,
-            Forward::Alive => Vec::new(),
-            Forward::List => self.feed.pods().to_vec(),
+            Forward::Alive => None,
+            Forward::List => Some(self.feed.pods()),
         };
-        let pods_and_load = FeedUpdate {
-            epoch: update.epoch,
-            cursor: update.cursor,
-            snapshot: update.snapshot,
-            pods,
-            pods_unchanged: what == Forward::Alive,
-            ops: Vec::new(),
-        };
-        match wire::encode_batch(&[PeerMessage::Feed(feed::encode(&pods_and_load))]) {
+        let forwarded = feed::encode_pods(update.epoch, update.cursor, update.snapshot, pods);
+        match wire::encode_batch(&[PeerMessage::Feed(forwarded)]) {
             Ok(message) => {
                 self.peers.broadcast(&message, Audience::All, false);
             }

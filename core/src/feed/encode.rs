@@ -83,10 +83,34 @@ pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
 /// Encodes a complete update (pod list included), as the VMs of one proxy
 /// pass it on.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
+    let pods = (!update.pods_unchanged).then_some(&update.pods[..]);
+    encode_update(
+        update.epoch,
+        update.cursor,
+        update.snapshot,
+        pods,
+        &update.ops,
+    )
+}
+
+/// Encodes what [`decode`](super::decode) reads as a [`FeedUpdate`] of
+/// `pods` (`None`: unchanged) and no block operations, from a borrowed list:
+/// the singleton forwards the list it keeps without copying it first.
+pub fn encode_pods(epoch: u64, cursor: u64, snapshot: bool, pods: Option<&[PodInfo]>) -> Vec<u8> {
+    encode_update(epoch, cursor, snapshot, pods, &[])
+}
+
+fn encode_update(
+    epoch: u64,
+    cursor: u64,
+    snapshot: bool,
+    pods: Option<&[PodInfo]>,
+    ops: &[BlockOp],
+) -> Vec<u8> {
     let head = FeedMessage {
-        epoch: update.epoch,
-        cursor: update.cursor,
-        kind: if update.snapshot {
+        epoch,
+        cursor,
+        kind: if snapshot {
             FeedKind::Page {
                 number: 0,
                 next: None,
@@ -96,12 +120,7 @@ pub fn encode(update: &FeedUpdate) -> Vec<u8> {
         },
         ..FeedMessage::default()
     };
-    let lists = if update.pods_unchanged {
-        Lists::None
-    } else {
-        Lists::Pods(&update.pods)
-    };
-    encode_parts(&head, lists, &update.ops)
+    encode_parts(&head, pods.map_or(Lists::None, Lists::Pods), ops)
 }
 
 enum Lists<'a> {

@@ -238,6 +238,28 @@ fn updates_roundtrip_as_index_keys() {
     assert_eq!(decode(&encode(&unchanged)), Ok(unchanged));
 }
 
+/// What the singleton forwards from the list it keeps decodes as the
+/// update of that list, or as word that it is unchanged.
+#[test]
+fn a_borrowed_list_encodes_as_its_update() {
+    let list = FeedUpdate {
+        epoch: 3,
+        cursor: 9,
+        pods: pods(),
+        ..FeedUpdate::default()
+    };
+    assert_eq!(
+        decode(&encode_pods(3, 9, false, Some(&pods()))),
+        Ok(list.clone())
+    );
+    let word = FeedUpdate {
+        pods: Vec::new(),
+        pods_unchanged: true,
+        ..list
+    };
+    assert_eq!(decode(&encode_pods(3, 9, false, None)), Ok(word));
+}
+
 /// An idle poll (nothing changed) is the fixed header and an empty run list.
 #[test]
 fn an_idle_poll_is_41_bytes() {
