@@ -1,32 +1,39 @@
-//! The singleton's half of the workers' load sharing: every
-//! [`LOAD_SHARE_MS`] while enough workers serve (`peer_load::is_summed`), it reads their load
-//! keys and writes their sum to one key, so that each deciding worker reads
-//! one key instead of one per peer (see `kvroute_core::peer_load`).
+//! The singleton's half of the workers' load sharing: while enough workers
+//! serve (`peer_load::is_summed`), it reads their load keys and writes their
+//! sum to one key, so that each deciding worker reads one key instead of one
+//! per peer (see `kvroute_core::peer_load`). When and how often:
+//! [`SumSchedule`].
 
-use crate::host;
-use kvroute_core::peer_load::{
-    self, LoadSnapshot, LoadSum, LOAD_SHARE_MS, SUM_KEY, SUM_REWRITE_MS,
-};
+use crate::host::{self, Metric};
+use kvroute_core::peer_load::{self, LoadSnapshot, LoadSum, SumSchedule, SUM_KEY};
 use proxy_wasm::types::LogLevel;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LoadSummer {
-    /// The sum last written, and when.
-    last: Option<LoadSum>,
-    written_ms: u64,
+    schedule: SumSchedule,
+    /// Counter `kvroute.peer.sums_written`.
+    written: Metric,
 }
 
 impl LoadSummer {
+    pub fn define() -> LoadSummer {
+        LoadSummer {
+            schedule: SumSchedule::default(),
+            written: Metric::counter("kvroute.peer.sums_written"),
+        }
+    }
+
     /// How often the singleton must tick for the sum: every share period
-    /// while enough workers serve (`serving` of them), else never.
-    pub fn period_ms(serving: usize) -> Option<u64> {
-        peer_load::is_summed(serving).then_some(LOAD_SHARE_MS)
+    /// while enough workers serve (`serving` of them) and there is load to
+    /// sum, else `None` (its duty ticks suffice).
+    pub fn period_ms(&self, serving: usize) -> Option<u64> {
+        self.schedule.period_ms(serving)
     }
 
     /// Sums the load of the workers whose keys are `keys`, when there are
-    /// enough; writes the sum when it changed, or to keep it fresh.
+    /// enough; writes the sum when the schedule says so.
     pub fn tick(&mut self, keys: &[String], now_ms: u64) {
-        if LoadSummer::period_ms(keys.len()).is_none() {
+        if !peer_load::is_summed(keys.len()) {
             return;
         }
         let snapshots: Vec<(&str, LoadSnapshot)> = keys
@@ -37,17 +44,13 @@ impl LoadSummer {
             })
             .collect();
         let sum = LoadSum::of(snapshots.iter().map(|(key, s)| (*key, s)), now_ms);
-        let unchanged = self
-            .last
-            .as_ref()
-            .is_some_and(|last| last.counted == sum.counted && last.pods == sum.pods);
-        if unchanged && now_ms.saturating_sub(self.written_ms) < SUM_REWRITE_MS {
+        if !self.schedule.due(&sum, now_ms) {
             return;
         }
         match sum.encode() {
             Ok(bytes) if host::shared_set(SUM_KEY, &bytes, 0) => {
-                self.written_ms = now_ms;
-                self.last = Some(sum);
+                self.schedule.written(sum, now_ms);
+                self.written.inc();
             }
             Ok(_) => host::log(
                 LogLevel::Warn,

@@ -123,7 +123,7 @@ impl Singleton {
             pending_hashes: 0,
             failing: false,
             learned_failing: false,
-            load_summer: LoadSummer::default(),
+            load_summer: LoadSummer::define(),
             duty_ms,
             ticker: Ticker::new(duty_ms),
         })
@@ -172,9 +172,10 @@ impl Singleton {
         self.send_learned_report(&indexer);
     }
 
-    /// The tick: the duty period, shorter while the workers' load is summed.
+    /// The tick: the duty period, shorter while the workers have load to sum.
     fn tick_period_ms(&self) -> u64 {
-        LoadSummer::period_ms(self.peers.serving_load_keys().len())
+        self.load_summer
+            .period_ms(self.peers.serving_load_keys().len())
             .map_or(self.duty_ms, |share| share.min(self.duty_ms))
     }
 

@@ -17,9 +17,11 @@
 //! W − 1 reads per deciding worker are still O(W²) per proxy. So while
 //! [`SUM_MIN_WORKERS`] or more workers serve, the singleton sums their fresh
 //! snapshots every [`LOAD_SHARE_MS`] into one key, [`SUM_KEY`] ([`LoadSum`]),
-//! naming when each counted snapshot was written; a worker reads that one
-//! key and takes its own counted snapshot out. Without a fresh sum (fewer
-//! workers, no singleton, or it stalled) a worker reads its peers' keys.
+//! naming when each counted snapshot was written ([`SumSchedule`]: less
+//! often when no worker has load); a worker reads that one key and takes
+//! its own counted snapshot out. Without a fresh sum (fewer workers, no
+//! singleton, it stalled, or the proxy was idle) a worker reads its peers'
+//! keys.
 //! Measured on 30 KiB requests: at `--concurrency` 8 the workers' reads fall
 //! from 6.9 to 4.0 µs of wasm time per request and the singleton's summing
 //! adds a few µs (0–17 µs less Envoy CPU per request in all); at 32 the sum
@@ -273,6 +275,53 @@ impl LoadSum {
     }
 }
 
+/// When the singleton writes its sum, and how often it sums.
+///
+/// A sum with load is rewritten unchanged every [`SUM_REWRITE_MS`] (its age
+/// tells the workers it still sums), and the singleton sums every
+/// [`LOAD_SHARE_MS`]. Once it has written a sum with no load on any pod (an
+/// idle proxy), it sums only at its duty ticks and does not rewrite that
+/// sum: it goes stale, and a worker that decides meanwhile reads its peers'
+/// keys. Summing 50 times a second woke an idle singleton for nothing, and
+/// took about 5 ms/s of its thread at `--concurrency` 8
+/// (docs/results/2026-12-06-idle-sum). The first load after a quiet spell
+/// reaches the sum within a duty tick; until the empty sum is stale, peers
+/// see the busy worker's load that much later.
+#[derive(Debug, Default)]
+pub struct SumSchedule {
+    /// The sum last written, and when.
+    last: Option<LoadSum>,
+    written_ms: u64,
+}
+
+impl SumSchedule {
+    /// How often the singleton sums the load of `serving` workers:
+    /// [`LOAD_SHARE_MS`] while enough serve and the last sum had load; else
+    /// `None` (at its duty ticks, or not at all).
+    pub fn period_ms(&self, serving: usize) -> Option<u64> {
+        let idle = self.last.as_ref().is_some_and(|sum| sum.pods.is_empty());
+        (is_summed(serving) && !idle).then_some(LOAD_SHARE_MS)
+    }
+
+    /// Whether `sum`, just summed, is to be written at `now_ms`: when it
+    /// differs from the last, or has load and the last is
+    /// [`SUM_REWRITE_MS`] old.
+    pub fn due(&self, sum: &LoadSum, now_ms: u64) -> bool {
+        let Some(last) = &self.last else {
+            return true;
+        };
+        let unchanged = last.counted == sum.counted && last.pods == sum.pods;
+        !unchanged
+            || (!sum.pods.is_empty() && now_ms.saturating_sub(self.written_ms) >= SUM_REWRITE_MS)
+    }
+
+    /// `sum` was written at `now_ms`.
+    pub fn written(&mut self, sum: LoadSum, now_ms: u64) {
+        self.written_ms = now_ms;
+        self.last = Some(sum);
+    }
+}
+
 /// The peers' load per pod: the sum of their fresh snapshots.
 pub fn sum_fresh<'a>(
     snapshots: impl IntoIterator<Item = &'a LoadSnapshot>,
@@ -383,6 +432,84 @@ mod tests {
         trailing.push(0);
         assert_eq!(LoadSum::decode(&trailing), Err(WireError::TrailingBytes));
         assert!(LoadSum::decode(&[0xff; 40]).is_err());
+    }
+
+    #[test]
+    fn an_idle_sum_is_summed_at_duty_ticks_and_left_to_go_stale() {
+        let busy = snapshot(1_000, &[("p:1", load(2, 10, 30))]);
+        let done = snapshot(1_300, &[]);
+        let again = snapshot(3_500, &[("p:2", load(1, 4, 4))]);
+        let mut schedule = SumSchedule::default();
+        assert_eq!(
+            schedule.period_ms(SUM_MIN_WORKERS - 1),
+            None,
+            "too few workers"
+        );
+        assert_eq!(schedule.period_ms(SUM_MIN_WORKERS), Some(LOAD_SHARE_MS));
+        // (snapshot, now ms, written, share period after, why)
+        let steps = [
+            (&busy, 1_010, true, true, "the first sum"),
+            (&busy, 1_030, false, true, "unchanged"),
+            (
+                &busy,
+                1_209,
+                false,
+                true,
+                "unchanged, under a rewrite period old",
+            ),
+            (
+                &busy,
+                1_210,
+                true,
+                true,
+                "unchanged with load: rewritten to stay fresh",
+            ),
+            (
+                &done,
+                1_310,
+                true,
+                false,
+                "the load ended: written, then duty ticks",
+            ),
+            (
+                &done,
+                1_410,
+                false,
+                false,
+                "unchanged and empty: not rewritten",
+            ),
+            (
+                &done,
+                2_290,
+                false,
+                false,
+                "still not rewritten: the workers read their peers",
+            ),
+            (
+                &done,
+                2_410,
+                true,
+                false,
+                "the empty snapshot went stale: counted changed",
+            ),
+            (&done, 3_410, false, false, "nothing changed"),
+            (
+                &again,
+                3_510,
+                true,
+                true,
+                "load again: written, share period",
+            ),
+        ];
+        for (snapshot, now_ms, written, sharing, why) in steps {
+            let sum = LoadSum::of([("w", snapshot)], now_ms);
+            assert_eq!(schedule.due(&sum, now_ms), written, "{why}");
+            if written {
+                schedule.written(sum, now_ms);
+            }
+            let period = schedule.period_ms(SUM_MIN_WORKERS);
+            assert_eq!(period == Some(LOAD_SHARE_MS), sharing, "{why}");
+        }
     }
 
     #[test]

@@ -74,7 +74,8 @@ def test_hot_pod_sheds_new_prefixes(gateway, sims):
 def test_four_workers_share_their_load_through_the_singletons_sum(sims):
     """From four serving workers the singleton sums their load into one key, which a deciding
     worker reads instead of its three peers' keys. What it finds there is right: every worker
-    counts the long stream another one routed, and a finished stream's load is released."""
+    counts the long stream another one routed, and a finished stream's load is released. Once
+    nothing is in flight, the singleton stops rewriting the sum."""
     with gateway(sims.addresses, {"max_body_bytes": 262144}, concurrency=4) as envoy:
         hot_system = unique_system(words=400)
         with long_stream(envoy, hot_system) as hot_pod:
@@ -87,6 +88,17 @@ def test_four_workers_share_their_load_through_the_singletons_sum(sims):
         assert_released(envoy, hot_system, "after the stream")
         sum_reads = envoy.settled_stats("wasmcustom.kvroute.peer").get("wasmcustom.kvroute.peer.sum_reads", 0)
         assert sum_reads > 0
+        # Idle, the singleton writes no sum: the last one said no load anywhere. Before, it
+        # rewrote that sum every 200 ms. Its counted snapshots go stale within 1 s of the last
+        # request (one write each), so the count starts after that.
+        def sums_written() -> int:
+            return envoy.stats("kvroute.peer.sums_written").get("wasmcustom.kvroute.peer.sums_written", 0)
+
+        time.sleep(1.5)
+        before = sums_written()
+        assert before > 0
+        time.sleep(2)
+        assert sums_written() - before <= 1
 
 
 @contextmanager
