@@ -289,6 +289,10 @@ pub struct FeedMetrics {
     pub pods_refused: Metric,
     pub learned_sent: Metric,
     pub learned_refused: Metric,
+    /// Pod lists forwarded to the workers (changed, to a new worker, every 10 s).
+    pub forwarded_lists: Metric,
+    /// Load changes forwarded to the workers without the list.
+    pub forwarded_loads: Metric,
 }
 
 impl FeedMetrics {
@@ -305,6 +309,8 @@ impl FeedMetrics {
             pods_refused: Metric::counter("kvroute.feed.pods_refused"),
             learned_sent: Metric::counter("kvroute.feed.learned_sent"),
             learned_refused: Metric::counter("kvroute.feed.learned_refused"),
+            forwarded_lists: Metric::counter("kvroute.feed.forwarded_lists"),
+            forwarded_loads: Metric::counter("kvroute.feed.forwarded_loads"),
         }
     }
 }

@@ -4,23 +4,29 @@
 //!   idle answer (41 bytes) taken by the feed client, and a delta of 64
 //!   block operations applied to the index (they name pods by their place in
 //!   the list the client keeps; the answer repeats no list);
+//!   The singleton also takes a change of every pod's load (the indexer
+//!   scrapes the pods once a second) and applies it to its pods;
 //! - each worker VM, per message the singleton forwards
-//!   (`kvroute_core::feed_forward`): the whole list with its load, and the
+//!   (`kvroute_core::feed_forward`): the whole list with its load (what a
+//!   load change cost before the load went alone), the load alone, and the
 //!   word that the feed is alive.
 //!
 //! Every figure is checked to be what it claims: the client keeps 1,000 pods
 //! and repeats none, the delta's blocks land on the pods it names, the
-//! worker holds 1,000 pods after each message.
+//! worker holds 1,000 pods after each message, and after the load changes
+//! the singleton and the worker both pick the one pod the last load left
+//! with an empty queue.
 //!
 //! Run: `cargo bench -p kvroute-core --bench feed_steady`
 
 // A benchmark, not shipped code: a failed setup should stop it loudly.
 #![allow(clippy::expect_used)]
 
-use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, PodInfo, Tier};
+use kvroute_core::config::Config;
+use kvroute_core::feed::{self, BlockOp, FeedKind, FeedMessage, Lists, PodInfo, PodLoad, Tier};
 use kvroute_core::feed_client::{FeedClient, FeedResponse};
-use kvroute_core::hash::{splitmix64, IndexKey};
-use kvroute_core::router::Cluster;
+use kvroute_core::hash::{splitmix64, Domain, IndexKey};
+use kvroute_core::router::{Cluster, HashedPrompt};
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::time::Instant;
@@ -40,6 +46,33 @@ fn fleet() -> Vec<PodInfo> {
             kv_usage: 0.5,
         })
         .collect()
+}
+
+/// Every pod's load, with an empty queue on pod `idle` only.
+fn loads(idle: usize) -> Vec<PodLoad> {
+    (0..PODS)
+        .map(|i| PodLoad {
+            waiting: if i == idle { 0 } else { 5 },
+            running: 3,
+            kv_usage: 0.5,
+        })
+        .collect()
+}
+
+/// The pod `cluster` picks for a prompt no pod holds, and the queue it saw there.
+fn least_loaded(cluster: &Cluster) -> (String, u32) {
+    // A queue weight, so that the empty queue decides.
+    let config =
+        Config::from_json(br#"{"endpoints":[{"address":"configured:1"}],"weights":{"queue":1}}"#)
+            .expect("the benchmark's config");
+    let prompt = HashedPrompt {
+        serving_model: "Qwen/Qwen3-32B".to_string(),
+        domain: Domain::Tokens,
+        blocks: 0,
+        hashes: Vec::new(),
+    };
+    let decision = cluster.decide(&config, &prompt, 2, 0).expect("a pod");
+    (decision.pod.clone(), decision.signals.waiting)
 }
 
 fn message(pods: &[PodInfo], kind: FeedKind, list: bool, ops: Vec<BlockOp>) -> Vec<u8> {
@@ -147,9 +180,38 @@ fn main() {
         "every delta's blocks landed"
     );
 
-    // A worker VM: the forwarded list, then the word alone.
-    let list = feed::encode_pods(7, 50, false, Some(&pods));
-    let word = feed::encode_pods(7, 50, false, None);
+    // A load change: every pod's load, one pod's queue emptied per call.
+    let version = feed::pods_version(&pods);
+    let load_calls = ROUNDS * 200;
+    let load_answers: Vec<Vec<u8>> = (0..load_calls)
+        .map(|n| {
+            feed::encode_message(&FeedMessage {
+                epoch: 7,
+                cursor: 50,
+                pods_version: version,
+                load_version: n as u64 + 1,
+                kind: delta,
+                load: Some(loads(n * 7 % PODS)),
+                ..FeedMessage::default()
+            })
+        })
+        .collect();
+    let load_us = per_call_us(200, |n| {
+        let got = client
+            .on_response(100, FeedResponse::Body(&load_answers[n]))
+            .expect("load answer");
+        assert!(got.update.pods.is_empty() && got.update.load.is_some());
+        writer.apply_feed(&got.update, 1, 5);
+    });
+    let last_idle = (load_calls - 1) * 7 % PODS;
+    assert_eq!(least_loaded(&writer), (pods[last_idle].address.clone(), 0));
+
+    // A worker VM: the forwarded list, the load alone, the word alone.
+    let list = feed::encode_forward(7, 50, false, version, Lists::Pods(&pods));
+    let forwarded_loads: Vec<Vec<u8>> = (0..load_calls)
+        .map(|n| feed::encode_forward(7, 50, false, version, Lists::Load(&loads(n * 7 % PODS))))
+        .collect();
+    let word = feed::encode_forward(7, 50, false, version, Lists::None);
     let mut worker = Cluster::load_only();
     let forwarded = |bytes: &[u8], worker: &mut Cluster| {
         let update = feed::decode(bytes).expect("forwarded");
@@ -158,6 +220,8 @@ fn main() {
     };
     forwarded(&list, &mut worker);
     let list_us = per_call_us(200, |_| forwarded(&list, &mut worker));
+    let worker_load_us = per_call_us(200, |n| forwarded(&forwarded_loads[n], &mut worker));
+    assert_eq!(least_loaded(&worker), (pods[last_idle].address.clone(), 0));
     let word_us = per_call_us(2_000, |_| forwarded(&word, &mut worker));
 
     println!(
@@ -174,8 +238,16 @@ fn main() {
         deltas[0].len()
     );
     println!(
+        "| singleton | every pod's load changed, taken by the feed client and applied | {} | {load_us:.1} |",
+        load_answers[0].len()
+    );
+    println!(
         "| worker | forwarded pod list with load, decoded and applied | {} | {list_us:.1} |",
         list.len()
+    );
+    println!(
+        "| worker | forwarded load alone, decoded and applied | {} | {worker_load_us:.1} |",
+        forwarded_loads[0].len()
     );
     println!(
         "| worker | forwarded word that the feed is alive | {} | {word_us:.2} |",

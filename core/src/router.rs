@@ -42,10 +42,14 @@ pub struct Cluster {
     pods_version: u64,
     /// True once the indexer feed has named the pods: it then owns the set.
     discovered: bool,
-    /// The index pod id of each entry of the feed's last pod list, in its
-    /// order (`None`: skipped): what a feed block operation's pod number
-    /// names, also when the update repeats no list.
-    feed_pod_ids: Vec<Option<PodId>>,
+    /// The position among the pods of each entry of the feed's last pod
+    /// list, in its order (`None`: skipped): what a feed block operation's
+    /// pod number and a load-only update's places name, also when the update
+    /// repeats no list. Positions hold until the next list: once the feed
+    /// owns the pod set, only a list changes it.
+    feed_places: Vec<Option<usize>>,
+    /// The indexer's digest of that list (0: not stated).
+    feed_list_version: u64,
     /// Precise entries are trusted until this second (feed freshness).
     precise_until_s: u32,
     /// Capacity of discovered pods whose capacity the indexer does not know.
@@ -80,7 +84,8 @@ impl Cluster {
             next_local_id: 0,
             pods_version: 0,
             discovered: false,
-            feed_pod_ids: Vec::new(),
+            feed_places: Vec::new(),
+            feed_list_version: 0,
             precise_until_s: 0,
             default_capacity: 0,
             configured_speeds: HashMap::new(),

@@ -1057,7 +1057,12 @@ fn idle_polls_carry_no_list_and_a_load_change_only_the_load() {
     let (m, _, update) = poll(&mut c, &mut ix);
     assert!(m.pods.is_none());
     assert_eq!(m.load.map(|l| l.len()), Some(1));
-    assert_eq!(update.pods[0].waiting, 3);
+    assert!(
+        update.pods_unchanged && update.pods.is_empty(),
+        "the load alone"
+    );
+    assert_eq!(update.load.map(|l| l[0].waiting), Some(3));
+    assert_eq!(c.client.pods()[0].waiting, 3);
     assert_eq!(poll(&mut c, &mut ix).1, 41, "the load is current again");
     ix.add_pod("10.0.0.9:8000", None, origin::STATIC, 0);
     let (m, _, update) = poll(&mut c, &mut ix);

@@ -8,9 +8,9 @@ use super::{first_failure_level, Singleton};
 use crate::host;
 use crate::peers::Audience;
 use kvroute_core::config::IndexerSettings;
-use kvroute_core::feed::{self, FeedUpdate};
+use kvroute_core::feed::{self, FeedUpdate, Lists};
 use kvroute_core::feed_client::{FeedRequest, FeedResponse, Received};
-use kvroute_core::feed_forward::Forward;
+use kvroute_core::feed_forward::{Forward, PodsChanged};
 use kvroute_core::wire::{self, PeerMessage};
 use proxy_wasm::types::LogLevel;
 
@@ -146,19 +146,38 @@ impl Singleton {
     }
 
     /// Every worker VM gets the pods and their load when it may lack them,
-    /// and otherwise word once a second that the feed is alive, which renews
-    /// its trust in precise entries (see `kvroute_core::feed_forward`).
+    /// their load alone when only that changed, and otherwise word once a
+    /// second that the feed is alive, which renews its trust in precise
+    /// entries (see `kvroute_core::feed_forward`).
     fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
-        let what =
-            self.list_forwarding
-                .due(!update.pods_unchanged, &recipients, host::now().millis);
-        let pods = match what {
-            Forward::Nothing => return,
-            Forward::Alive => None,
-            Forward::List => Some(self.feed.pods()),
+        let changed = match (update.pods_unchanged, &update.load) {
+            (false, _) => PodsChanged::List,
+            (true, Some(_)) => PodsChanged::Load,
+            (true, None) => PodsChanged::Nothing,
         };
-        let forwarded = feed::encode_pods(update.epoch, update.cursor, update.snapshot, pods);
+        let what = self
+            .list_forwarding
+            .due(changed, &recipients, host::now().millis);
+        let lists = match (what, &update.load) {
+            (Forward::Nothing, _) => return,
+            (Forward::List, _) => {
+                self.metrics.forwarded_lists.inc();
+                Lists::Pods(self.feed.pods())
+            }
+            (Forward::Load, Some(load)) => {
+                self.metrics.forwarded_loads.inc();
+                Lists::Load(load)
+            }
+            (Forward::Alive | Forward::Load, _) => Lists::None,
+        };
+        let forwarded = feed::encode_forward(
+            update.epoch,
+            update.cursor,
+            update.snapshot,
+            update.pods_version,
+            lists,
+        );
         match wire::encode_batch(&[PeerMessage::Feed(forwarded)]) {
             Ok(message) => {
                 self.peers.broadcast(&message, Audience::All, false);

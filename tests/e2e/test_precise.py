@@ -4,8 +4,11 @@ truly hold — including after eviction (BlockRemoved), after a flush (AllBlocks
 the /tokenize call-out, and across an indexer outage. Learned entries are shared only by
 holders of the indexer's token: a client without it cannot steer anyone's routing."""
 
+import re
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,62 @@ def test_routes_to_the_pod_that_truly_holds_the_prefix(stack):
         settle(envoy)
         d = decision(routed_completion(envoy, ids + [1, 2, 3]))
         assert (d["pod"], d["matched"], d["domain"]) == (sims.addresses[pod], 20, "tokens"), d["raw"]
+
+
+def test_a_load_change_reaches_the_workers_without_the_pod_list(stack):
+    """The indexer scrapes the pods every 200 ms here. When only their load changes, the singleton
+    forwards the load alone (`feed.forwarded_loads`) and every worker applies it by the pod's
+    place in the list it holds: two streams started on a pod directly, past Envoy, show in the
+    running term of the next decision for a prompt that pod holds, and leave it once they end.
+    (Workers that ignored the load alone would see it only with the list, every 10 s.)"""
+    sims, indexer, envoy = stack
+    pod = sims.addresses[1]
+    ids = tokens(43, 20)
+    direct_completion(sims, 1, ids)
+    wait_for("indexer sees the blocks", lambda: indexer.blocks(pod) >= 20)
+    settle(envoy)
+
+    def running_term() -> float:
+        d = decision(routed_completion(envoy, ids + [7]))
+        assert d["pod"] == pod and d["matched"] == 20, d["raw"]
+        m = re.search(r" running=([0-9.]+)", d["raw"])
+        return float(m.group(1)) if m else 0.0
+
+    def forwarded_loads() -> int:
+        name = "wasmcustom.kvroute.feed.forwarded_loads"
+        return envoy.stats(name).get(name, 0)
+
+    def reported_running() -> int:
+        return indexer.pods_debug()[pod]["running"]
+
+    stop = threading.Event()
+
+    def stream():
+        body = {"model": MODEL, "max_tokens": 3000, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "write"}]}
+        with requests.post(sims.urls[1] + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    before = forwarded_loads()
+    streams = [threading.Thread(target=stream) for _ in range(2)]
+    for t in streams:
+        t.start()
+    try:
+        wait_for("the indexer scrapes both streams", lambda: reported_running() == 2, timeout=5)
+        # A poll (100 ms) and the forward; no request is in flight on the pod when the load lands.
+        time.sleep(0.5)
+        # 0.07 (running_per_block) × 20 blocks × 2 running; a single request would be 1.4.
+        assert running_term() >= 2.5
+    finally:
+        stop.set()
+        for t in streams:
+            t.join(timeout=60)
+    wait_for("the indexer sees them end", lambda: reported_running() == 0, timeout=15)
+    time.sleep(0.5)
+    assert running_term() == 0.0
+    assert forwarded_loads() >= before + 2
 
 
 def test_eviction_and_flush_remove_entries(stack):

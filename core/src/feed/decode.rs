@@ -207,9 +207,9 @@ fn block_ops(r: &mut Reader<'_>, pods: Option<usize>) -> Result<Vec<BlockOp>, Fe
     Ok(ops)
 }
 
-/// Decodes a complete update (see [`encode`]); never panics. A message without
-/// a pod list is refused: only a [`crate::feed_client::FeedClient`], which
-/// keeps the last list, can complete it.
+/// Decodes an update as the VMs of one proxy pass it on (see
+/// [`encode`](super::encode)); never panics. Without a pod list it is
+/// `pods_unchanged`, with the load alone when only that changed.
 pub fn decode(bytes: &[u8]) -> Result<FeedUpdate, FeedError> {
     let m = decode_message(bytes)?;
     Ok(FeedUpdate {
@@ -218,6 +218,8 @@ pub fn decode(bytes: &[u8]) -> Result<FeedUpdate, FeedError> {
         snapshot: matches!(m.kind, FeedKind::Page { number: 0, .. }),
         pods_unchanged: m.pods.is_none(),
         pods: m.pods.unwrap_or_default(),
+        load: m.load,
+        pods_version: m.pods_version,
         ops: m.ops,
     })
 }

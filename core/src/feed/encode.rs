@@ -80,36 +80,50 @@ pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
     encode_parts(m, lists, &m.ops)
 }
 
-/// Encodes a complete update (pod list included), as the VMs of one proxy
-/// pass it on.
+/// Encodes a complete update, as the VMs of one proxy pass it on: the pod
+/// list when it changed, else the load when only that changed.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
-    let pods = (!update.pods_unchanged).then_some(&update.pods[..]);
-    encode_update(
+    let lists = match (&update.load, update.pods_unchanged) {
+        (_, false) => Lists::Pods(&update.pods),
+        (Some(load), true) => Lists::Load(load),
+        (None, true) => Lists::None,
+    };
+    encode_lists(
         update.epoch,
         update.cursor,
         update.snapshot,
-        pods,
+        update.pods_version,
+        lists,
         &update.ops,
     )
 }
 
 /// Encodes what [`decode`](super::decode) reads as a [`FeedUpdate`] of
-/// `pods` (`None`: unchanged) and no block operations, from a borrowed list:
-/// the singleton forwards the list it keeps without copying it first.
-pub fn encode_pods(epoch: u64, cursor: u64, snapshot: bool, pods: Option<&[PodInfo]>) -> Vec<u8> {
-    encode_update(epoch, cursor, snapshot, pods, &[])
-}
-
-fn encode_update(
+/// `lists` for the list of digest `pods_version`, and no block operations,
+/// from borrowed lists: the singleton forwards what it keeps without
+/// copying it first.
+pub fn encode_forward(
     epoch: u64,
     cursor: u64,
     snapshot: bool,
-    pods: Option<&[PodInfo]>,
+    pods_version: u64,
+    lists: Lists<'_>,
+) -> Vec<u8> {
+    encode_lists(epoch, cursor, snapshot, pods_version, lists, &[])
+}
+
+fn encode_lists(
+    epoch: u64,
+    cursor: u64,
+    snapshot: bool,
+    pods_version: u64,
+    lists: Lists<'_>,
     ops: &[BlockOp],
 ) -> Vec<u8> {
     let head = FeedMessage {
         epoch,
         cursor,
+        pods_version,
         kind: if snapshot {
             FeedKind::Page {
                 number: 0,
@@ -120,11 +134,15 @@ fn encode_update(
         },
         ..FeedMessage::default()
     };
-    encode_parts(&head, pods.map_or(Lists::None, Lists::Pods), ops)
+    encode_parts(&head, lists, ops)
 }
 
-enum Lists<'a> {
+/// What a feed message carries besides its block operations.
+#[derive(Debug, Clone, Copy)]
+pub enum Lists<'a> {
+    /// The pod list with its load.
     Pods(&'a [PodInfo]),
+    /// Only the pods' load, in the order of the list last sent.
     Load(&'a [PodLoad]),
     None,
 }

@@ -36,6 +36,8 @@ fn sample() -> FeedUpdate {
         snapshot: true,
         pods: pods(),
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![
             BlockOp::Stored {
                 pod: 0,
@@ -238,26 +240,40 @@ fn updates_roundtrip_as_index_keys() {
     assert_eq!(decode(&encode(&unchanged)), Ok(unchanged));
 }
 
-/// What the singleton forwards from the list it keeps decodes as the
-/// update of that list, or as word that it is unchanged.
+/// What the singleton forwards from the lists it keeps decodes as the
+/// update of that list, of that load alone, or as word that they are
+/// unchanged, each naming the list's digest.
 #[test]
-fn a_borrowed_list_encodes_as_its_update() {
+fn borrowed_lists_encode_as_their_update() {
     let list = FeedUpdate {
         epoch: 3,
         cursor: 9,
         pods: pods(),
+        pods_version: 77,
         ..FeedUpdate::default()
     };
     assert_eq!(
-        decode(&encode_pods(3, 9, false, Some(&pods()))),
+        decode(&encode_forward(3, 9, false, 77, Lists::Pods(&pods()))),
         Ok(list.clone())
     );
-    let word = FeedUpdate {
+    let load: Vec<PodLoad> = pods().iter().map(PodInfo::load).collect();
+    let load_only = FeedUpdate {
         pods: Vec::new(),
         pods_unchanged: true,
-        ..list
+        load: Some(load.clone()),
+        ..list.clone()
     };
-    assert_eq!(decode(&encode_pods(3, 9, false, None)), Ok(word));
+    let encoded = encode_forward(3, 9, false, 77, Lists::Load(&load));
+    assert_eq!(decode(&encoded), Ok(load_only.clone()));
+    assert_eq!(encode(&load_only), encoded);
+    let word = FeedUpdate {
+        load: None,
+        ..load_only
+    };
+    assert_eq!(
+        decode(&encode_forward(3, 9, false, 77, Lists::None)),
+        Ok(word)
+    );
 }
 
 /// An idle poll (nothing changed) is the fixed header and an empty run list.

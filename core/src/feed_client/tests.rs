@@ -117,7 +117,7 @@ fn a_paged_snapshot_is_requested_page_by_page_then_deltas_follow() {
 }
 
 #[test]
-fn an_idle_poll_repeats_no_list_and_a_load_change_completes_the_kept_one() {
+fn an_idle_poll_repeats_no_list_and_a_load_change_carries_the_load_alone() {
     let mut c = synced();
     c.on_tick(100).unwrap();
     let got = answer(&mut c, 101, &delta(7, 60, false)).unwrap();
@@ -132,8 +132,9 @@ fn an_idle_poll_repeats_no_list_and_a_load_change_completes_the_kept_one() {
     m.load = Some(loaded.iter().map(PodInfo::load).collect());
     c.on_tick(200).unwrap();
     let got = answer(&mut c, 201, &m).unwrap();
-    assert!(!got.update.pods_unchanged);
-    assert_eq!(got.update.pods, loaded);
+    assert!(got.update.pods_unchanged && got.update.pods.is_empty());
+    assert_eq!(got.update.load, m.load);
+    assert_eq!(got.update.pods_version, pods_version(&pods(2)));
     assert_eq!(c.pods(), loaded);
     assert!(!got.new_pod_list, "a load change is the kept list");
     assert_eq!(c.on_tick(300).unwrap().load_version, load_version(&loaded));

@@ -3,7 +3,7 @@
 
 use super::Cluster;
 use super::{PodSpec, ReportedLoad};
-use crate::feed::{BlockOp, FeedUpdate, PodInfo};
+use crate::feed::{BlockOp, FeedUpdate, PodInfo, PodLoad};
 use crate::index::IndexOp;
 
 impl Cluster {
@@ -14,8 +14,19 @@ impl Cluster {
     /// one pass would save no bucket round trip (core/benches/snapshot_load.rs).
     pub fn apply_feed(&mut self, update: &FeedUpdate, now_s: u32, trust_for_s: u32) {
         if !update.pods_unchanged {
-            let in_order = (!update.pods.is_empty() || self.discovered) && self.adopt_pods(update);
-            self.record_reported_load(update, in_order);
+            if !update.pods.is_empty() || self.discovered {
+                self.adopt_pods(update);
+            }
+            self.record_reported_load(update.pods.iter().map(PodInfo::load));
+        } else if let Some(load) = &update.load {
+            // Load for another list (one this VM missed) waits for the next
+            // list, at most `feed_forward::FULL_LIST_EVERY_MS` away.
+            if update.pods_version != 0
+                && update.pods_version == self.feed_list_version
+                && load.len() == self.feed_places.len()
+            {
+                self.record_reported_load(load.iter().copied());
+            }
         }
         if let Some(mut index) = self.index.take() {
             let mut ops: Vec<IndexOp> = Vec::new();
@@ -32,16 +43,13 @@ impl Cluster {
     }
 
     /// Takes the update's pods as the pod set, but for any whose address no
-    /// destination header may carry: a block operation of such a pod then
-    /// finds no pod and is dropped. True when the pods are then the
-    /// update's usable ones in their order (none was left out for a
-    /// repeated address or beyond [`crate::index::MAX_PODS`]).
-    fn adopt_pods(&mut self, update: &FeedUpdate) -> bool {
+    /// destination header may carry: a block operation or a load of such a
+    /// pod then finds no pod and is dropped.
+    fn adopt_pods(&mut self, update: &FeedUpdate) {
         self.discovered = true;
-        // The list again (the singleton sends it with every load change): it
-        // is compared where it lies, not copied into specs first.
-        let held = self.holds(&update.pods);
-        if !held {
+        // The list again (the singleton sends it every 10 s): it is compared
+        // where it lies, not copied into specs first.
+        if !self.holds(&update.pods) {
             let specs = usable(&update.pods).map(|p| PodSpec {
                 address: p.address.clone(),
                 models: p.models.clone(),
@@ -50,15 +58,32 @@ impl Cluster {
             });
             self.set_pods(specs.collect());
         }
-        // Only the index's writer applies block operations.
-        if self.index.is_some() {
-            self.feed_pod_ids = update
-                .pods
-                .iter()
-                .map(|p| Some(self.pods[*self.by_address.get(&p.address)?].id))
-                .collect();
+        self.feed_places = self.places_of(&update.pods);
+        self.feed_list_version = update.pods_version;
+    }
+
+    /// The position among the pods of each of `pods`: counted along the
+    /// usable ones when the pods are exactly those in their order (always,
+    /// but for a repeated address or a list beyond [`crate::index::MAX_PODS`]),
+    /// else looked up by address.
+    fn places_of(&self, pods: &[PodInfo]) -> Vec<Option<usize>> {
+        let mut usable_count = 0;
+        let counted: Vec<Option<usize>> = pods
+            .iter()
+            .map(|p| {
+                p.has_pod_address().then(|| {
+                    usable_count += 1;
+                    usable_count - 1
+                })
+            })
+            .collect();
+        if usable_count == self.pods.len() {
+            return counted;
         }
-        held || self.pods.len() == usable(&update.pods).count()
+        pods.iter()
+            .zip(counted)
+            .map(|(p, usable)| usable.and_then(|_| self.by_address.get(&p.address).copied()))
+            .collect()
     }
 
     /// Whether the pods are those of `pods`, in its order.
@@ -93,22 +118,16 @@ impl Cluster {
         }
     }
 
-    /// The reported load of every pod of the update; `in_order`: a pod's
-    /// place among the update's usable pods is its place in the cluster.
-    fn record_reported_load(&mut self, update: &FeedUpdate, in_order: bool) {
-        for (place, info) in usable(&update.pods).enumerate() {
-            let i = if in_order {
-                place
-            } else {
-                match self.by_address.get(&info.address) {
-                    Some(&i) => i,
-                    None => continue,
-                }
+    /// The load each place of the feed's last list reports.
+    fn record_reported_load(&mut self, loads: impl Iterator<Item = PodLoad>) {
+        for (place, load) in loads.enumerate() {
+            let Some(&Some(i)) = self.feed_places.get(place) else {
+                continue;
             };
             let reported = ReportedLoad {
-                waiting: info.waiting,
-                running: info.running,
-                kv_usage: info.kv_usage,
+                waiting: load.waiting,
+                running: load.running,
+                kv_usage: load.kv_usage,
             };
             // An unchanged load is the same report (or one that moved
             // nothing): what this proxy did since still counts.
@@ -130,7 +149,8 @@ impl Cluster {
             ops.extend(self.pods.iter().map(|pod| IndexOp::Cleared(pod.id)));
         }
         ops.extend(update.ops.iter().filter_map(|op| {
-            let id = (*self.feed_pod_ids.get(op.pod() as usize)?)?;
+            let place = (*self.feed_places.get(op.pod() as usize)?)?;
+            let id = self.pods.get(place)?.id;
             Some(match op {
                 BlockOp::Stored { tier, hashes, .. } => IndexOp::Stored(id, *tier, hashes),
                 BlockOp::Removed { hashes, .. } => IndexOp::Removed(id, hashes),

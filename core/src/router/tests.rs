@@ -1,6 +1,6 @@
 use super::*;
 use crate::budget::client_key;
-use crate::feed::{BlockOp, FeedUpdate, PodInfo, Tier};
+use crate::feed::{self, BlockOp, FeedUpdate, PodInfo, Tier};
 use crate::hash::{
     keyed_token_block_hashes, root_hash, salt_digest, token_block_hashes, BlockHash, Domain,
     IndexKey,
@@ -45,6 +45,8 @@ fn load_report(pods: Vec<PodInfo>) -> FeedUpdate {
         snapshot: false,
         pods,
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![],
     }
 }
@@ -368,6 +370,8 @@ fn feed_owns_pods_and_precise_entries_route() {
         snapshot: true,
         pods: vec![pod("x:1"), pod("y:1")],
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![BlockOp::Stored {
             pod: 1,
             tier: Tier::Gpu,
@@ -450,6 +454,42 @@ fn reported_load_lands_on_its_pod_in_order_or_not() {
     assert_eq!(waiting(&cluster), held(&[("b:1", 6), ("a:1", 7)]));
     cluster.apply_feed(&load_report(vec![pod("b:1", 8), pod("a:1", 9)]), 4, 5);
     assert_eq!(waiting(&cluster), held(&[("b:1", 8), ("a:1", 9)]));
+    // The load alone lands by place on the list of its digest, the refused
+    // pod's place included; load for another list is left for the next list.
+    let listed = FeedUpdate {
+        pods_version: 41,
+        ..load_report(vec![pod("a,b:1", 0), pod("b:1", 8), pod("a:1", 9)])
+    };
+    cluster.apply_feed(&listed, 5, 5);
+    let load_alone = |version: u64, waiting: &[u32]| FeedUpdate {
+        pods: Vec::new(),
+        pods_unchanged: true,
+        load: Some(
+            waiting
+                .iter()
+                .map(|&w| feed::PodLoad {
+                    waiting: w,
+                    ..feed::PodLoad::default()
+                })
+                .collect(),
+        ),
+        pods_version: version,
+        ..listed.clone()
+    };
+    cluster.apply_feed(&load_alone(41, &[1, 10, 11]), 6, 5);
+    assert_eq!(waiting(&cluster), held(&[("b:1", 10), ("a:1", 11)]));
+    cluster.apply_feed(&load_alone(42, &[1, 12, 13]), 7, 5);
+    cluster.apply_feed(&load_alone(41, &[12, 13]), 7, 5);
+    cluster.apply_feed(&load_alone(0, &[1, 12, 13]), 7, 5);
+    assert_eq!(waiting(&cluster), held(&[("b:1", 10), ("a:1", 11)]));
+    // Out of order (a repeated address): by address, as the list was.
+    let repeated = FeedUpdate {
+        pods_version: 43,
+        ..load_report(vec![pod("a:1", 0), pod("a:1", 0), pod("b:1", 0)])
+    };
+    cluster.apply_feed(&repeated, 8, 5);
+    cluster.apply_feed(&load_alone(43, &[14, 15, 16]), 9, 5);
+    assert_eq!(waiting(&cluster), held(&[("a:1", 15), ("b:1", 16)]));
 }
 
 /// The feed repeats its pod list every second: the same list again keeps
@@ -509,6 +549,8 @@ fn a_snapshot_paged_by_key_range_applies_as_the_unpaged_one() {
         snapshot,
         pods: pods.clone(),
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops,
     };
     let stored = |(pod, tier, keys): &(u32, Tier, Vec<IndexKey>), range: &std::ops::Range<u64>| {
@@ -573,6 +615,8 @@ fn discovered_pods_of_unknown_capacity_get_the_configured_default() {
         snapshot: true,
         pods: vec![fed_pod("x:1", 0)],
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![BlockOp::Stored {
             pod: 0,
             tier: Tier::Gpu,
@@ -825,6 +869,8 @@ fn speeds_survive_discovery_and_decode_pressure_is_released_at_the_end() {
             },
         ],
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![],
     };
     cluster.apply_feed(&update, 10, 5);
@@ -898,6 +944,8 @@ fn feed_pods_no_header_can_name_are_skipped() {
             fed_pod("z:1\r\nx-evil: 1", 100),
         ],
         pods_unchanged: false,
+        load: None,
+        pods_version: 0,
         ops: vec![
             BlockOp::Stored {
                 pod: 1,
