@@ -7,7 +7,9 @@ The fleet is synthetic: N stub pods, one small asyncio process (`stub-pods`, sta
 stopped by its PID) listening on N ports of 127.0.0.1, answering every request with a tiny 200
 chat completion (routed requests really complete: kvroute keeps what it learned only for pods
 that answered) and `POST /tokenize` with token ids. Every pod states `capacity_blocks` 19,208
-(one Qwen3-32B pod).
+(one Qwen3-32B pod). With `--scrape-interval-ms`, kvroute-indexer also scrapes the pods'
+`GET /metrics`, whose load moves at every scrape once the Envoy readings start (a busy fleet's
+load changes; without the flag nothing scrapes and the load never changes).
 
 Approximate mode (plugin-config endpoints), per N and `--concurrency` 2 and 8:
   Envoy RSS once started (the filter's tables are sized from capacity at configure time) and
@@ -224,12 +226,15 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
         result["settle_s"] = args.settle_seconds
         result["rss_end_mb"] = round(rss_bytes(envoy.pid) / 2**20, 1)
         result["memory_end"] = allocator_memory(envoy)
+        feed = envoy.stats("kvroute.feed")
+        result["feed_end"] = {k.rsplit(".", 1)[-1]: v for k, v in feed.items()}
     return result
 
 
 def precise(fleet: StubFleet, args) -> dict[str, Any]:
     pods = fleet.addresses
-    flags = [f"--max-pods={max(1024, len(pods))}", "--pod-timeout-seconds=0", "--scrape-interval-ms=0",
+    flags = [f"--max-pods={max(1024, len(pods))}", "--pod-timeout-seconds=0",
+             f"--scrape-interval-ms={args.scrape_interval_ms}",
              "--queue-capacity=1000000"]
     result: dict[str, Any] = {}
     with IndexerProcess(pods, *flags) as indexer:
@@ -242,6 +247,9 @@ def precise(fleet: StubFleet, args) -> dict[str, Any]:
             result["feed"] = feed_bytes(indexer, source, len(pods), rate, args.churn_seconds)
             log(f"precise N={len(pods)}: feed {result['feed']}")
             result["fill_after_churn"] = sum(p.get("blocks", 0) for p in indexer.pods_debug().values())
+            if args.scrape_interval_ms:
+                # after the feed's byte figures, which count block events only
+                fleet.start_moving()
             for c in ([] if args.no_envoy else args.concurrency):
                 log(f"precise N={len(pods)} c{c}: Envoy")
                 result[f"c{c}"] = precise_envoy(fleet, indexer, c, result["fill"]["sequences_per_pod"], args)
@@ -281,6 +289,9 @@ def main() -> None:
                     help="precise mode: fill the indexer and measure the feed only, start no Envoy")
     ap.add_argument("--settle-seconds", type=float, default=0,
                     help="precise mode: idle this long after the CPU readings before the last RSS reading")
+    ap.add_argument("--scrape-interval-ms", type=int, default=0,
+                    help="precise mode: the indexer scrapes the stub pods' /metrics this often; from the "
+                         "Envoy readings on, each scrape changes every pod's load (default 0: no scrape)")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
     ap.add_argument("--token-memo-bytes", type=int, default=PLUGIN_MEMO_BYTES,

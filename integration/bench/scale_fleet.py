@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -61,9 +62,25 @@ def _tokenized(body: bytes) -> bytes:
     return b'{"count":%d,"max_model_len":40960,"tokens":[%s]}' % (len(tokens), ",".join(map(str, tokens)).encode())
 
 
+_SCRAPES: dict[int, itertools.count] = {}
+# Exists once StubFleet.start_moving() was called: the stub pods' load then moves.
+_MOVING: list[Path] = []
+
+
+def _metrics(port: int) -> bytes:
+    """A vLLM-shaped `/metrics` (scale.py's --scrape-interval-ms) of the pod on `port`. Once the
+    fleet's load moves, its requests running cycle through 0-7 by its own scrape count, so each
+    scrape changes its load and the feed carries a load change; before, they stay 0. The capacity
+    is the fleet's, so the pod list itself stays the same."""
+    scrapes = _SCRAPES.setdefault(port, itertools.count())
+    running = next(scrapes) % 8 if _MOVING and _MOVING[0].exists() else 0
+    return (b'vllm:num_requests_running %d\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.5\n'
+            b'vllm:cache_config_info{num_gpu_blocks="%d"} 1\n' % (running, CAPACITY_BLOCKS))
+
+
 async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTP/1.1 keep-alive: `POST /tokenize` gets token ids, any other request the completion
-    (bodies read by content-length)."""
+    """HTTP/1.1 keep-alive: `POST /tokenize` gets token ids, `GET /metrics` a moving load, any
+    other request the completion (bodies read by content-length)."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -73,7 +90,13 @@ async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 if name.strip().lower() == b"content-length":
                     length = int(value)
             body = await reader.readexactly(length) if length else b""
-            answer = _tokenized(body) if head.split(b" ", 2)[1] == b"/tokenize" else _COMPLETION
+            path = head.split(b" ", 2)[1]
+            if path == b"/tokenize":
+                answer = _tokenized(body)
+            elif path == b"/metrics":
+                answer = _metrics(writer.get_extra_info("sockname")[1])
+            else:
+                answer = _COMPLETION
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                          % (len(answer), answer))
             await writer.drain()
@@ -84,6 +107,7 @@ async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def _stub_pods(count: int, ports_file: Path) -> None:
+    _MOVING.append(ports_file.with_name("moving"))
     servers = [await asyncio.start_server(_serve_http, "127.0.0.1", 0, limit=1 << 20) for _ in range(count)]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     tmp = ports_file.with_suffix(".tmp")
@@ -111,9 +135,14 @@ class StubFleet:
         self.addresses = [f"127.0.0.1:{p}" for p in json.loads(self.ports_file.read_text())]
         return self
 
+    def start_moving(self) -> None:
+        """From now on every scrape of a pod's /metrics reports a load other than the last."""
+        self.ports_file.with_name("moving").touch()
+
     def __exit__(self, *exc) -> None:
         stop_pid(self.proc)
         self.ports_file.unlink(missing_ok=True)
+        self.ports_file.with_name("moving").unlink(missing_ok=True)
         os.rmdir(self._dir)
 
 

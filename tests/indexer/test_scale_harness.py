@@ -1,6 +1,7 @@
 """Self-check of `make bench-scale`'s own logic (integration/bench/: scale_fleet, envoy_meter,
 feed_readings, scale_report), in seconds: the synthetic sequences the indexer is filled with, the
-decision-header parser, the histogram arithmetic, one stub-pod fleet answering over real sockets,
+decision-header parser, the histogram arithmetic, one stub-pod fleet answering over real sockets
+(its load still, then moving),
 and the CPU readings' wrk load. The benchmark itself is not run here (it takes minutes)."""
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def test_stub_fleet_answers_every_pod_with_keep_alive():
             finally:
                 client.close()
     assert fleet.proc.poll() is not None
+
+
+def test_stub_pods_load_stays_still_until_the_fleet_moves_it():
+    """`scale.py --scrape-interval-ms`: the indexer scrapes the stub pods. Their load must not move
+    while the feed's byte figures are read, and must move at every scrape afterwards."""
+    import urllib.request
+
+    def running(address: str) -> int:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert 'vllm:cache_config_info{num_gpu_blocks="%d"} 1' % scale_fleet.CAPACITY_BLOCKS in text
+        return int(next(line for line in text.splitlines()
+                        if line.startswith("vllm:num_requests_running")).split()[1])
+
+    with scale_fleet.StubFleet(8) as fleet:
+        assert {running(a) for a in fleet.addresses * 2} == {0}
+        fleet.start_moving()
+        # Scraped in turn, as the indexer scrapes a fleet: each pod's next load differs from its last.
+        rounds = [[running(a) for a in fleet.addresses] for _ in range(3)]
+        for before, after in zip(rounds, rounds[1:]):
+            assert all(a != b for a, b in zip(before, after)), rounds
 
 
 class _Unavailable(http.server.BaseHTTPRequestHandler):
