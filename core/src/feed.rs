@@ -144,6 +144,18 @@ pub struct FeedUpdate {
     pub ops: Vec<BlockOp>,
 }
 
+impl FeedUpdate {
+    /// What the update carries of the pods: the list when it changed, else
+    /// the load alone when only that changed.
+    pub fn lists(&self) -> Lists<'_> {
+        match (&self.load, self.pods_unchanged) {
+            (_, false) => Lists::Pods(&self.pods),
+            (Some(load), true) => Lists::Load(load),
+            (None, true) => Lists::None,
+        }
+    }
+}
+
 /// A pod as the indexer knows it, with its reported load.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodInfo {

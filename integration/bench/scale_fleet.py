@@ -63,8 +63,13 @@ def _tokenized(body: bytes) -> bytes:
 
 
 _SCRAPES: dict[int, itertools.count] = {}
-# Exists once StubFleet.start_moving() was called: the stub pods' load then moves.
-_MOVING: list[Path] = []
+# The stub-pods process's flag file (_moving_flag): once it exists, their load moves.
+_moving: Path | None = None
+
+
+def _moving_flag(ports_file: Path) -> Path:
+    """The file StubFleet.start_moving() creates beside the fleet's ports file."""
+    return ports_file.with_name("moving")
 
 
 def _metrics(port: int) -> bytes:
@@ -73,7 +78,7 @@ def _metrics(port: int) -> bytes:
     scrape changes its load and the feed carries a load change; before, they stay 0. The capacity
     is the fleet's, so the pod list itself stays the same."""
     scrapes = _SCRAPES.setdefault(port, itertools.count())
-    running = next(scrapes) % 8 if _MOVING and _MOVING[0].exists() else 0
+    running = next(scrapes) % 8 if _moving is not None and _moving.exists() else 0
     return (b'vllm:num_requests_running %d\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.5\n'
             b'vllm:cache_config_info{num_gpu_blocks="%d"} 1\n' % (running, CAPACITY_BLOCKS))
 
@@ -107,7 +112,8 @@ async def _serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def _stub_pods(count: int, ports_file: Path) -> None:
-    _MOVING.append(ports_file.with_name("moving"))
+    global _moving
+    _moving = _moving_flag(ports_file)
     servers = [await asyncio.start_server(_serve_http, "127.0.0.1", 0, limit=1 << 20) for _ in range(count)]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     tmp = ports_file.with_suffix(".tmp")
@@ -137,12 +143,12 @@ class StubFleet:
 
     def start_moving(self) -> None:
         """From now on every scrape of a pod's /metrics reports a load other than the last."""
-        self.ports_file.with_name("moving").touch()
+        _moving_flag(self.ports_file).touch()
 
     def __exit__(self, *exc) -> None:
         stop_pid(self.proc)
         self.ports_file.unlink(missing_ok=True)
-        self.ports_file.with_name("moving").unlink(missing_ok=True)
+        _moving_flag(self.ports_file).unlink(missing_ok=True)
         os.rmdir(self._dir)
 
 

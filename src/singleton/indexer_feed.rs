@@ -151,21 +151,22 @@ impl Singleton {
     /// entries (see `kvroute_core::feed_forward`).
     fn forward(&mut self, update: &FeedUpdate) {
         let recipients = self.peers.recipients(Audience::All);
-        let changed = match (update.pods_unchanged, &update.load) {
-            (false, _) => PodsChanged::List,
-            (true, Some(_)) => PodsChanged::Load,
-            (true, None) => PodsChanged::Nothing,
+        let carried = update.lists();
+        let changed = match carried {
+            Lists::Pods(_) => PodsChanged::List,
+            Lists::Load(_) => PodsChanged::Load,
+            Lists::None => PodsChanged::Nothing,
         };
         let what = self
             .list_forwarding
             .due(changed, &recipients, host::now().millis);
-        let lists = match (what, &update.load) {
+        let lists = match (what, carried) {
             (Forward::Nothing, _) => return,
             (Forward::List, _) => {
                 self.metrics.forwarded_lists.inc();
                 Lists::Pods(self.feed.pods())
             }
-            (Forward::Load, Some(load)) => {
+            (Forward::Load, Lists::Load(load)) => {
                 self.metrics.forwarded_loads.inc();
                 Lists::Load(load)
             }

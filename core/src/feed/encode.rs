@@ -83,17 +83,12 @@ pub fn encode_message(m: &FeedMessage) -> Vec<u8> {
 /// Encodes a complete update, as the VMs of one proxy pass it on: the pod
 /// list when it changed, else the load when only that changed.
 pub fn encode(update: &FeedUpdate) -> Vec<u8> {
-    let lists = match (&update.load, update.pods_unchanged) {
-        (_, false) => Lists::Pods(&update.pods),
-        (Some(load), true) => Lists::Load(load),
-        (None, true) => Lists::None,
-    };
     encode_lists(
         update.epoch,
         update.cursor,
         update.snapshot,
         update.pods_version,
-        lists,
+        update.lists(),
         &update.ops,
     )
 }
