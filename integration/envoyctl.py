@@ -113,7 +113,8 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     cluster, and the tokenizer cluster gets the same pods. A list of replicas fills it with
     INDEXER_REPLICAS: one priority per replica in the order given, health-checked.
     Both templates run the singleton, the index's one writer: it gets the plugin's `index`
-    settings (and kvroute=False drops it with the filter).
+    settings, and in precise mode its `indexer` settings (e.g. poll_ms) over its own (kvroute=False
+    drops it with the filter).
     """
     cfg = yaml.safe_load(template.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port or free_port()
@@ -124,11 +125,14 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
     for extension in cfg.get("bootstrap_extensions", []):
         singleton = extension["typed_config"]["config"]
         singleton["vm_config"]["code"]["local"]["filename"] = str(wasm)
-        # The singleton holds the index: it takes the filter's index settings.
+        # The singleton holds the index and polls the feed: it takes the filter's index
+        # settings, and its indexer settings over the cluster it already names.
+        value = json.loads(singleton["configuration"]["value"])
         if plugin and "index" in plugin:
-            value = json.loads(singleton["configuration"]["value"])
             value["index"] = _merge(value.get("index", {}), plugin["index"])
-            singleton["configuration"]["value"] = json.dumps(value)
+        if plugin and "indexer" in plugin and "indexer" in value:
+            value["indexer"] = _merge(value["indexer"], plugin["indexer"])
+        singleton["configuration"]["value"] = json.dumps(value)
     for other in cfg["static_resources"]["clusters"][1:]:
         if other["name"] == "kvroute_indexer" and isinstance(indexer, str):
             other["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": _socket(indexer)}]}]

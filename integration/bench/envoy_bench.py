@@ -112,12 +112,4 @@ def kvroute(endpoints: List[str], plugin: Dict[str, Any], indexer_address: Optio
         text = ctl.render_gateway(endpoints, plugin, template=ctl.GATEWAY_PRECISE, indexer=indexer_address, wasm=module)
     else:
         text = ctl.render_gateway(endpoints, plugin, wasm=module)
-    cfg = overlay(yaml.safe_load(text), access_log)
-    if "indexer" in plugin:
-        for extension in cfg.get("bootstrap_extensions", []):
-            conf = extension["typed_config"]["config"]["configuration"]
-            singleton = json.loads(conf["value"])
-            if "indexer" in singleton:
-                singleton["indexer"].update(plugin["indexer"])
-                conf["value"] = json.dumps(singleton)
-    return yaml.safe_dump(cfg, sort_keys=False)
+    return yaml.safe_dump(overlay(yaml.safe_load(text), access_log), sort_keys=False)

@@ -146,6 +146,10 @@ def precise_envoy(fleet: StubFleet, indexer: IndexerProcess, concurrency: int, s
     # busy 2-core machine, and a timed-out call-out would measure the byte fallback instead.
     plugin = {"default_capacity_blocks": CAPACITY_BLOCKS,
               "tokenizer": {"timeout_ms": 1000, "memo_bytes": args.token_memo_bytes}}
+    if args.feed_poll_ms is not None:
+        plugin["indexer"] = {"poll_ms": args.feed_poll_ms}
+    if args.flush_ms is not None:
+        plugin["index"] = {"flush_ms": args.flush_ms}
     config = render_gateway(pods, plugin, template=GATEWAY_PRECISE, indexer=indexer.address)
     rng = random.Random(concurrency)
     # Snapshot pages go by key range, so a full match on one pod can come before the index is
@@ -292,6 +296,10 @@ def main() -> None:
     ap.add_argument("--scrape-interval-ms", type=int, default=0,
                     help="precise mode: the indexer scrapes the stub pods' /metrics this often; from the "
                          "Envoy readings on, each scrape changes every pod's load (default 0: no scrape)")
+    ap.add_argument("--feed-poll-ms", type=int, default=None,
+                    help="precise mode: the singleton's indexer.poll_ms (default: the plugin's)")
+    ap.add_argument("--flush-ms", type=int, default=None,
+                    help="precise mode: the singleton's index.flush_ms (default: the plugin's)")
     ap.add_argument("--startup-timeout", type=float, default=180)
     ap.add_argument("--route-timeout", type=float, default=60)
     ap.add_argument("--token-memo-bytes", type=int, default=PLUGIN_MEMO_BYTES,
