@@ -130,7 +130,7 @@ def render_gateway(endpoints: list[str], plugin: dict | None = None, *, listener
         value = json.loads(singleton["configuration"]["value"])
         if plugin and "index" in plugin:
             value["index"] = _merge(value.get("index", {}), plugin["index"])
-        if plugin and "indexer" in plugin and "indexer" in value:
+        if plugin and isinstance(plugin.get("indexer"), dict) and "indexer" in value:
             value["indexer"] = _merge(value["indexer"], plugin["indexer"])
         singleton["configuration"]["value"] = json.dumps(value)
     for other in cfg["static_resources"]["clusters"][1:]:
