@@ -19,9 +19,9 @@
 //! snapshots every [`LOAD_SHARE_MS`] into one key, [`SUM_KEY`] ([`LoadSum`]),
 //! naming when each counted snapshot was written ([`SumSchedule`]: less
 //! often when no worker has load); a worker reads that one key and takes
-//! its own counted snapshot out. Without a fresh sum (fewer workers, no
-//! singleton, it stalled, or the proxy was idle) a worker reads its peers'
-//! keys.
+//! its own counted snapshot out. Without a fresh sum with load (fewer
+//! workers, no singleton, it stalled, or the proxy was idle) a worker reads
+//! its peers' keys.
 //! Measured on 30 KiB requests: at `--concurrency` 8 the workers' reads fall
 //! from 6.9 to 4.0 µs of wasm time per request and the singleton's summing
 //! adds a few µs (0–17 µs less Envoy CPU per request in all); at 32 the sum
@@ -206,22 +206,27 @@ impl LoadSum {
         }
     }
 
-    /// Whether the workers may still use this sum at `now_ms`.
-    pub fn is_fresh(&self, now_ms: u64) -> bool {
-        now_ms.saturating_sub(self.written_ms) <= SUM_STALE_AFTER_MS
+    /// Whether the workers may use this sum at `now_ms`: it is fresh and
+    /// has load. After writing a sum without load the singleton sums only
+    /// at its duty ticks ([`SumSchedule`]), so that sum would hide a peer's
+    /// first load after a quiet spell for up to a duty tick (100 ms by
+    /// default), where its key shows it within a share period.
+    pub fn is_current(&self, now_ms: u64) -> bool {
+        !self.pods.is_empty() && now_ms.saturating_sub(self.written_ms) <= SUM_STALE_AFTER_MS
     }
 
     /// Every other worker's load: the sum less the snapshot of `own_key`
     /// it counted, found among `own_published` (that worker's last
-    /// publications). `None` when the sum is stale or counted a snapshot of
-    /// `own_key` no longer among them: the worker then reads its peers.
+    /// publications). `None` when the sum is not current (stale or without
+    /// load) or counted a snapshot of `own_key` no longer among them: the
+    /// worker then reads its peers.
     pub fn without(
         &self,
         own_key: &str,
         own_published: &[LoadSnapshot],
         now_ms: u64,
     ) -> Option<HashMap<String, PodLoad>> {
-        if !self.is_fresh(now_ms) {
+        if !self.is_current(now_ms) {
             return None;
         }
         let mut others: HashMap<String, PodLoad> = self.pods.iter().cloned().collect();
@@ -281,12 +286,11 @@ impl LoadSum {
 /// tells the workers it still sums), and the singleton sums every
 /// [`LOAD_SHARE_MS`]. Once it has written a sum with no load on any pod (an
 /// idle proxy), it sums only at its duty ticks and does not rewrite that
-/// sum: it goes stale, and a worker that decides meanwhile reads its peers'
-/// keys. Summing 50 times a second woke an idle singleton for nothing, and
-/// took about 5 ms/s of its thread at `--concurrency` 8
-/// (docs/results/2026-12-06-idle-sum). The first load after a quiet spell
-/// reaches the sum within a duty tick; until the empty sum is stale, peers
-/// see the busy worker's load that much later.
+/// sum: the workers do not use a sum without load ([`LoadSum::is_current`])
+/// and read their peers' keys until the first load after the quiet spell
+/// reaches the sum, within a duty tick. Summing 50 times a second woke an
+/// idle singleton for nothing, and took about 5 ms/s of its thread at
+/// `--concurrency` 8 (docs/results/2026-12-06-idle-sum).
 #[derive(Debug, Default)]
 pub struct SumSchedule {
     /// The sum last written, and when.
@@ -530,8 +534,11 @@ mod tests {
             without_me.without("me", &[], 2_050).unwrap(),
             sum_fresh([&theirs], 2_050)
         );
-        // A counted snapshot no longer kept, or a stale sum: read the peers instead.
+        // A counted snapshot no longer kept, a stale sum, or one without load
+        // (the singleton then sums only at its duty ticks): read the peers instead.
         assert_eq!(sum.without("me", &[older], 2_050), None);
+        let idle = LoadSum::of([("them", &snapshot(1_900, &[]))], 2_000);
+        assert_eq!(idle.without("me", &[], 2_050), None);
         assert!(sum
             .without(
                 "me",

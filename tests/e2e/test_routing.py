@@ -67,8 +67,9 @@ def test_distinct_prefixes_spread_over_pods(gateway):
 def test_hot_pod_sheds_new_prefixes(gateway, sims):
     """A long stream keeps its pod loaded; new prefixes go elsewhere meanwhile."""
     with long_stream(gateway, unique_system(words=400)) as hot_pod:
-        others = [decision(chat(gateway, unique_system(words=20), "q"))["pod"] for _ in range(8)]
-    assert hot_pod not in others, (hot_pod, others)
+        seen = [decision(chat(gateway, unique_system(words=20), "q")) for _ in range(8)]
+    others = [d["pod"] for d in seen]
+    assert hot_pod not in others, (hot_pod, [d["raw"] for d in seen])
 
 
 def test_four_workers_share_their_load_through_the_singletons_sum(sims):
