@@ -22,7 +22,8 @@ kvroute (the peers are not Envoy and keep their defaults):
   how long until its body was read, its upstream request began, the pod's
   response headers came and its first body byte (the first token) came
   (ACCESS_LOG_FIELDS): the time to first token as Envoy sees it, without the
-  load generator's own delays.
+  load generator's own delays; and the pod that answered, with kvroute's
+  decision header.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ def _hcm(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
-# One line per request: its arrival (Unix seconds), then microseconds from arrival to each point.
-ACCESS_LOG_FIELDS = ("start", "body_read_us", "upstream_sent_us", "headers_us", "first_byte_us", "status")
+# One line per request: its arrival (Unix seconds), then microseconds from arrival to each point,
+# the status, the pod that answered, and last, quoted, kvroute's decision header ("-" without it):
+# which pod a request went to and why, to read a run's placement back.
+ACCESS_LOG_FIELDS = ("start", "body_read_us", "upstream_sent_us", "headers_us", "first_byte_us", "status",
+                     "upstream_host")
 ACCESS_LOG_FORMAT = ("%START_TIME(%s.%6f)% %COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)% "
                      "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_RX_BEG:us)% "
-                     "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %RESPONSE_CODE%\n")
+                     "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %RESPONSE_CODE% %UPSTREAM_HOST% "
+                     "\"%RESP(X-KVROUTE-DECISION)%\"\n")
 
 
 def overlay(cfg: Dict[str, Any], access_log: Optional[str] = None) -> Dict[str, Any]:

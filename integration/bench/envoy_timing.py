@@ -20,8 +20,9 @@ from report import _pct as percentile
 
 def parse_line(line: str) -> Optional[Dict[str, float]]:
     """One access-log line → its fields; None for a request without a first body byte (failed, shed)."""
-    parts = line.split()
-    if len(parts) != len(ACCESS_LOG_FIELDS):
+    # The quoted decision header after the fields holds spaces: left unsplit.
+    parts = line.split(maxsplit=len(ACCESS_LOG_FIELDS))
+    if len(parts) < len(ACCESS_LOG_FIELDS):
         return None
     rec = dict(zip(ACCESS_LOG_FIELDS, parts))
     try:

@@ -385,10 +385,12 @@ def envoy_access_log_timing():
 
     # Two stages (warm-up, then one measured); time scale 0.25: 100 ms wall = 0.4 s simulated.
     stages = [{"warmup": True, "t_start": 1000.0, "t_end": 1010.0}, {"warmup": False, "t_start": 1010.0, "t_end": 1020.0}]
-    lines = ["1001.5 900 2000 2500 50000 200\n",       # warm-up: 50 ms wall to the first token
-             "1011.0 900 3000 3500 100000 200\n",      # measured: 100 ms → 0.4 s, routing 3 ms → 0.012 s
-             "1012.0 900 5000 5500 200000 200\n",      # measured: 200 ms → 0.8 s
-             "1013.0 900 - - - 503\n",                 # no upstream answer: not a first token
+    decided = '"pod=127.0.0.1:8001; matched=3/4 tokens; candidates=4"'
+    lines = ["1001.5 900 2000 2500 50000 200 127.0.0.1:8001 \"-\"\n",  # warm-up: 50 ms wall to the first token
+             f"1011.0 900 3000 3500 100000 200 127.0.0.1:8001 {decided}\n",  # 100 ms → 0.4 s, routing 3 ms → 0.012 s
+             "1012.0 900 5000 5500 200000 200 127.0.0.1:8002 \"-\"\n",  # measured: 200 ms → 0.8 s
+             "1013.0 900 - - - 503 - \"-\"\n",                 # no upstream answer: not a first token
+             "1014.0 900 5000 5500 200000 200\n",                # fields missing
              "garbage\n"]
     recs = [r for r in map(envoy_timing.parse_line, lines) if r]
     assert len(recs) == 3
