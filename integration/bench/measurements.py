@@ -267,6 +267,10 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
     qm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_queries_total") if b and a else None
     hm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_hits_total") if b and a else None
     out["hit_rate_measured"] = (hm / qm) if qm else None
+    out["hit_rate_per_pod_measured"] = {
+        pod: _ratio(a[pod].get("vllm:prefix_cache_hits_total"), b[pod].get("vllm:prefix_cache_hits_total"),
+                    a[pod].get("vllm:prefix_cache_queries_total"), b[pod].get("vllm:prefix_cache_queries_total"))
+        for pod in sorted(set(a) & set(b))}
     ts = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_sum") if b and a else None
     tc = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_count") if b and a else None
     out["pod_ttft_mean_measured"] = (ts / tc) if tc else None
@@ -285,6 +289,15 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
                     "longest_queue": podmetrics.waiting_trend(rows, s["t_start"], s["t_end"])})
     out["per_stage"] = per
     return out
+
+
+def _ratio(hits_after: Optional[float], hits_before: Optional[float], queries_after: Optional[float],
+           queries_before: Optional[float]) -> Optional[float]:
+    """Hits over queries between two samples of one pod; None when unknown or nothing was queried."""
+    if None in (hits_after, hits_before, queries_after, queries_before):
+        return None
+    queries = queries_after - queries_before
+    return (hits_after - hits_before) / queries if queries > 0 else None
 
 
 def _prom_values(text: str, prefixes: tuple) -> Dict[str, float]:

@@ -389,6 +389,27 @@ def envoy_timing_section(results: List[Dict[str, Any]], columns: List[tuple]) ->
     return L
 
 
+def placement_section(results: List[Dict[str, Any]]) -> List[str]:
+    """Where kvroute put the prefix groups (placement.py), with each pod's own prefix-cache hit rate."""
+    rows = [r for r in results if r.get("placement")]
+    if not rows:
+        return []
+    L = ["### Prefix groups per pod (kvroute's decisions)", "",
+         "From `x-kvroute-decision` in Envoy's access log, per pod in address order: requests that started a prefix "
+         "group (no pod held a block of the prompt; warm-up included) / that the pod held whole / that it held in part "
+         "(a shared prefix without the rest, or a token-memo recall), then the pod's prefix-cache hit rate over the "
+         "measured stages. A pod given more groups than its cache holds reads many partial matches and a hit rate "
+         "below the others' (docs/results/2026-12-06-precise-quick-repeats).", "",
+         "| strategy | pod: first / whole / part, hits |", "|---|---|"]
+    for r in rows:
+        hits = (r.get("pods") or {}).get("hit_rate_per_pod_measured") or {}
+        cells = [f"{pod}: {c['first']} / {c['whole']} / {c['part']}, {f_pct(hits.get(pod))}"
+                 for pod, c in r["placement"].items()]
+        L.append(f"| {r['label']} | " + "<br>".join(cells) + " |")
+    L.append("")
+    return L
+
+
 def per_pod_section(results: List[Dict[str, Any]], prof: Dict[str, Any]) -> List[str]:
     """Who got the work on an unequal fleet: mean running / waiting per pod over the measured stages."""
     speeds = prof["sim"].get("pod_speeds") or []
@@ -596,6 +617,7 @@ def write(out: str) -> str:
             L.append(f"| {r['label']} | " + " | ".join(cells) + " |")
         L.append("")
     L.extend(envoy_timing_section(results, columns))
+    L.extend(placement_section(results))
     # Setup.
     w, ld, sim = prof["workload"], prof["load"], prof["sim"]
     L.append("## Setup")

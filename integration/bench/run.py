@@ -44,6 +44,7 @@ sys.path.insert(0, HERE)
 
 from benchlog import logger  # noqa: E402
 import envoy_timing  # noqa: E402
+import placement  # noqa: E402
 import podmetrics  # noqa: E402
 import profiles  # noqa: E402
 import strategies  # noqa: E402
@@ -457,6 +458,9 @@ def run_strategy(strategy: strategies.Strategy, profile: profiles.Profile, clust
         timing = envoy_timing.summarize(sdir, parsed["stages"], profile.sim.time_scale)
         if timing:
             res["envoy_timing"] = timing
+        placed = placement.summarize(sdir)
+        if placed:
+            res["placement"] = placed
         if (res.get("restart") or {}).get("status") == "done":
             res["restart"]["windows"] = restart_windows(res["restart"], parsed["requests"],
                                                         os.path.join(sdir, "pod-samples.jsonl"), profile.sim.time_scale)

@@ -402,6 +402,49 @@ def envoy_access_log_timing():
 
 
 @check
+def placement_counts_prefix_groups_per_pod():
+    import placement
+
+    def line(pod: str, decision: str) -> str:
+        return f"1011.0 900 3000 3500 100000 200 {pod} {decision}\n"
+
+    lines = [line("127.0.0.1:8010", '"pod=127.0.0.1:8010; matched=0/112 tokens; candidates=4"'),
+             line("127.0.0.1:8010", '"pod=127.0.0.1:8010; matched=93/112 tokens; cost=76.0"'),
+             line("127.0.0.1:8010", '"pod=127.0.0.1:8010; matched=112/112 tokens"'),
+             line("127.0.0.1:8002", '"pod=127.0.0.1:8002; matched=0/7 bytes"'),
+             line("127.0.0.1:8002", '"pod=127.0.0.1:8002; matched=88/110 tokens; recalled"'),
+             line("127.0.0.1:8002", '"-"'),                # no decision (another filter's answer)
+             "1013.0 900 - - - 503 - \"fallback=no_endpoints\"\n",  # failed open: no match to count
+             "garbage\n"]
+    placed = placement.count(lines)
+    assert list(placed) == ["127.0.0.1:8002", "127.0.0.1:8010"], placed  # address order, by port
+    assert placed["127.0.0.1:8010"] == {"first": 1, "whole": 1, "part": 1}
+    assert placed["127.0.0.1:8002"] == {"first": 1, "whole": 0, "part": 1}
+    assert placement.parse_line(line("127.0.0.1:8010", '"-"')) is None
+
+
+@check
+def each_pods_hit_rate_over_the_measured_stages():
+    from measurements import pod_summary
+
+    def pod(queries: float, hits: float) -> dict:
+        return {"vllm:prefix_cache_queries_total": queries, "vllm:prefix_cache_hits_total": hits}
+
+    samples = [{"t": 1000.0, "pods": {"a:1": pod(50, 40), "b:1": pod(10, 10)}},   # end of the warm-up
+               {"t": 1010.0, "pods": {"a:1": pod(150, 130), "b:1": pod(10, 10)}},
+               {"t": 1021.0, "pods": {"a:1": pod(250, 220), "b:1": pod(20, 15)}}]  # after the stage
+    stages = [{"warmup": True, "t_start": 990.0, "t_end": 1000.0},
+              {"warmup": False, "t_start": 1000.0, "t_end": 1020.0}]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "pod-samples.jsonl")
+        with open(path, "w") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in samples)
+        per_pod = pod_summary(path, {}, {}, stages)["hit_rate_per_pod_measured"]
+    # a:1 over 1000..1010 s: 90 of 100 queried tokens hit; b:1 was asked nothing.
+    assert per_pod == {"a:1": 0.9, "b:1": None}, per_pod
+
+
+@check
 def kvroute_timers_scale_with_the_pods():
     import yaml
 
