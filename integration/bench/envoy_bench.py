@@ -67,6 +67,15 @@ ACCESS_LOG_FORMAT = ("%START_TIME(%s.%6f)% %COMMON_DURATION(DS_RX_BEG:DS_RX_END:
                      "\"%RESP(X-KVROUTE-DECISION)%\"\n")
 
 
+def access_log_lines(sdir: str) -> List[str]:
+    """Every line of a strategy's Envoy access logs (one per client's Envoy), in file-name order."""
+    lines: List[str] = []
+    for name in sorted(f for f in os.listdir(sdir) if f.startswith("envoy-access") and f.endswith(".log")):
+        with open(os.path.join(sdir, name), encoding="utf-8", errors="replace") as fh:
+            lines.extend(fh)
+    return lines
+
+
 def overlay(cfg: Dict[str, Any], access_log: Optional[str] = None) -> Dict[str, Any]:
     cfg = copy.deepcopy(cfg)
     _hcm(cfg)["stream_idle_timeout"] = "0s"

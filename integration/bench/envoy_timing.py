@@ -11,10 +11,9 @@ Both are reported in simulated seconds, per stage, like the client's columns.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, List, Optional
 
-from envoy_bench import ACCESS_LOG_FIELDS
+from envoy_bench import ACCESS_LOG_FIELDS, access_log_lines
 from report import _pct as percentile
 
 
@@ -30,14 +29,6 @@ def parse_line(line: str) -> Optional[Dict[str, float]]:
                 "ttft_us": float(rec["first_byte_us"])}
     except ValueError:  # "-": that point was never reached
         return None
-
-
-def read_logs(paths: Iterable[str]) -> List[Dict[str, float]]:
-    out: List[Dict[str, float]] = []
-    for p in paths:
-        with open(p, encoding="utf-8", errors="replace") as fh:
-            out.extend(r for r in map(parse_line, fh) if r is not None)
-    return out
 
 
 def per_stage(records: List[Dict[str, float]], stages: List[Dict[str, Any]], time_scale: float) -> Dict[str, Any]:
@@ -66,8 +57,7 @@ def per_stage(records: List[Dict[str, float]], stages: List[Dict[str, Any]], tim
 
 def summarize(sdir: str, stages: List[Dict[str, Any]], time_scale: float) -> Optional[Dict[str, Any]]:
     """The Envoy-side timing of a strategy's run directory, or None when no Envoy logged (the peers)."""
-    paths = sorted(os.path.join(sdir, f) for f in os.listdir(sdir)
-                   if f.startswith("envoy-access") and f.endswith(".log"))
-    if not paths:
+    lines = access_log_lines(sdir)
+    if not lines:
         return None
-    return per_stage(read_logs(paths), stages, time_scale)
+    return per_stage([r for r in map(parse_line, lines) if r is not None], stages, time_scale)

@@ -264,13 +264,8 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
         return {p: v for p, v in r["pods"].items() if "error" not in v}
 
     b, a = counters_at(t0, True), counters_at(t1, False)
-    qm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_queries_total") if b and a else None
-    hm = podmetrics.counter_delta(b, a, "vllm:prefix_cache_hits_total") if b and a else None
-    out["hit_rate_measured"] = (hm / qm) if qm else None
-    out["hit_rate_per_pod_measured"] = {
-        pod: _ratio(a[pod].get("vllm:prefix_cache_hits_total"), b[pod].get("vllm:prefix_cache_hits_total"),
-                    a[pod].get("vllm:prefix_cache_queries_total"), b[pod].get("vllm:prefix_cache_queries_total"))
-        for pod in sorted(set(a) & set(b))}
+    out["hit_rate_measured"] = _hit_rate(b, a)
+    out["hit_rate_per_pod_measured"] = {pod: _hit_rate({pod: b[pod]}, {pod: a[pod]}) for pod in sorted(set(a) & set(b))}
     ts = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_sum") if b and a else None
     tc = podmetrics.counter_delta(b, a, "vllm:time_to_first_token_seconds_count") if b and a else None
     out["pod_ttft_mean_measured"] = (ts / tc) if tc else None
@@ -282,22 +277,20 @@ def pod_summary(samples_path: str, before: Dict[str, Dict[str, float]], after: D
             continue
         g = podmetrics.summarize_samples(rows, s["t_start"], s["t_end"])
         bs, as_ = counters_at(s["t_start"], True), counters_at(s["t_end"], False)
-        qs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_queries_total") if bs and as_ else None
-        hs = podmetrics.counter_delta(bs, as_, "vllm:prefix_cache_hits_total") if bs and as_ else None
         per.append({"waiting": g.get("vllm:num_requests_waiting"), "running": g.get("vllm:num_requests_running"),
-                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": (hs / qs) if qs else None,
+                    "kv_usage": g.get("vllm:kv_cache_usage_perc"), "hit_rate": _hit_rate(bs, as_),
                     "longest_queue": podmetrics.waiting_trend(rows, s["t_start"], s["t_end"])})
     out["per_stage"] = per
     return out
 
 
-def _ratio(hits_after: Optional[float], hits_before: Optional[float], queries_after: Optional[float],
-           queries_before: Optional[float]) -> Optional[float]:
-    """Hits over queries between two samples of one pod; None when unknown or nothing was queried."""
-    if None in (hits_after, hits_before, queries_after, queries_before):
+def _hit_rate(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]]) -> Optional[float]:
+    """Prefix-cache hits over queries between two samples; None when unknown or nothing was queried."""
+    if not before or not after:
         return None
-    queries = queries_after - queries_before
-    return (hits_after - hits_before) / queries if queries > 0 else None
+    queries = podmetrics.counter_delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = podmetrics.counter_delta(before, after, "vllm:prefix_cache_hits_total")
+    return hits / queries if queries and hits is not None else None
 
 
 def _prom_values(text: str, prefixes: tuple) -> Dict[str, float]:

@@ -2,8 +2,10 @@
 
 Each line ends with the `x-kvroute-decision` header (envoy_bench.ACCESS_LOG_FORMAT), whose
 `matched=M/N` says how many of the prompt's N blocks the chosen pod held:
-- first (M = 0): no pod held a block of the prompt, so it starts a prefix group (or shares its
-  prefix with nobody): these counts are how the groups were spread over the pods;
+- first (M = 0): the chosen pod held no block of the prompt. Mostly a prefix group's first
+  request (no pod held any), so these counts show how the groups were spread over the pods; a
+  request sent away from its group's pod counts here too (in the quick profile's runs the four
+  pods' counts add up to 48 or 49 for 48 groups);
 - whole (M = N);
 - part (0 < M < N): a shared prefix without the rest (a system prompt whose question the pod does
   not hold), or a token-memo recall.
@@ -14,11 +16,10 @@ partial matches and a prefix-cache hit rate below the others'
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Dict, Iterable, Optional, Tuple
 
-from envoy_bench import ACCESS_LOG_FIELDS
+from envoy_bench import ACCESS_LOG_FIELDS, access_log_lines
 
 MATCHED = re.compile(r"\bmatched=(\d+)/(\d+)")
 KINDS = ("first", "whole", "part")
@@ -53,10 +54,4 @@ def _address_order(pod: str) -> Tuple[str, int]:
 
 def summarize(sdir: str) -> Optional[Dict[str, Dict[str, int]]]:
     """The placement of a strategy's run directory, or None when no line carries a decision."""
-    paths = sorted(os.path.join(sdir, f) for f in os.listdir(sdir)
-                   if f.startswith("envoy-access") and f.endswith(".log"))
-    lines = []
-    for p in paths:
-        with open(p, encoding="utf-8", errors="replace") as fh:
-            lines.extend(fh)
-    return count(lines) or None
+    return count(access_log_lines(sdir)) or None

@@ -395,8 +395,8 @@ def placement_section(results: List[Dict[str, Any]]) -> List[str]:
     if not rows:
         return []
     L = ["### Prefix groups per pod (kvroute's decisions)", "",
-         "From `x-kvroute-decision` in Envoy's access log, per pod in address order: requests that started a prefix "
-         "group (no pod held a block of the prompt; warm-up included) / that the pod held whole / that it held in part "
+         "From `x-kvroute-decision` in Envoy's access log, per pod in address order: requests of which the pod held no "
+         "block (mostly a prefix group's first request; warm-up included) / that the pod held whole / that it held in part "
          "(a shared prefix without the rest, or a token-memo recall), then the pod's prefix-cache hit rate over the "
          "measured stages. A pod given more groups than its cache holds reads many partial matches and a hit rate "
          "below the others' (docs/results/2026-12-06-precise-quick-repeats).", "",

@@ -10,25 +10,18 @@ import gzip
 import json
 import os
 import sys
-import tarfile
 from collections import Counter, defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "integration", "bench"))
 import placement  # noqa: E402
+from pod_misses import read_member  # noqa: E402
 
 ACCESS_LOG = "raw/kvroute-precise/envoy-access.log.gz"
 
 
 def access_log(where: str) -> list:
-    archive = os.path.join(where, "raw.tar.gz")
-    if os.path.exists(archive):
-        with tarfile.open(archive) as tar:
-            packed = tar.extractfile(ACCESS_LOG).read()
-    else:
-        with open(os.path.join(where, ACCESS_LOG), "rb") as f:
-            packed = f.read()
-    return gzip.decompress(packed).decode().splitlines()
+    return gzip.decompress(read_member(where, ACCESS_LOG)).decode().splitlines()
 
 
 def stage_spans(where: str) -> list:

@@ -13,15 +13,18 @@ import tarfile
 MEMBER = "raw/kvroute-precise/pod-samples.jsonl"
 
 
-def samples(where: str) -> list:
+def read_member(where: str, member: str) -> bytes:
+    """A file of a run: from a published folder's raw.tar.gz, else from the run directory."""
     archive = os.path.join(where, "raw.tar.gz")
     if os.path.exists(archive):
         with tarfile.open(archive) as tar:
-            lines = tar.extractfile(MEMBER).read().decode().splitlines()
-    else:
-        with open(os.path.join(where, MEMBER)) as f:
-            lines = f.read().splitlines()
-    return [json.loads(line) for line in lines if line]
+            return tar.extractfile(member).read()
+    with open(os.path.join(where, member), "rb") as f:
+        return f.read()
+
+
+def samples(where: str) -> list:
+    return [json.loads(line) for line in read_member(where, MEMBER).decode().splitlines() if line]
 
 
 def main() -> None:
