@@ -1,0 +1,50 @@
+"""At each request of which the chosen pod held nothing (mostly a prefix group's first), per pod:
+the groups started there so far, the requests routed there, and the prompt blocks it did not
+hold (what its cache took in), from a bench run's access log.
+
+    python3 groups_and_blocks.py w8-run-14          # a published results folder (its raw.tar.gz)
+    python3 groups_and_blocks.py build/bench/RUN    # a run directory
+"""
+
+import gzip
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "2026-12-06-precise-quick-repeats"))
+from pod_misses import read_member  # noqa: E402
+
+ACCESS_LOG = "raw/kvroute-precise/envoy-access.log.gz"
+MATCHED = re.compile(r"\bmatched=(\d+)/(\d+)")
+
+
+def decisions(where: str) -> list:
+    """(decided at, pod, blocks matched, prompt blocks), in decision order."""
+    out = []
+    for line in gzip.decompress(read_member(where, ACCESS_LOG)).decode().splitlines():
+        fields = line.split(maxsplit=7)
+        found = MATCHED.search(fields[-1]) if len(fields) == 8 else None
+        if found and fields[2] != "-":
+            decided = float(fields[0]) + int(fields[2]) / 1e6  # arrival + upstream request start
+            out.append((decided, fields[6], int(found.group(1)), int(found.group(2))))
+    return sorted(out)
+
+
+def main() -> None:
+    rows = decisions(sys.argv[1])
+    pods = sorted({pod for _, pod, _, _ in rows})
+    groups, requests, blocks = ({pod: 0 for pod in pods} for _ in range(3))
+    t0 = rows[0][0]
+    print("seconds  pod    per pod in address order: groups / requests / blocks not held")
+    for decided, pod, matched, total in rows:
+        groups[pod] += matched == 0
+        requests[pod] += 1
+        blocks[pod] += total - matched
+        if matched == 0:
+            state = "  ".join(f"{groups[p]:2d}/{requests[p]:3d}/{blocks[p]:5d}" for p in pods)
+            print(f"{decided - t0:7.2f}  {pod.rsplit(':', 1)[-1]}  {state}")
+
+
+if __name__ == "__main__":
+    main()
