@@ -6,23 +6,19 @@ hold (what its cache took in), from a bench run's access log.
     python3 groups_and_blocks.py build/bench/RUN    # a run directory
 """
 
-import gzip
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "2026-12-06-precise-quick-repeats"))
-from pod_misses import read_member  # noqa: E402
-
-ACCESS_LOG = "raw/kvroute-precise/envoy-access.log.gz"
-MATCHED = re.compile(r"\bmatched=(\d+)/(\d+)")
+from decisions import access_log  # noqa: E402
+from placement import MATCHED  # noqa: E402  (decisions puts integration/bench on the path)
 
 
 def decisions(where: str) -> list:
     """(decided at, pod, blocks matched, prompt blocks), in decision order."""
     out = []
-    for line in gzip.decompress(read_member(where, ACCESS_LOG)).decode().splitlines():
+    for line in access_log(where):
         fields = line.split(maxsplit=7)
         found = MATCHED.search(fields[-1]) if len(fields) == 8 else None
         if found and fields[2] != "-":
