@@ -11,19 +11,17 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "2026-12-06-precise-quick-repeats"))
-from decisions import access_log  # noqa: E402
+from decisions import routed  # noqa: E402
 from placement import MATCHED  # noqa: E402  (decisions puts integration/bench on the path)
 
 
 def decisions(where: str) -> list:
     """(decided at, pod, blocks matched, prompt blocks), in decision order."""
     out = []
-    for line in access_log(where):
-        fields = line.split(maxsplit=7)
-        found = MATCHED.search(fields[-1]) if len(fields) == 8 else None
-        if found and fields[2] != "-":
-            decided = float(fields[0]) + int(fields[2]) / 1e6  # arrival + upstream request start
-            out.append((decided, fields[6], int(found.group(1)), int(found.group(2))))
+    for decided, pod, header in routed(where):
+        found = MATCHED.search(header)
+        if found:
+            out.append((decided, pod, int(found.group(1)), int(found.group(2))))
     return sorted(out)
 
 

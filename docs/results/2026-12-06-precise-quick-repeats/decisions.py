@@ -15,13 +15,27 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "integration", "bench"))
 import placement  # noqa: E402
+from envoy_bench import ACCESS_LOG_FIELDS  # noqa: E402
 from pod_misses import read_member  # noqa: E402
 
 ACCESS_LOG = "raw/kvroute-precise/envoy-access.log.gz"
+SENT = ACCESS_LOG_FIELDS.index("upstream_sent_us")
+POD = ACCESS_LOG_FIELDS.index("upstream_host")
 
 
 def access_log(where: str) -> list:
     return gzip.decompress(read_member(where, ACCESS_LOG)).decode().splitlines()
+
+
+def routed(where: str) -> list:
+    """(decided at, pod, decision header) of each request sent upstream: the decision's time is
+    its arrival plus the microseconds until the upstream request started."""
+    out = []
+    for line in access_log(where):
+        fields = line.split(maxsplit=len(ACCESS_LOG_FIELDS))
+        if len(fields) > len(ACCESS_LOG_FIELDS) and fields[SENT] != "-":
+            out.append((float(fields[0]) + int(fields[SENT]) / 1e6, fields[POD], fields[-1]))
+    return out
 
 
 def stage_spans(where: str) -> list:
